@@ -1,0 +1,29 @@
+# The two commands the README opens with, plus the checks CI runs.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: swarm test lint proto bench setup
+
+## Set up (venv, torch, project, data) and run a local 4-peer training swarm.
+swarm:
+	@bash scripts/setup.sh
+	$(VENV)/bin/gossipgrad-swarm $(ARGS)
+
+## Set up (plus Prometheus and iproute2) and run lint, proto freshness and the test suite.
+test:
+	@bash scripts/setup.sh --test
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) scripts/gen_proto.py --check
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint:
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
+
+## Regenerate the protobuf/gRPC stubs in proto/ from proto/*.proto.
+proto:
+	$(PY) scripts/gen_proto.py
+
+setup:
+	@bash scripts/setup.sh --test

@@ -1,0 +1,1 @@
+"""Compression library: tensors in, bytes out. Knows nothing of gRPC or peers."""

@@ -1,0 +1,1 @@
+"""The peer daemon: config, transport, membership, topology, gossip, training, metrics."""

@@ -1,0 +1,1 @@
+"""Wire protocol: generated protobuf/gRPC stubs for proto/gossip.proto (data only)."""

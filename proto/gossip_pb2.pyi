@@ -1,0 +1,168 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    FLOAT64: _ClassVar[DType]
+
+class UpdateKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    UPDATE_KIND_UNSPECIFIED: _ClassVar[UpdateKind]
+    DELTA: _ClassVar[UpdateKind]
+    RESYNC: _ClassVar[UpdateKind]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+FLOAT16: DType
+BFLOAT16: DType
+FLOAT64: DType
+UPDATE_KIND_UNSPECIFIED: UpdateKind
+DELTA: UpdateKind
+RESYNC: UpdateKind
+
+class TensorEnvelope(_message.Message):
+    __slots__ = ("format_version", "shape", "dtype", "codec_spec", "raw_size", "payload_crc32", "seed", "payload")
+    FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_SPEC_FIELD_NUMBER: _ClassVar[int]
+    RAW_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_CRC32_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    format_version: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    codec_spec: str
+    raw_size: int
+    payload_crc32: int
+    seed: int
+    payload: bytes
+    def __init__(self, format_version: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec_spec: _Optional[str] = ..., raw_size: _Optional[int] = ..., payload_crc32: _Optional[int] = ..., seed: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class UpdateHeader(_message.Message):
+    __slots__ = ("swarm", "sender", "receiver", "seq", "round", "kind", "checksum", "payload_size", "model_fingerprint", "dense_size")
+    SWARM_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DENSE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    swarm: str
+    sender: str
+    receiver: str
+    seq: int
+    round: int
+    kind: UpdateKind
+    checksum: int
+    payload_size: int
+    model_fingerprint: str
+    dense_size: int
+    def __init__(self, swarm: _Optional[str] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., seq: _Optional[int] = ..., round: _Optional[int] = ..., kind: _Optional[_Union[UpdateKind, str]] = ..., checksum: _Optional[int] = ..., payload_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., dense_size: _Optional[int] = ...) -> None: ...
+
+class UpdateChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: UpdateHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("status", "expected_seq", "detail")
+    class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATUS_UNSPECIFIED: _ClassVar[PushReply.Status]
+        ACCEPTED: _ClassVar[PushReply.Status]
+        DUPLICATE: _ClassVar[PushReply.Status]
+        NEED_RESYNC: _ClassVar[PushReply.Status]
+    STATUS_UNSPECIFIED: PushReply.Status
+    ACCEPTED: PushReply.Status
+    DUPLICATE: PushReply.Status
+    NEED_RESYNC: PushReply.Status
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    status: PushReply.Status
+    expected_seq: int
+    detail: str
+    def __init__(self, status: _Optional[_Union[PushReply.Status, str]] = ..., expected_seq: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class PeerInfo(_message.Message):
+    __slots__ = ("id", "address", "step", "round", "incarnation", "leaving", "metrics_address")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    address: str
+    step: int
+    round: int
+    incarnation: int
+    leaving: bool
+    metrics_address: str
+    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., step: _Optional[int] = ..., round: _Optional[int] = ..., incarnation: _Optional[int] = ..., leaving: _Optional[bool] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("swarm", "sender", "known")
+    SWARM_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    swarm: str
+    sender: PeerInfo
+    known: _containers.RepeatedCompositeFieldContainer[PeerInfo]
+    def __init__(self, swarm: _Optional[str] = ..., sender: _Optional[_Union[PeerInfo, _Mapping]] = ..., known: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("responder", "known")
+    RESPONDER_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    responder: PeerInfo
+    known: _containers.RepeatedCompositeFieldContainer[PeerInfo]
+    def __init__(self, responder: _Optional[_Union[PeerInfo, _Mapping]] = ..., known: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
+
+class StateRequest(_message.Message):
+    __slots__ = ("swarm", "requester")
+    SWARM_FIELD_NUMBER: _ClassVar[int]
+    REQUESTER_FIELD_NUMBER: _ClassVar[int]
+    swarm: str
+    requester: str
+    def __init__(self, swarm: _Optional[str] = ..., requester: _Optional[str] = ...) -> None: ...
+
+class StateHeader(_message.Message):
+    __slots__ = ("sender", "step", "round", "payload_size", "model_fingerprint")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    sender: str
+    step: int
+    round: int
+    payload_size: int
+    model_fingerprint: str
+    def __init__(self, sender: _Optional[str] = ..., step: _Optional[int] = ..., round: _Optional[int] = ..., payload_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+
+class StateChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: StateHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[StateHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
