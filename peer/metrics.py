@@ -1,0 +1,370 @@
+"""Prometheus metrics of one gossipgrad peer, all declared in this module.
+
+Naming rule (Prometheus naming guide): every metric starts with ``gossipgrad_``, is in base
+units (``_bytes``, ``_seconds``), counters end in ``_total``, no colons. Label values come from
+closed sets -- message kind (:data:`MESSAGE_KINDS`), reject reason (:data:`REJECT_REASONS`),
+peer state (:data:`PEER_STATES`) -- or from sets bounded by the topology: ``neighbor`` is a
+neighbour's peer id, and a peer has only ``degree`` of them. Tensor names, steps and rounds are
+never labels. Children of closed label sets are created up front, so a failure series reads 0
+before the first failure instead of being absent (``rate()`` and alerts then work from the
+start).
+
+The peer's own id is not a metric label: it reaches Prometheus as the ``peer`` target label set
+by the scrape config (``scripts/prometheus_config.py``), so one exporter never repeats its own
+id on every series.
+
+Every :class:`PeerMetrics` owns its registry (a fresh :class:`CollectorRegistry` unless one is
+passed in), so tests and several peers in one process never collide on the global registry.
+
+Example::
+
+    m = PeerMetrics()
+    m.set_build_info(version="0.1.0", algorithm="choco", codec="topk:0.01>>int8", topology="ring")
+    m.add_neighbor("site-b")
+    m.record_sent("site-b", "update", wire_bytes=23_000, dense_bytes=4_000_000)
+    port = m.serve()          # http://127.0.0.1:<port>/metrics
+    ...
+    m.stop()
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+PREFIX = "gossipgrad"
+
+#: Kinds of gossip messages, the ``kind`` label of the byte counters.
+MESSAGE_KINDS: tuple[str, ...] = ("update", "resync", "state", "heartbeat")
+
+#: Why an incoming update was refused, the ``reason`` label of ``rejected_updates_total``.
+REJECT_REASONS: tuple[str, ...] = (
+    "malformed",
+    "too_large",
+    "unknown_swarm",
+    "unknown_sender",
+    "fingerprint",
+    "decode_error",
+    "stale",
+    "rate_limited",
+    "unauthenticated",
+)
+
+#: Membership states of the other peers as this peer sees them, the ``state`` label of ``peers``.
+PEER_STATES: tuple[str, ...] = ("alive", "suspect", "dead")
+
+#: Most distinct ``name`` values ``set_eval`` accepts: eval metric names come from the task
+#: (accuracy, perplexity, ...), a handful; more means a caller is putting data into a label.
+MAX_EVAL_METRICS = 16
+
+# Bucket bounds in seconds. Rounds and pushes cross wide-area links (tens of ms to tens of s);
+# compression of a large model on CPU takes from sub-millisecond to seconds.
+ROUND_BUCKETS: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+)  # fmt: skip
+PUSH_BUCKETS: tuple[float, ...] = ROUND_BUCKETS
+COMPRESS_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+
+
+def _name(suffix: str) -> str:
+    return f"{PREFIX}_{suffix}"
+
+
+def _check_choice(value: str, choices: tuple[str, ...], what: str) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(choices)}")
+
+
+def _check_amount(value: float, what: str) -> None:
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what} must be a finite number >= 0, got {value!r}")
+
+
+class PeerMetrics:
+    """All metrics one peer exports, on a registry of its own.
+
+    Args:
+        registry: where to register; ``None`` makes a fresh :class:`CollectorRegistry`.
+
+    Thread-safe (prometheus-client's metrics are); the HTTP endpoint runs in a daemon thread.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        # --- traffic -------------------------------------------------------------------------
+        self.sent_bytes = Counter(
+            _name("sent_bytes"),
+            "Bytes this peer put on the wire to a neighbour, by message kind.",
+            ["neighbor", "kind"],
+            registry=r,
+        )
+        self.received_bytes = Counter(
+            _name("received_bytes"),
+            "Bytes this peer received from a neighbour, by message kind.",
+            ["neighbor", "kind"],
+            registry=r,
+        )
+        self.dense_bytes = Counter(
+            _name("dense_bytes"),
+            "Bytes the updates sent to a neighbour would have cost as dense fp32 "
+            "(compression ratio = dense_bytes / sent_bytes{kind='update'}).",
+            ["neighbor"],
+            registry=r,
+        )
+        # --- training ------------------------------------------------------------------------
+        self.train_steps = Counter(_name("train_steps"), "Local optimizer steps taken.", registry=r)
+        self.samples = Counter(_name("samples"), "Training samples consumed.", registry=r)
+        self.train_loss = Gauge(
+            _name("train_loss"), "Training loss of the latest local step.", registry=r
+        )
+        self.eval_metric = Gauge(
+            _name("eval_metric"),
+            "Latest evaluation result of the local model, by metric name (accuracy, ...).",
+            ["name"],
+            registry=r,
+        )
+        # --- gossip --------------------------------------------------------------------------
+        self.gossip_rounds = Counter(_name("gossip_rounds"), "Gossip rounds completed.", registry=r)
+        self.round_duration = Histogram(
+            _name("round_duration_seconds"),
+            "Wall time of one gossip round (local steps excluded).",
+            buckets=ROUND_BUCKETS,
+            registry=r,
+        )
+        self.push_duration = Histogram(
+            _name("push_duration_seconds"),
+            "Wall time to push one update to a neighbour, until it acknowledged.",
+            ["neighbor"],
+            buckets=PUSH_BUCKETS,
+            registry=r,
+        )
+        self.compress_duration = Histogram(
+            _name("compress_duration_seconds"),
+            "Wall time to compress and encode this peer's update for one round.",
+            buckets=COMPRESS_BUCKETS,
+            registry=r,
+        )
+        self.consensus_distance = Gauge(
+            _name("consensus_distance"),
+            "Local estimate ||x_i - sum_j w_ij xhat_j|| of the distance to the neighbours' "
+            "average (CHOCO-SGD, Koloskova et al. 2019).",
+            registry=r,
+        )
+        self.error_feedback_norm = Gauge(
+            _name("error_feedback_norm"),
+            "L2 norm of what the compressor has not sent yet (x_i - xhat_i, or the EF residual).",
+            registry=r,
+        )
+        # --- membership and health -----------------------------------------------------------
+        self.peers = Gauge(
+            _name("peers"),
+            "Other peers this peer knows, by membership state.",
+            ["state"],
+            registry=r,
+        )
+        self.neighbors = Gauge(
+            _name("neighbors"), "Neighbours currently in this peer's mixing weights.", registry=r
+        )
+        self.rejected_updates = Counter(
+            _name("rejected_updates"),
+            "Incoming messages refused before touching the model, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.resyncs = Counter(
+            _name("resyncs"),
+            "Dense resyncs of an edge after a sequence or checksum mismatch.",
+            ["neighbor"],
+            registry=r,
+        )
+        self.build_info = Gauge(
+            _name("build_info"),
+            "Always 1; labels say which version, algorithm, codec and topology this peer runs.",
+            ["version", "algorithm", "codec", "topology"],
+            registry=r,
+        )
+        for reason in REJECT_REASONS:
+            self.rejected_updates.labels(reason=reason)
+        for state in PEER_STATES:
+            self.peers.labels(state=state)
+
+        self._neighbor_ids: set[str] = set()
+        self._eval_names: set[str] = set()
+        self._lock = threading.Lock()
+        self._server = None
+        self._thread: threading.Thread | None = None
+
+    # --- identity ----------------------------------------------------------------------------
+    def set_build_info(self, *, version: str, algorithm: str, codec: str, topology: str) -> None:
+        """Publish what this peer runs; replaces any earlier build info."""
+        self.build_info.clear()
+        self.build_info.labels(
+            version=version, algorithm=algorithm, codec=codec, topology=topology
+        ).set(1)
+
+    # --- neighbours --------------------------------------------------------------------------
+    def add_neighbor(self, neighbor: str) -> None:
+        """Create every per-neighbour child at 0, so the link's series exist before traffic."""
+        if not neighbor:
+            raise ValueError("neighbor id must be a non-empty string")
+        with self._lock:
+            if neighbor in self._neighbor_ids:
+                return
+            self._neighbor_ids.add(neighbor)
+        for kind in MESSAGE_KINDS:
+            self.sent_bytes.labels(neighbor=neighbor, kind=kind)
+            self.received_bytes.labels(neighbor=neighbor, kind=kind)
+        self.dense_bytes.labels(neighbor=neighbor)
+        self.push_duration.labels(neighbor=neighbor)
+        self.resyncs.labels(neighbor=neighbor)
+
+    def remove_neighbor(self, neighbor: str) -> None:
+        """Drop a departed neighbour's series (keeps cardinality bounded under churn).
+
+        Its counters restart from 0 if it comes back; ``rate()``/``increase()`` handle that.
+        """
+        with self._lock:
+            if neighbor not in self._neighbor_ids:
+                return
+            self._neighbor_ids.discard(neighbor)
+        for kind in MESSAGE_KINDS:
+            self.sent_bytes.remove(neighbor, kind)
+            self.received_bytes.remove(neighbor, kind)
+        self.dense_bytes.remove(neighbor)
+        self.push_duration.remove(neighbor)
+        self.resyncs.remove(neighbor)
+
+    @property
+    def neighbor_ids(self) -> frozenset[str]:
+        """Neighbours whose series currently exist."""
+        with self._lock:
+            return frozenset(self._neighbor_ids)
+
+    # --- traffic -----------------------------------------------------------------------------
+    def record_sent(self, neighbor: str, kind: str, wire_bytes: int, dense_bytes: int = 0) -> None:
+        """Count bytes sent to ``neighbor``; ``dense_bytes`` is the same payload as dense fp32."""
+        _check_choice(kind, MESSAGE_KINDS, "message kind")
+        _check_amount(wire_bytes, "wire_bytes")
+        _check_amount(dense_bytes, "dense_bytes")
+        self.add_neighbor(neighbor)
+        self.sent_bytes.labels(neighbor=neighbor, kind=kind).inc(wire_bytes)
+        if dense_bytes:
+            self.dense_bytes.labels(neighbor=neighbor).inc(dense_bytes)
+
+    def record_received(self, neighbor: str, kind: str, wire_bytes: int) -> None:
+        """Count bytes received from ``neighbor``."""
+        _check_choice(kind, MESSAGE_KINDS, "message kind")
+        _check_amount(wire_bytes, "wire_bytes")
+        self.add_neighbor(neighbor)
+        self.received_bytes.labels(neighbor=neighbor, kind=kind).inc(wire_bytes)
+
+    # --- failures ----------------------------------------------------------------------------
+    def record_rejected(self, reason: str) -> None:
+        """Count one refused message; ``reason`` must be in :data:`REJECT_REASONS`."""
+        _check_choice(reason, REJECT_REASONS, "reject reason")
+        self.rejected_updates.labels(reason=reason).inc()
+
+    def record_resync(self, neighbor: str) -> None:
+        """Count one dense resync of the edge to ``neighbor``."""
+        self.add_neighbor(neighbor)
+        self.resyncs.labels(neighbor=neighbor).inc()
+
+    # --- training ----------------------------------------------------------------------------
+    def record_step(self, loss: float, samples: int) -> None:
+        """Count one local optimizer step over ``samples`` samples and publish its loss."""
+        _check_amount(samples, "samples")
+        self.train_steps.inc()
+        self.samples.inc(samples)
+        self.train_loss.set(loss)
+
+    def set_eval(self, metrics: Mapping[str, float]) -> None:
+        """Publish evaluation results, e.g. ``{"accuracy": 0.91, "loss": 0.3}``."""
+        if any(not name for name in metrics):
+            raise ValueError("eval metric names must be non-empty strings")
+        with self._lock:
+            names = self._eval_names | set(metrics)
+            if len(names) > MAX_EVAL_METRICS:
+                raise ValueError(
+                    f"at most {MAX_EVAL_METRICS} distinct eval metric names; got {sorted(names)}"
+                )
+            self._eval_names = names
+        for name, value in metrics.items():
+            self.eval_metric.labels(name=name).set(value)
+
+    # --- gossip ------------------------------------------------------------------------------
+    def observe_round(self, seconds: float) -> None:
+        """Record one completed gossip round and its duration."""
+        _check_amount(seconds, "seconds")
+        self.gossip_rounds.inc()
+        self.round_duration.observe(seconds)
+
+    def observe_push(self, neighbor: str, seconds: float) -> None:
+        """Record how long one push to ``neighbor`` took."""
+        _check_amount(seconds, "seconds")
+        self.add_neighbor(neighbor)
+        self.push_duration.labels(neighbor=neighbor).observe(seconds)
+
+    def observe_compress(self, seconds: float) -> None:
+        """Record how long compressing one round's update took."""
+        _check_amount(seconds, "seconds")
+        self.compress_duration.observe(seconds)
+
+    def set_consensus_distance(self, value: float) -> None:
+        """Publish the local consensus-distance estimate."""
+        self.consensus_distance.set(value)
+
+    def set_error_feedback_norm(self, value: float) -> None:
+        """Publish the norm of the not-yet-sent residual."""
+        self.error_feedback_norm.set(value)
+
+    # --- membership --------------------------------------------------------------------------
+    def set_peers(self, *, alive: int, suspect: int, dead: int) -> None:
+        """Publish how many other peers this peer sees in each membership state."""
+        for state, n in (("alive", alive), ("suspect", suspect), ("dead", dead)):
+            _check_amount(n, f"{state} peers")
+            self.peers.labels(state=state).set(n)
+
+    def set_neighbors(self, n: int) -> None:
+        """Publish how many neighbours are in the mixing weights now."""
+        _check_amount(n, "neighbors")
+        self.neighbors.set(n)
+
+    # --- HTTP endpoint -----------------------------------------------------------------------
+    def serve(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Serve ``/metrics`` over HTTP in a daemon thread; returns the bound port.
+
+        Loopback by default: exposing metrics beyond this machine is the caller's choice
+        (pass ``host="0.0.0.0"`` or an interface address). ``port=0`` lets the OS pick.
+        """
+        if self._server is not None:
+            raise RuntimeError("metrics endpoint already serving; call stop() first")
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server, self._thread = server, thread
+        bound = int(server.server_address[1])
+        log.info("metrics endpoint on http://%s:%s/metrics", host, bound)
+        return bound
+
+    @property
+    def port(self) -> int | None:
+        """The bound HTTP port, or ``None`` when not serving."""
+        return None if self._server is None else int(self._server.server_address[1])
+
+    def stop(self) -> None:
+        """Stop the HTTP endpoint (no-op if not serving)."""
+        server, thread = self._server, self._thread
+        self._server = self._thread = None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if thread is not None:
+            thread.join(timeout=5)
