@@ -1,0 +1,7 @@
+"""``python -m gossipgrad.peer`` is ``gossipgrad-peer``."""
+
+import sys
+
+from gossipgrad.peer.cli import main
+
+sys.exit(main())

@@ -1,0 +1,392 @@
+"""CHOCO-SGD gossip over per-edge public copies (Koloskova, Stich, Jaggi, ICML 2019).
+
+One round, run by the training thread every H local steps:
+
+1. For each neighbour j (skipping an edge whose last push is still in flight):
+   q = Q(x_i − x̂_{i->j});  x̂_{i->j} += q;  push q (or a dense RESYNC) in the background.
+2. Wait, bounded by ``round_timeout``, until every live neighbour's update of round
+   r − max_staleness has arrived (0: lock-step; 1: one round of overlap between compute and
+   communication).
+3. x_i += γ Σ_j w_ij (x̂_{j->i} − x̂_{i->j}), Metropolis–Hastings weights over the peers present.
+
+Incoming updates are applied by the gRPC server threads as they arrive (``handle_update``),
+each edge under its own lock, in sequence order; gaps, duplicates and checksum mismatches
+are answered with NEED_RESYNC, which makes the sender push its whole public copy next.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import torch
+from gossipgrad.compression import DecodeError, from_spec
+from gossipgrad.peer.config import GossipSection
+from gossipgrad.peer.edges import InEdge, OutEdge, Verdict
+from gossipgrad.peer.flat import FlatParameters, tensor_checksum
+from gossipgrad.peer.topology import metropolis_hastings_weights, topology_from_name
+from gossipgrad.peer.transport import UpdateRejected
+from gossipgrad.proto import gossip_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+DENSE_SPEC = "none"
+
+
+@dataclass
+class RoundStats:
+    """What one gossip round did (for logs, metrics and tests)."""
+
+    round: int
+    neighbors: list[str]
+    mixed: list[str]
+    pushed: list[str]
+    skipped_busy: list[str]
+    waited_s: float
+    consensus_distance: float
+    residual_norm: float
+
+
+class ChocoGossip:
+    """CHOCO-SGD state and rounds for one peer.
+
+    Args:
+        flat: the model's parameters as one flat tensor (x_i, updated in place).
+        cfg: the gossip section of the config.
+        me: this peer's id; swarm: the swarm name.
+        present_ids: callable returning the sorted ids of peers in the topology (self included).
+        is_alive: callable(peer_id) -> bool, False for suspect or dead peers.
+        push: callable(peer_id, header, payload) -> PushReply, blocking (the transport).
+        metrics: a PeerMetrics or None.
+    """
+
+    def __init__(
+        self,
+        flat: FlatParameters,
+        cfg: GossipSection,
+        me: str,
+        swarm: str,
+        present_ids: Callable[[], list[str]],
+        is_alive: Callable[[str], bool],
+        push: Callable[[str, pb.UpdateHeader, bytes], pb.PushReply],
+        metrics=None,
+        seed: int = 0,
+    ) -> None:
+        self.flat = flat
+        self.cfg = cfg
+        self.me = me
+        self.swarm = swarm
+        self.codec = from_spec(cfg.codec)
+        self.dense_codec = from_spec(DENSE_SPEC)
+        self.topology = topology_from_name(cfg.topology, seed=seed, degree=cfg.degree)
+        self._present_ids = present_ids
+        self._is_alive = is_alive
+        self._push = push
+        self.metrics = metrics
+        self.round = 0
+        self.out_edges: dict[str, OutEdge] = {}
+        self.in_edges: dict[str, InEdge] = {}
+        self._edges_lock = threading.Lock()
+        self._arrived = threading.Condition()
+        self._lagging: set[str] = set()
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="push")
+        self._direction = torch.zeros_like(flat.data)
+        self._pulled = torch.zeros_like(flat.data)
+        self.on_push_failure: Callable[[str, Exception], None] = lambda peer, err: None
+
+    # ------------------------------------------------------------------ topology
+
+    def neighbors_at(self, round_: int, ids: list[str] | None = None) -> list[str]:
+        """This peer's neighbours in a round, over the peers present now."""
+        ids = ids if ids is not None else self._present_ids()
+        n = len(ids)
+        if n < 2:
+            return []
+        i = ids.index(self.me)
+        return [ids[j] for j in self.topology.neighbors(i, n, round_)]
+
+    def weights_at(self, round_: int, ids: list[str]) -> dict[str, float]:
+        """Metropolis–Hastings weights w_ij for this round (self excluded)."""
+        n = len(ids)
+        if n < 2:
+            return {}
+        i = ids.index(self.me)
+        w = metropolis_hastings_weights(i, lambda k: self.topology.neighbors(k, n, round_))
+        return {ids[j]: wij for j, wij in w.items() if j != i}
+
+    # ------------------------------------------------------------------ edges
+
+    def _out_edge(self, peer: str) -> OutEdge:
+        with self._edges_lock:
+            e = self.out_edges.get(peer)
+            if e is None:
+                e = self.out_edges[peer] = OutEdge(public=torch.zeros_like(self.flat.data))
+            return e
+
+    def _in_edge(self, peer: str) -> InEdge:
+        with self._edges_lock:
+            e = self.in_edges.get(peer)
+            if e is None:
+                e = self.in_edges[peer] = InEdge(mirror=torch.zeros_like(self.flat.data))
+            return e
+
+    def reset_peer(self, peer: str) -> None:
+        """Forget both edges with a peer (it restarted, or came back): they resync."""
+        with self._edges_lock:
+            out = self.out_edges.get(peer)
+            inn = self.in_edges.get(peer)
+        if out is not None:
+            with out.lock:
+                out.need_resync = True
+        if inn is not None:
+            with inn.lock:
+                inn.synced = False
+
+    def prune(self) -> None:
+        """Drop edges to peers no longer present (frees their public copies)."""
+        present = set(self._present_ids())
+        with self._edges_lock:
+            for table in (self.out_edges, self.in_edges):
+                for peer in [p for p in table if p not in present]:
+                    del table[peer]
+
+    # ------------------------------------------------------------------ sending
+
+    def _make_update(self, peer: str, edge: OutEdge) -> tuple[pb.UpdateHeader, bytes]:
+        """Compress x - x̂ for one edge (or its whole x̂ for a resync) and advance x̂."""
+        x = self.flat.data
+        with edge.lock:
+            if edge.need_resync:
+                edge.public.copy_(x)
+                payload = self.dense_codec.encode(edge.public)
+                kind = pb.RESYNC
+                edge.seq += 1
+                edge.need_resync = False
+                if self.metrics is not None:
+                    self.metrics.record_resync(peer)
+            else:
+                t0 = time.perf_counter()
+                payload = self.codec.encode(x - edge.public, seed=edge.seq + 1)
+                self.codec.decode_add_(payload, edge.public)
+                if self.metrics is not None:
+                    self.metrics.observe_compress(time.perf_counter() - t0)
+                kind = pb.DELTA
+                edge.seq += 1
+            header = pb.UpdateHeader(
+                swarm=self.swarm,
+                sender=self.me,
+                receiver=peer,
+                seq=edge.seq,
+                round=self.round,
+                kind=kind,
+                checksum=tensor_checksum(edge.public),
+                payload_size=len(payload),
+                model_fingerprint=self.flat.fingerprint,
+                dense_size=self.flat.nbytes,
+            )
+        return header, payload
+
+    def _send(self, peer: str, edge: OutEdge, header: pb.UpdateHeader, payload: bytes) -> None:
+        kind = "resync" if header.kind == pb.RESYNC else "update"
+        t0 = time.perf_counter()
+        try:
+            reply = self._push(peer, header, payload)
+        except Exception as err:
+            # The receiver may or may not have applied it; if not, it sees a gap next time
+            # and asks for a resync. Nothing to undo here.
+            log.debug("push to %s failed: %s", peer, err)
+            self.on_push_failure(peer, err)
+            if isinstance(err, grpc.RpcError) and err.code() in (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.FAILED_PRECONDITION,
+            ):
+                with edge.lock:
+                    edge.need_resync = True
+            return
+        finally:
+            with edge.lock:
+                edge.busy = False
+        if self.metrics is not None:
+            self.metrics.observe_push(peer, time.perf_counter() - t0)
+            self.metrics.record_sent(
+                peer, kind, header.ByteSize() + len(payload), dense_bytes=header.dense_size
+            )
+        if reply.status == pb.PushReply.NEED_RESYNC:
+            log.info("%s asks for a resync (%s)", peer, reply.detail)
+            with edge.lock:
+                edge.need_resync = True
+
+    # ------------------------------------------------------------------ receiving
+
+    def handle_update(self, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
+        """Apply one incoming update to the mirror of its edge (server thread)."""
+        if header.model_fingerprint != self.flat.fingerprint:
+            raise UpdateRejected(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "fingerprint",
+                f"model fingerprint {header.model_fingerprint!r} != ours {self.flat.fingerprint!r}",
+            )
+        if header.receiver != self.me:
+            raise UpdateRejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "malformed",
+                f"update addressed to {header.receiver!r}, this is {self.me!r}",
+            )
+        edge = self._in_edge(header.sender)
+        with edge.lock:
+            try:
+                if header.kind == pb.RESYNC:
+                    dense = self.dense_codec.decode(payload, max_numel=self.flat.numel)
+                    verdict = edge.apply_resync(header.seq, header.round, dense, header.checksum)
+                elif header.kind == pb.DELTA:
+                    verdict = edge.check_delta(header.seq)
+                    if verdict is None:
+                        self.codec.decode_add_(payload, edge.mirror)
+                        verdict = edge.finish_delta(header.seq, header.round, header.checksum)
+                else:
+                    raise UpdateRejected(
+                        grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"unknown kind {header.kind}"
+                    )
+            except (DecodeError, ValueError) as err:
+                if isinstance(err, UpdateRejected):
+                    raise
+                edge.synced = False
+                raise UpdateRejected(
+                    grpc.StatusCode.INVALID_ARGUMENT, "decode_error", str(err)
+                ) from None
+            expected = edge.expected_seq
+        if verdict is not Verdict.ACCEPTED:
+            log.debug(
+                "update %s seq %d from %s: %s", header.kind, header.seq, header.sender, verdict
+            )
+        with self._arrived:
+            self._arrived.notify_all()
+        status = {
+            Verdict.ACCEPTED: pb.PushReply.ACCEPTED,
+            Verdict.DUPLICATE: pb.PushReply.DUPLICATE,
+            Verdict.NEED_RESYNC: pb.PushReply.NEED_RESYNC,
+        }[verdict]
+        return pb.PushReply(status=status, expected_seq=expected, detail=verdict.value)
+
+    # ------------------------------------------------------------------ the round
+
+    def _wait_target(self, peer: str, ids: list[str]) -> int | None:
+        """The round whose update from `peer` we wait for, or None if none is due."""
+        r = self.round - self.cfg.max_staleness
+        period = self.topology.period(len(ids)) if self.topology.time_varying else 1
+        for back in range(period):
+            cand = r - back
+            if cand < 0:
+                return None
+            if peer in self.neighbors_at(cand, ids):
+                return cand
+        return None
+
+    def _wait_for_neighbors(self, ids: list[str], neighbors: list[str]) -> float:
+        """Block until lagging-free neighbours' due updates arrived, at most round_timeout."""
+        t0 = time.monotonic()
+        deadline = t0 + self.cfg.round_timeout
+
+        def missing() -> list[str]:
+            out = []
+            for peer in neighbors:
+                if peer in self._lagging or not self._is_alive(peer):
+                    continue
+                target = self._wait_target(peer, ids)
+                edge = self.in_edges.get(peer)
+                if target is None:
+                    continue
+                if edge is None or not edge.synced or edge.last_round < target:
+                    out.append(peer)
+            return out
+
+        with self._arrived:
+            waiting = missing()
+            while waiting:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("round %d: no update from %s in time", self.round, waiting)
+                    self._lagging.update(waiting)
+                    break
+                self._arrived.wait(timeout=min(left, 0.1))
+                waiting = missing()
+        # A lagging peer that caught up is waited for again.
+        for peer in list(self._lagging):
+            edge = self.in_edges.get(peer)
+            if edge is not None and edge.synced and edge.last_round >= self.round - 1:
+                self._lagging.discard(peer)
+        return time.monotonic() - t0
+
+    def step_round(self) -> RoundStats:
+        """Run one gossip round (see the module docstring). Called by the training thread."""
+        t_round = time.perf_counter()
+        ids = self._present_ids()
+        neighbors = self.neighbors_at(self.round, ids)
+        pushed, skipped = [], []
+        for peer in neighbors:
+            edge = self._out_edge(peer)
+            with edge.lock:
+                if edge.busy:
+                    skipped.append(peer)
+                    continue
+                edge.busy = True
+            try:
+                header, payload = self._make_update(peer, edge)
+            except Exception:
+                with edge.lock:
+                    edge.busy = False
+                raise
+            self._pool.submit(self._send, peer, edge, header, payload)
+            pushed.append(peer)
+
+        waited = self._wait_for_neighbors(ids, neighbors)
+
+        weights = self.weights_at(self.round, ids)
+        x = self.flat.data
+        direction, pulled = self._direction, self._pulled
+        direction.zero_()
+        pulled.zero_()
+        mixed, residual_sq = [], 0.0
+        with torch.no_grad():
+            for peer in neighbors:
+                out = self.out_edges.get(peer)
+                inn = self.in_edges.get(peer)
+                if out is None or inn is None or not self._is_alive(peer):
+                    continue
+                # Both locks: a concurrent apply must not tear the copies we read.
+                with inn.lock, out.lock:
+                    if not inn.synced or out.seq < 0:
+                        continue
+                    w = weights.get(peer, 0.0)
+                    direction.add_(inn.mirror, alpha=w).sub_(out.public, alpha=w)
+                    pulled.add_(inn.mirror - x, alpha=w)
+                    residual_sq += float(torch.linalg.vector_norm(x - out.public)) ** 2
+                mixed.append(peer)
+            # ||x_i - (w_ii x_i + sum_j w_ij xhat_j)||: distance to the neighbourhood average.
+            dist = float(torch.linalg.vector_norm(pulled))
+            x.add_(direction, alpha=self.cfg.gamma)
+        stats = RoundStats(
+            round=self.round,
+            neighbors=neighbors,
+            mixed=mixed,
+            pushed=pushed,
+            skipped_busy=skipped,
+            waited_s=waited,
+            consensus_distance=dist,
+            residual_norm=(residual_sq / max(1, len(mixed))) ** 0.5,
+        )
+        if self.metrics is not None:
+            self.metrics.observe_round(time.perf_counter() - t_round)
+            self.metrics.set_consensus_distance(dist)
+            self.metrics.set_error_feedback_norm(stats.residual_norm)
+            self.metrics.set_neighbors(len(mixed))
+        self.round += 1
+        return stats
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

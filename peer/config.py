@@ -1,0 +1,324 @@
+"""The peer's configuration: one validated structure, loaded from TOML plus CLI overrides.
+
+Each TOML section maps onto one pydantic model below, and each field's description is the
+documentation of that key (``gossipgrad-peer --help`` and docs/config.md are generated from
+it). Unknown keys and bad values fail before anything starts, with a one-line message naming
+the key. Components receive only their own section, never the whole config.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message that names the offending key."""
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+Address = Annotated[str, Field(pattern=r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.\-]+):\d{1,5}$")]
+
+
+class PeerSection(Section):
+    """Who this peer is and how it reaches the swarm."""
+
+    id: str = Field(
+        "",
+        description="Unique name of this peer in the swarm (letters, digits, '-', '_', '.'). "
+        "Empty: derived from the host name and listen port.",
+        pattern=r"^[A-Za-z0-9_.\-]{0,64}$",
+    )
+    swarm: str = Field(
+        "gossipgrad",
+        description="Swarm name; peers refuse updates from another swarm.",
+        pattern=r"^[A-Za-z0-9_.\-]{1,64}$",
+    )
+    listen: Address = Field(
+        "127.0.0.1:0",
+        description="host:port the gossip server binds; port 0 picks a free one.",
+    )
+    advertise: str = Field(
+        "",
+        description="host:port other peers use to reach this one. Empty: the listen host "
+        "with the bound port.",
+    )
+    bootstrap: list[Address] = Field(
+        default_factory=list,
+        description="Addresses of peers already in the swarm; one is enough to join. Empty "
+        "for the first peer.",
+    )
+    run_dir: Path = Field(
+        Path("runs/peer"),
+        description="Directory for checkpoints, status.json and the final summary.",
+    )
+    expected_peers: int = Field(
+        1,
+        ge=1,
+        description="Wait at start until this many peers (self included) are known, so a "
+        "swarm started together begins with its full topology.",
+    )
+    start_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds to wait for expected_peers before training anyway.",
+    )
+
+
+class TrainSection(Section):
+    """What this peer trains and how (local optimizer, data shard)."""
+
+    task: str = Field(
+        "digits",
+        description="Built-in task (digits, fashion-mnist-mlp, fashion-mnist-cnn, "
+        "shakespeare) or a user task 'package.module:factory'.",
+    )
+    steps: int = Field(300, ge=0, description="Local optimizer steps to run.")
+    batch_size: int = Field(32, ge=1, description="Samples per local step.")
+    seed: int = Field(0, ge=0, description="Seed of model init, data split and sampling.")
+    shard_index: int = Field(0, ge=0, description="This peer's shard of the built-in data.")
+    num_shards: int = Field(1, ge=1, description="Number of shards the data is split into.")
+    partition: Literal["iid", "dirichlet"] = Field(
+        "iid", description="How data is split over shards: iid, or non-IID Dirichlet(alpha)."
+    )
+    alpha: float = Field(0.5, gt=0, description="Dirichlet concentration for partition=dirichlet.")
+    optimizer: Literal["sgd", "adam", "adamw"] = Field("sgd", description="Local optimizer.")
+    lr: float = Field(0.05, gt=0, description="Learning rate.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum (sgd only).")
+    weight_decay: float = Field(0.0, ge=0, description="Weight decay.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    eval_every: int = Field(100, ge=0, description="Evaluate every N steps (0: only at the end).")
+    device: str = Field("auto", description="torch device: auto (cuda if available), cpu, cuda:N.")
+    threads: int = Field(
+        0,
+        ge=0,
+        description="torch intra-op threads (0: torch's default). 1 suits many peers per host.",
+    )
+
+    @model_validator(mode="after")
+    def _shard_in_range(self) -> TrainSection:
+        if self.shard_index >= self.num_shards:
+            raise ValueError(
+                f"train.shard_index={self.shard_index} must be < train.num_shards={self.num_shards}"
+            )
+        return self
+
+
+class GossipSection(Section):
+    """How peers exchange and merge models (Koloskova et al., ICML 2019: CHOCO-SGD)."""
+
+    algorithm: Literal["choco", "ef-gradient"] = Field(
+        "choco",
+        description="choco: compressed model gossip with public copies (default). "
+        "ef-gradient: compressed gradient exchange with error feedback, plus choco gossip "
+        "every consensus_every rounds to keep models together.",
+    )
+    codec: str = Field(
+        "topk:0.01+int8",
+        description="Compression spec, e.g. none, fp16, int8, int4, sign, qsgd:16, "
+        "topk:0.01, randomk:0.01, topk:0.01+int8 (docs/compression.md).",
+    )
+    topology: str = Field(
+        "ring",
+        description="ring, full, random-regular, exponential, one-peer-exponential.",
+    )
+    degree: int = Field(3, ge=1, description="Degree of the random-regular topology.")
+    gamma: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="CHOCO consensus step size: x_i += gamma * sum_j w_ij (xhat_j - xhat_i).",
+    )
+    local_steps: int = Field(1, ge=1, description="Optimizer steps between gossip rounds (H).")
+    consensus_every: int = Field(
+        1, ge=1, description="ef-gradient: rounds between model-gossip consensus steps."
+    )
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description="Rounds a neighbour's update may lag before this peer waits for it "
+        "(0: lock-step). Waiting is bounded by round_timeout.",
+    )
+    round_timeout: float = Field(
+        10.0, gt=0, description="Seconds to wait for a lagging neighbour before suspecting it."
+    )
+
+    @field_validator("codec")
+    @classmethod
+    def _codec_parses(cls, spec: str) -> str:
+        from gossipgrad.compression import from_spec
+
+        return from_spec(spec).spec
+
+    @field_validator("topology")
+    @classmethod
+    def _topology_known(cls, name: str) -> str:
+        from gossipgrad.peer.topology import topology_from_name
+
+        topology_from_name(name, seed=0, degree=2)
+        return name
+
+
+class MembershipSection(Section):
+    """Failure detection: heartbeats, suspicion, removal (phi-less, timeout based)."""
+
+    heartbeat_interval: float = Field(0.5, gt=0, description="Seconds between heartbeats.")
+    suspect_after: float = Field(
+        3.0, gt=0, description="Seconds of silence before a peer is suspect (excluded from mixing)."
+    )
+    dead_after: float = Field(
+        10.0, gt=0, description="Seconds of silence before a peer is dropped from the topology."
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> MembershipSection:
+        if not self.heartbeat_interval < self.suspect_after <= self.dead_after:
+            raise ValueError(
+                "membership: need heartbeat_interval < suspect_after <= dead_after, got "
+                f"{self.heartbeat_interval} / {self.suspect_after} / {self.dead_after}"
+            )
+        return self
+
+
+class CheckpointSection(Section):
+    """Atomic checkpoints (temp file + fsync + rename) and resume."""
+
+    every: int = Field(100, ge=0, description="Checkpoint every N steps (0: only at exit).")
+    resume: bool = Field(True, description="Resume from run_dir/checkpoint.pt if it exists.")
+
+
+class MetricsSection(Section):
+    """Prometheus endpoint."""
+
+    enabled: bool = Field(True, description="Serve Prometheus metrics over HTTP.")
+    host: str = Field(
+        "127.0.0.1", description="Address the metrics endpoint binds (loopback by default)."
+    )
+    port: int = Field(0, ge=0, le=65535, description="Metrics port (0: a free one).")
+
+
+class TransportSection(Section):
+    """gRPC limits and timeouts."""
+
+    chunk_bytes: int = Field(1 << 20, ge=4096, le=4 << 20, description="Streaming chunk size.")
+    max_payload_bytes: int = Field(
+        1 << 30, ge=1 << 16, description="Largest update or state a peer accepts."
+    )
+    push_timeout: float = Field(30.0, gt=0, description="Deadline of one push, seconds.")
+    retries: int = Field(3, ge=0, description="Retries of an idempotent call on UNAVAILABLE.")
+
+
+class PeerConfig(Section):
+    """The whole configuration of one peer daemon."""
+
+    peer: PeerSection = Field(default_factory=PeerSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    gossip: GossipSection = Field(default_factory=GossipSection)
+    membership: MembershipSection = Field(default_factory=MembershipSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    metrics: MetricsSection = Field(default_factory=MetricsSection)
+    transport: TransportSection = Field(default_factory=TransportSection)
+
+
+def _one_line(err: ValidationError) -> str:
+    """Turn pydantic's report into 'key: problem' lines (one per error)."""
+    parts = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "config"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        parts.append(f"{key}: {msg}")
+    return "; ".join(parts)
+
+
+def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *sections, leaf = dotted.split(".")
+    node = tree
+    for s in sections:
+        node = node.setdefault(s, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: '{s}' is not a section")
+    node[leaf] = value
+
+
+def build_config(raw: dict[str, Any], overrides: dict[str, Any] | None = None) -> PeerConfig:
+    """Validate a raw TOML tree plus dotted-key overrides into a PeerConfig.
+
+    Raises:
+        ConfigError: naming each bad key and why.
+    """
+    tree = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for key, value in (overrides or {}).items():
+        _set_path(tree, key, value)
+    try:
+        return PeerConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_one_line(err)) from None
+
+
+def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> PeerConfig:
+    """Read a TOML file (or none) and apply overrides; see build_config."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path}: invalid TOML: {err}") from None
+    return build_config(raw, overrides)
+
+
+def iter_fields() -> list[tuple[str, Any, str, Any]]:
+    """(dotted key, annotation, description, default) for every leaf key, in order."""
+    out = []
+    for section_name, section_field in PeerConfig.model_fields.items():
+        model = section_field.annotation
+        for name, f in model.model_fields.items():  # type: ignore[union-attr]
+            default = f.get_default(call_default_factory=True)
+            out.append((f"{section_name}.{name}", f.annotation, f.description or "", default))
+    return out
+
+
+def markdown_reference() -> str:
+    """The config reference as markdown (docs/config.md is this, committed)."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from `gossipgrad/peer/config.py` by `gossipgrad-peer --config-reference`.",
+        "Every key can be set in the TOML file under its section, or on the command line as",
+        "`--section.key=value`.",
+        "",
+    ]
+    current = None
+    for key, _ann, desc, default in iter_fields():
+        section = key.split(".")[0]
+        if section != current:
+            current = section
+            doc = (PeerConfig.model_fields[section].annotation.__doc__ or "").strip()
+            lines += [
+                "",
+                f"## [{section}]",
+                "",
+                doc,
+                "",
+                "| key | default | meaning |",
+                "|---|---|---|",
+            ]
+        shown = str(default) if not isinstance(default, str) else repr(default)
+        lines.append(f"| `{key.split('.', 1)[1]}` | `{shown}` | {desc} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,248 @@
+"""The peer daemon's training loop: config -> task -> GossipOptimizer -> train -> summary.
+
+Writes into ``peer.run_dir``:
+  status.json      progress, rewritten atomically every few steps (read by gossipgrad-swarm
+                   and the experiment runner)
+  checkpoint.pt    every ``checkpoint.every`` steps and at exit (atomic)
+  summary.json     final evaluation, steps, bytes, wall-clock seconds
+  params.pt        the final flat parameter vector (true consensus distance across peers)
+SIGTERM or SIGINT finishes the current step, checkpoints and leaves the swarm cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from gossipgrad.peer import checkpoint
+from gossipgrad.peer.config import PeerConfig, TrainSection
+from gossipgrad.peer.optimizer import GossipOptimizer
+from gossipgrad.peer.tasks import TaskContext, build_task
+
+log = logging.getLogger(__name__)
+
+STATUS_EVERY_S = 0.5
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu; anything else as torch parses it."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def make_optimizer(params, cfg: TrainSection) -> torch.optim.Optimizer:
+    """The local optimizer named in the config."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(
+            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+class Daemon:
+    """One peer training a task. ``run()`` returns the summary dict."""
+
+    def __init__(self, cfg: PeerConfig) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(cfg.peer.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.stop_requested = threading.Event()
+        self.status: dict[str, Any] = {}
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def on_signal(signum, _frame) -> None:
+            log.info("signal %d: finishing the step, then checkpoint and leave", signum)
+            self.stop_requested.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def _save_checkpoint(self, gopt: GossipOptimizer) -> bool:
+        try:
+            checkpoint.save_atomic(self.run_dir / "checkpoint.pt", gopt.state_dict())
+            return True
+        except OSError as err:
+            log.error("checkpoint failed, training goes on: %s", err)
+            return False
+
+    def _write_status(self, **fields: Any) -> None:
+        self.status.update(fields, time=time.time())
+        try:
+            write_json_atomic(self.run_dir / "status.json", self.status)
+        except OSError as err:
+            log.debug("status.json not written: %s", err)
+
+    def run(self) -> dict[str, Any]:
+        cfg, t = self.cfg, self.cfg.train
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        device = resolve_device(t.device)
+        ctx = TaskContext(
+            peer_index=t.shard_index,
+            num_peers=t.num_shards,
+            seed=t.seed,
+            partition=t.partition,
+            alpha=t.alpha,
+            batch_size=t.batch_size,
+            device=device,
+        )
+        task = build_task(t.task, ctx)
+        model = task.model.to(device)
+        optimizer = make_optimizer(model.parameters(), t)
+        warmup = t.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+        )
+        self._install_signal_handlers()
+        gopt = GossipOptimizer(model, optimizer, cfg)
+        peer = gopt.peer
+        self._write_status(
+            id=peer.id,
+            address=peer.address,
+            metrics_port=peer.metrics_port,
+            pid=os.getpid(),
+            state="starting",
+            step=0,
+            steps=t.steps,
+        )
+        t_start = time.monotonic()
+        summary: dict[str, Any] = {}
+        try:
+            resumed = False
+            if cfg.checkpoint.resume:
+                state = checkpoint.load(self.run_dir / "checkpoint.pt", map_location=device)
+                if state is not None:
+                    gopt.load_state_dict(state)
+                    resumed = True
+                    log.info("resumed from checkpoint at step %d", gopt.local_step)
+            if cfg.peer.expected_peers > 1:
+                ok = gopt.wait_for_peers(cfg.peer.expected_peers, cfg.peer.start_timeout)
+                if not ok:
+                    log.warning(
+                        "only %d of %d peers after %.0fs; training anyway",
+                        len(peer.membership.present_ids()),
+                        cfg.peer.expected_peers,
+                        cfg.peer.start_timeout,
+                    )
+            if not resumed and cfg.peer.bootstrap:
+                # A late joiner starts from the swarm's state instead of from scratch.
+                peer.membership.beat_once()
+                if gopt.join_from_swarm():
+                    self._write_status(joined_at_step=gopt.local_step)
+            for _ in range(gopt.local_step):
+                scheduler.step()
+            summary = self._train(task, model, gopt, scheduler)
+        finally:
+            if gopt.local_step > 0:
+                self._save_checkpoint(gopt)
+            gopt.close()
+        summary["wall_seconds"] = time.monotonic() - t_start
+        write_json_atomic(self.run_dir / "summary.json", summary)
+        self._write_status(state="done")
+        return summary
+
+    def _train(self, task, model, gopt: GossipOptimizer, scheduler) -> dict[str, Any]:
+        cfg, t = self.cfg, self.cfg.train
+        metrics = gopt.metrics
+        batches = task.batches()
+        last_status = 0.0
+        loss_value = math.nan
+        evals: list[dict[str, float]] = []
+        self._write_status(state="training")
+        while gopt.local_step < t.steps and not self.stop_requested.is_set():
+            batch = next(batches)
+            gopt.zero_grad()
+            loss = task.loss(model, batch)
+            loss.backward()
+            gopt.step()
+            scheduler.step()
+            loss_value = float(loss)
+            if not math.isfinite(loss_value):
+                raise FloatingPointError(f"loss is {loss_value} at step {gopt.local_step}")
+            metrics.record_step(loss_value, t.batch_size)
+            step = gopt.local_step
+            if t.eval_every and step % t.eval_every == 0:
+                ev = task.evaluate(model)
+                metrics.set_eval(ev)
+                evals.append({"step": step, **ev})
+                log.info("step %d loss %.4f %s", step, loss_value, _fmt(ev))
+            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                self._save_checkpoint(gopt)
+            now = time.monotonic()
+            if now - last_status > STATUS_EVERY_S:
+                last_status = now
+                self._write_status(step=step, loss=loss_value, **self._traffic(gopt))
+        final = task.evaluate(model)
+        metrics.set_eval(final)
+        stats = gopt.last_round
+        torch.save(gopt.flat.data.detach().cpu(), self.run_dir / "params.pt")
+        summary = {
+            "id": gopt.peer.id,
+            "task": t.task,
+            "steps": gopt.local_step,
+            "rounds": gopt.round,
+            "stopped_early": self.stop_requested.is_set(),
+            "final": final,
+            "metric": task.metric,
+            "train_loss": loss_value,
+            "consensus_distance_estimate": stats.consensus_distance if stats else None,
+            "evals": evals,
+            "params": gopt.flat.numel,
+            **self._traffic(gopt),
+        }
+        self._write_status(
+            step=gopt.local_step, loss=loss_value, final=final, **self._traffic(gopt)
+        )
+        return summary
+
+    @staticmethod
+    def _traffic(gopt: GossipOptimizer) -> dict[str, int]:
+        """Bytes this peer put on the wire so far, by kind, plus the dense equivalent."""
+        return traffic_totals(gopt.metrics.registry)
+
+
+def traffic_totals(registry) -> dict[str, int]:
+    """Sum the byte counters of a peer's registry: sent/received per kind, and dense."""
+    out: dict[str, int] = {}
+    wanted = {
+        "gossipgrad_sent_bytes": "sent",
+        "gossipgrad_received_bytes": "received",
+        "gossipgrad_dense_bytes": "dense",
+    }
+    for family in registry.collect():
+        prefix = wanted.get(family.name)
+        if prefix is None:
+            continue
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            kind = sample.labels.get("kind")
+            key = f"{prefix}_{kind}_bytes" if kind else f"{prefix}_bytes"
+            out[key] = out.get(key, 0) + int(sample.value)
+            if kind:
+                out[f"{prefix}_bytes"] = out.get(f"{prefix}_bytes", 0) + int(sample.value)
+    return out
+
+
+def _fmt(ev: dict[str, float]) -> str:
+    return " ".join(f"{k} {v:.4f}" for k, v in ev.items())

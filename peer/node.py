@@ -1,0 +1,280 @@
+"""One swarm member's runtime: gRPC server, membership, metrics, and the gossip algorithm.
+
+``Peer`` composes the pieces and implements the transport's handler interface; it knows
+nothing of training loops (that is GossipOptimizer's job) or tasks (the daemon's).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
+
+import grpc
+from gossipgrad.peer.choco import ChocoGossip
+from gossipgrad.peer.config import PeerConfig
+from gossipgrad.peer.flat import FlatParameters
+from gossipgrad.peer.membership import Membership
+from gossipgrad.peer.metrics import PeerMetrics
+from gossipgrad.peer.transport import GossipServer, PeerClient, TransportOptions, UpdateRejected
+from gossipgrad.proto import gossip_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+def package_version() -> str:
+    try:
+        return version("gossipgrad")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "0+unknown"
+
+
+def transport_options(cfg: PeerConfig) -> TransportOptions:
+    """TransportOptions from the [transport] section."""
+    t = cfg.transport
+    return TransportOptions(
+        chunk_size=t.chunk_bytes,
+        max_payload_bytes=t.max_payload_bytes,
+        push_timeout=t.push_timeout,
+        retries=t.retries,
+    )
+
+
+class ClientPool:
+    """One PeerClient per address, created on first use."""
+
+    def __init__(self, options: TransportOptions) -> None:
+        self._options = options
+        self._clients: dict[str, PeerClient] = {}
+        self._lock = threading.Lock()
+
+    def get(self, address: str) -> PeerClient:
+        with self._lock:
+            c = self._clients.get(address)
+            if c is None:
+                c = self._clients[address] = PeerClient(address, options=self._options)
+            return c
+
+    def drop(self, address: str) -> None:
+        with self._lock:
+            c = self._clients.pop(address, None)
+        if c is not None:
+            c.close()
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            c.close()
+
+
+class Peer:
+    """A running swarm member around a flat parameter vector.
+
+    Args:
+        cfg: the whole peer config (each component receives only its own section).
+        flat: the model's parameters, re-homed into one tensor.
+        state_fn: returns (step, round, blob) for a joining peer's state download.
+        registry: Prometheus registry for this peer's metrics (None: a fresh one).
+    """
+
+    def __init__(
+        self,
+        cfg: PeerConfig,
+        flat: FlatParameters,
+        state_fn: Callable[[], tuple[int, int, bytes]] | None = None,
+        registry=None,
+    ) -> None:
+        self.cfg = cfg
+        self.flat = flat
+        self._state_fn = state_fn
+        self.metrics = PeerMetrics(registry=registry)
+        self.options = transport_options(cfg)
+        self.clients = ClientPool(self.options)
+        self.server = GossipServer(self, bind=cfg.peer.listen, options=self.options)
+        self.id = cfg.peer.id
+        self.address = ""
+        self.metrics_port = 0
+        self.membership: Membership | None = None
+        self.gossip: ChocoGossip | None = None
+        self._started = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Bind the server, start metrics and membership. Idempotent."""
+        if self._started:
+            return
+        port = self.server.start()
+        host = self.cfg.peer.listen.rsplit(":", 1)[0]
+        self.address = self.cfg.peer.advertise or f"{host}:{port}"
+        if not self.id:
+            self.id = f"{socket.gethostname()}-{port}"
+        g = self.cfg.gossip
+        self.metrics.set_build_info(
+            version=package_version(), algorithm=g.algorithm, codec=g.codec, topology=g.topology
+        )
+        if self.cfg.metrics.enabled:
+            self.metrics_port = self.metrics.serve(self.cfg.metrics.host, self.cfg.metrics.port)
+        me = pb.PeerInfo(
+            id=self.id,
+            address=self.address,
+            incarnation=time.time_ns(),
+            metrics_address=(
+                f"{self.cfg.metrics.host}:{self.metrics_port}" if self.cfg.metrics.enabled else ""
+            ),
+        )
+        self.membership = Membership(
+            me,
+            self.cfg.peer.swarm,
+            self.cfg.membership,
+            self.cfg.peer.bootstrap,
+            heartbeat=self._heartbeat,
+            on_change=self._on_membership_change,
+        )
+        self.gossip = ChocoGossip(
+            self.flat,
+            self.cfg.gossip,
+            self.id,
+            self.cfg.peer.swarm,
+            present_ids=self.membership.present_ids,
+            is_alive=self.membership.is_alive,
+            push=self._push,
+            metrics=self.metrics,
+            seed=self.cfg.train.seed,
+        )
+        self.membership.start()
+        self._started = True
+        log.info("peer %s serving gossip on %s", self.id, self.address)
+
+    def close(self) -> None:
+        """Leave the swarm cleanly: announce, stop threads, stop serving."""
+        if not self._started:
+            return
+        self._started = False
+        try:
+            self.membership.announce_leaving()
+        except Exception as err:  # best effort
+            log.debug("announce_leaving failed: %s", err)
+        self.membership.stop()
+        self.gossip.close()
+        self.server.stop(grace=2.0)
+        self.clients.close()
+        self.metrics.stop()
+
+    # ------------------------------------------------------------------ outgoing
+
+    def _heartbeat(
+        self, address: str, request: pb.HeartbeatRequest, timeout: float
+    ) -> pb.HeartbeatReply:
+        reply = self.clients.get(address).heartbeat(request, timeout=timeout)
+        self.metrics.record_sent("", "heartbeat", request.ByteSize())
+        return reply
+
+    def _push(self, peer: str, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
+        address = self.membership.address_of(peer)
+        if address is None:
+            raise ConnectionError(f"no address for peer {peer}")
+        return self.clients.get(address).push(header, payload, timeout=self.options.push_timeout)
+
+    def download_state(self, timeout: float = 60.0) -> tuple[pb.StateHeader, bytes] | None:
+        """Fetch the state of the most advanced live peer, or None if nobody has trained."""
+        best = None
+        for pid in self.membership.present_ids():
+            rec = self.membership.record(pid)
+            if (
+                rec is not None
+                and rec.info.step > 0
+                and (best is None or rec.info.step > best.step)
+            ):
+                best = rec.info
+        if best is None:
+            return None
+        log.info("downloading state from %s (step %d)", best.id, best.step)
+        header, blob = self.clients.get(best.address).download_state(
+            pb.StateRequest(swarm=self.cfg.peer.swarm, requester=self.id), timeout=timeout
+        )
+        if header.model_fingerprint != self.flat.fingerprint:
+            raise ValueError(
+                f"state from {best.id} is for another model ({header.model_fingerprint})"
+            )
+        self.metrics.record_received(best.id, "state", len(blob))
+        return header, blob
+
+    # ------------------------------------------------------------------ handler (server side)
+
+    def _check_swarm(self, swarm: str) -> None:
+        if swarm != self.cfg.peer.swarm:
+            self.metrics.record_rejected("unknown_swarm")
+            raise UpdateRejected(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "unknown_swarm",
+                f"swarm {swarm!r} is not {self.cfg.peer.swarm!r}",
+            )
+
+    def handle_update(
+        self, header: pb.UpdateHeader, payload: bytes, context_peer: str = ""
+    ) -> pb.PushReply:
+        self._check_swarm(header.swarm)
+        if self.gossip is None:
+            raise UpdateRejected(grpc.StatusCode.UNAVAILABLE, "stale", "peer is starting")
+        try:
+            reply = self.gossip.handle_update(header, payload)
+        except UpdateRejected as err:
+            self.metrics.record_rejected(err.reason)
+            raise
+        kind = "resync" if header.kind == pb.RESYNC else "update"
+        self.metrics.record_received(header.sender, kind, header.ByteSize() + len(payload))
+        return reply
+
+    def handle_heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
+        self._check_swarm(request.swarm)
+        self.metrics.record_received("", "heartbeat", request.ByteSize())
+        return self.membership.handle_heartbeat(request)
+
+    def handle_state_request(self, request: pb.StateRequest) -> tuple[pb.StateHeader, bytes]:
+        self._check_swarm(request.swarm)
+        if self._state_fn is None:
+            raise UpdateRejected(grpc.StatusCode.UNAVAILABLE, "stale", "no state to share")
+        step, round_, blob = self._state_fn()
+        self.metrics.record_sent(request.requester, "state", len(blob))
+        return (
+            pb.StateHeader(
+                sender=self.id,
+                step=step,
+                round=round_,
+                payload_size=len(blob),
+                model_fingerprint=self.flat.fingerprint,
+            ),
+            blob,
+        )
+
+    # ------------------------------------------------------------------ membership events
+
+    def _on_membership_change(self) -> None:
+        m = self.membership
+        counts = m.counts()
+        self.metrics.set_peers(
+            alive=counts["alive"], suspect=counts["suspect"], dead=counts["dead"]
+        )
+        if self.gossip is None:
+            return
+        # A peer that restarted (new incarnation) or came back must resync both edges.
+        for pid in m.present_ids():
+            rec = m.record(pid)
+            if rec is None:
+                continue
+            edge = self.gossip.in_edges.get(pid)
+            if edge is not None and edge.incarnation != rec.info.incarnation:
+                self.gossip.reset_peer(pid)
+                edge.incarnation = rec.info.incarnation
+        self.gossip.prune()
+
+    def update_progress(self, step: int, round_: int) -> None:
+        """Advertise training progress in heartbeats (joining peers pick the most advanced)."""
+        if self.membership is not None:
+            self.membership.me.step = step
+            self.membership.me.round = round_
