@@ -59,6 +59,11 @@ REJECT_REASONS: tuple[str, ...] = (
 #: Membership states of the other peers as this peer sees them, the ``state`` label of ``peers``.
 PEER_STATES: tuple[str, ...] = ("alive", "suspect", "dead")
 
+#: ``neighbor`` value of traffic not tied to one neighbour: membership heartbeats go to and
+#: come from any peer of the swarm, not only the gossip neighbours. Prometheus shows these
+#: series without a ``neighbor`` label (an empty label value is an absent label).
+UNATTRIBUTED = ""
+
 #: Most distinct ``name`` values ``set_eval`` accepts: eval metric names come from the task
 #: (accuracy, perplexity, ...), a handful; more means a caller is putting data into a label.
 MAX_EVAL_METRICS = 16
@@ -251,20 +256,25 @@ class PeerMetrics:
 
     # --- traffic -----------------------------------------------------------------------------
     def record_sent(self, neighbor: str, kind: str, wire_bytes: int, dense_bytes: int = 0) -> None:
-        """Count bytes sent to ``neighbor``; ``dense_bytes`` is the same payload as dense fp32."""
+        """Count bytes sent to ``neighbor``; ``dense_bytes`` is the same payload as dense fp32.
+
+        ``neighbor`` may be :data:`UNATTRIBUTED` for traffic to any peer (heartbeats).
+        """
         _check_choice(kind, MESSAGE_KINDS, "message kind")
         _check_amount(wire_bytes, "wire_bytes")
         _check_amount(dense_bytes, "dense_bytes")
-        self.add_neighbor(neighbor)
+        if neighbor != UNATTRIBUTED:
+            self.add_neighbor(neighbor)
         self.sent_bytes.labels(neighbor=neighbor, kind=kind).inc(wire_bytes)
         if dense_bytes:
             self.dense_bytes.labels(neighbor=neighbor).inc(dense_bytes)
 
     def record_received(self, neighbor: str, kind: str, wire_bytes: int) -> None:
-        """Count bytes received from ``neighbor``."""
+        """Count bytes received from ``neighbor`` (or :data:`UNATTRIBUTED`, as in record_sent)."""
         _check_choice(kind, MESSAGE_KINDS, "message kind")
         _check_amount(wire_bytes, "wire_bytes")
-        self.add_neighbor(neighbor)
+        if neighbor != UNATTRIBUTED:
+            self.add_neighbor(neighbor)
         self.received_bytes.labels(neighbor=neighbor, kind=kind).inc(wire_bytes)
 
     # --- failures ----------------------------------------------------------------------------

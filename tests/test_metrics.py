@@ -13,7 +13,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from gossipgrad.peer.metrics import MESSAGE_KINDS, PEER_STATES, REJECT_REASONS, PeerMetrics
+from gossipgrad.peer.metrics import (
+    MESSAGE_KINDS,
+    PEER_STATES,
+    REJECT_REASONS,
+    UNATTRIBUTED,
+    PeerMetrics,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
@@ -171,6 +177,18 @@ def test_counters_and_gauges_move() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_unattributed_traffic_has_an_empty_neighbor_and_no_neighbor_children() -> None:
+    m = PeerMetrics()
+    m.record_sent(UNATTRIBUTED, "heartbeat", 48)
+    m.record_received(UNATTRIBUTED, "heartbeat", 40)
+    assert value(m, "gossipgrad_sent_bytes_total", neighbor="", kind="heartbeat") == 48
+    assert value(m, "gossipgrad_received_bytes_total", neighbor="", kind="heartbeat") == 40
+    assert value(m, "gossipgrad_sent_bytes_total", neighbor="", kind="update") is None
+    assert value(m, "gossipgrad_resyncs_total", neighbor="") is None
+    assert m.neighbor_ids == frozenset()
+
+
+@pytest.mark.timeout(30)
 def test_build_info_is_replaced_not_accumulated() -> None:
     m = PeerMetrics()
     m.set_build_info(version="0.1.0", algorithm="choco", codec="topk", topology="ring")
@@ -203,7 +221,9 @@ def test_remove_neighbor_drops_its_series() -> None:
         lambda m: m.record_sent("b", "gradient", 10),
         lambda m: m.record_received("b", "update", -1),
         lambda m: m.record_sent("b", "update", 10, dense_bytes=float("nan")),
-        lambda m: m.record_sent("", "update", 10),
+        lambda m: m.add_neighbor(""),
+        lambda m: m.observe_push("", 0.1),
+        lambda m: m.record_resync(""),
         lambda m: m.observe_round(-0.1),
         lambda m: m.set_peers(alive=-1, suspect=0, dead=0),
         lambda m: m.set_eval({"": 1.0}),
