@@ -1,1 +1,46 @@
-"""Compression library: tensors in, bytes out. Knows nothing of gRPC or peers."""
+"""Compression library: tensors in, bytes out. Knows nothing of gRPC or peers.
+
+Quick use::
+
+    from gossipgrad.compression import from_spec, ErrorFeedback
+    codec = from_spec("topk:0.01+int8")        # or TopK(0.01) >> Int8()
+    data = codec.encode(tensor)                # bytes: a serialized TensorEnvelope
+    codec.decode_add_(data, target)            # target += decoded, deterministic
+
+Spec grammar, codecs, wire format and error bounds: docs/compression.md.
+"""
+
+from gossipgrad.compression import quantizers as _quantizers  # noqa: F401  (registers codecs)
+from gossipgrad.compression import sparsifiers as _sparsifiers  # noqa: F401
+from gossipgrad.compression.base import Codec, Composed, Quantizer, Sparsifier
+from gossipgrad.compression.chunks import iter_chunks, join_chunks
+from gossipgrad.compression.error_feedback import ErrorFeedback
+from gossipgrad.compression.errors import DecodeError
+from gossipgrad.compression.quantizers import BF16, FP16, QSGD, Identity, Int4, Int8, Sign
+from gossipgrad.compression.sparsifiers import RandomK, TopK
+from gossipgrad.compression.spec import REGISTRY, from_spec, valid_forms
+from gossipgrad.compression.wire import DEFAULT_MAX_NUMEL
+
+__all__ = [
+    "BF16",
+    "DEFAULT_MAX_NUMEL",
+    "FP16",
+    "QSGD",
+    "REGISTRY",
+    "Codec",
+    "Composed",
+    "DecodeError",
+    "ErrorFeedback",
+    "Identity",
+    "Int4",
+    "Int8",
+    "Quantizer",
+    "RandomK",
+    "Sign",
+    "Sparsifier",
+    "TopK",
+    "from_spec",
+    "iter_chunks",
+    "join_chunks",
+    "valid_forms",
+]

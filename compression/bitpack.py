@@ -1,0 +1,218 @@
+"""Bit-level packing: fixed-width integers, bit vectors and Golomb-Rice coded sorted indices.
+
+Every function takes and returns torch tensors and runs on the tensor's device: on CPU the
+work is done by numpy's vectorised bit routines (``packbits``/``unpackbits``), elsewhere by
+torch ops, so CUDA tensors are packed on the GPU. Both paths produce identical bytes; the
+``use_numpy`` argument exists so tests can compare them on CPU. No Python loop runs per element.
+
+Bit order is MSB first throughout (the first value or bit lands in the high bits of byte 0);
+the last byte is zero-padded.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from gossipgrad.compression.errors import DecodeError
+
+__all__ = [
+    "MAX_RICE_BITS",
+    "pack_bits",
+    "pack_uint",
+    "rice_bits_for",
+    "rice_decode",
+    "rice_encode",
+    "rice_max_bytes",
+    "unpack_bits",
+    "unpack_uint",
+]
+
+#: Largest Golomb-Rice parameter accepted on the wire (gaps of 2**40 are far beyond any tensor).
+MAX_RICE_BITS = 40
+
+_WEIGHTS_CACHE: dict[torch.device, torch.Tensor] = {}
+
+
+def _numpy_ok(t: torch.Tensor, use_numpy: bool | None) -> bool:
+    return t.device.type == "cpu" if use_numpy is None else use_numpy
+
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    w = _WEIGHTS_CACHE.get(device)
+    if w is None:
+        w = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=device)
+        _WEIGHTS_CACHE[device] = w
+    return w
+
+
+def pack_bits(bits: torch.Tensor, *, use_numpy: bool | None = None) -> torch.Tensor:
+    """Pack a 1-D tensor of 0/1 values into uint8 bytes, MSB first, zero-padded."""
+    bits = bits.reshape(-1)
+    if _numpy_ok(bits, use_numpy):
+        arr = bits.cpu().numpy().astype(np.bool_, copy=False)
+        return torch.from_numpy(np.packbits(arr)).to(bits.device)
+    n = bits.numel()
+    pad = (-n) % 8
+    b = bits.to(torch.uint8)
+    if pad:
+        b = torch.cat([b, b.new_zeros(pad)])
+    return (b.view(-1, 8) * _bit_weights(b.device)).sum(1, dtype=torch.int32).to(torch.uint8)
+
+
+def unpack_bits(data: torch.Tensor, nbits: int, *, use_numpy: bool | None = None) -> torch.Tensor:
+    """Unpack the first ``nbits`` bits of uint8 ``data`` into a uint8 tensor of 0/1 values."""
+    if nbits > data.numel() * 8:
+        raise DecodeError(f"bit stream holds {data.numel() * 8} bits, {nbits} needed")
+    if _numpy_ok(data, use_numpy):
+        arr = np.unpackbits(data.cpu().numpy(), count=nbits)
+        return torch.from_numpy(arr).to(data.device)
+    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=data.device)
+    return ((data[:, None] >> shifts) & 1).reshape(-1)[:nbits]
+
+
+def pack_uint(values: torch.Tensor, width: int, *, use_numpy: bool | None = None) -> torch.Tensor:
+    """Pack non-negative integers below ``2**width`` into ``ceil(n*width/8)`` bytes.
+
+    Args:
+        values: 1-D integer tensor; values must already be in ``[0, 2**width)``.
+        width: bits per value, 0..64 (0 packs to nothing).
+    """
+    if not 0 <= width <= 64:
+        raise ValueError(f"width must be in 0..64, got {width}")
+    n = values.numel()
+    if width == 0 or n == 0:
+        return torch.empty(0, dtype=torch.uint8, device=values.device)
+    if width == 8:
+        return values.reshape(-1).to(torch.uint8)
+    if _numpy_ok(values, use_numpy):
+        v = values.reshape(-1).cpu().numpy()
+        container = 8 if width <= 8 else 16 if width <= 16 else 32 if width <= 32 else 64
+        as_bytes = v.astype(f">u{container // 8}").view(np.uint8).reshape(n, container // 8)
+        bits = np.unpackbits(as_bytes, axis=1)[:, container - width :]
+        return torch.from_numpy(np.packbits(bits.reshape(-1))).to(values.device)
+    shifts = torch.arange(width - 1, -1, -1, dtype=torch.int64, device=values.device)
+    bits = (values.reshape(-1, 1).to(torch.int64) >> shifts) & 1
+    return pack_bits(bits.reshape(-1), use_numpy=False)
+
+
+def unpack_uint(
+    data: torch.Tensor, width: int, count: int, *, use_numpy: bool | None = None
+) -> torch.Tensor:
+    """Inverse of :func:`pack_uint`: read ``count`` values of ``width`` bits as int64."""
+    if count == 0 or width == 0:
+        return torch.zeros(count, dtype=torch.int64, device=data.device)
+    nbits = count * width
+    if nbits > data.numel() * 8:
+        raise DecodeError(f"packed stream holds {data.numel() * 8} bits, {nbits} needed")
+    if width == 8:
+        return data[:count].to(torch.int64)
+    if _numpy_ok(data, use_numpy):
+        container = 8 if width <= 8 else 16 if width <= 16 else 32 if width <= 32 else 64
+        bits = np.unpackbits(data.cpu().numpy(), count=nbits).reshape(count, width)
+        full = np.zeros((count, container), dtype=np.uint8)
+        full[:, container - width :] = bits
+        vals = np.packbits(full, axis=1).view(f">u{container // 8}").reshape(-1)
+        return torch.from_numpy(vals.astype(np.int64)).to(data.device)
+    bits = unpack_bits(data, nbits, use_numpy=False).view(count, width).to(torch.int64)
+    shifts = torch.arange(width - 1, -1, -1, dtype=torch.int64, device=data.device)
+    return (bits << shifts).sum(1)
+
+
+def rice_bits_for(count: int, numel: int) -> int:
+    """Golomb-Rice parameter for ``count`` sorted indices spread over ``numel`` positions.
+
+    For geometric gaps with mean m the best power-of-two Golomb parameter is close to
+    ``m * ln 2`` (Gallager and van Voorhis 1975); we round its log down.
+    """
+    if count == 0:
+        return 0
+    mean_gap = numel / count
+    return max(0, min(MAX_RICE_BITS, math.floor(math.log2(max(1.0, mean_gap * math.log(2))))))
+
+
+def rice_max_bytes(count: int, numel: int, bits: int) -> int:
+    """Upper bound on the Rice-coded size of ``count`` distinct indices below ``numel``.
+
+    The gaps (minus one) sum to at most ``numel - count``, so the unary parts use at most
+    ``count + (numel >> bits)`` bits and the remainders ``count * bits``.
+    """
+    return (count + (numel >> bits) + 7) // 8 + (count * bits + 7) // 8
+
+
+def rice_encode(indices: torch.Tensor, bits: int, *, use_numpy: bool | None = None) -> torch.Tensor:
+    """Delta-encode sorted distinct indices and Golomb-Rice pack the gaps.
+
+    Layout: the unary parts (``q`` zero bits then a one, per index) as one bit stream, padded
+    to a byte, then the ``bits``-wide remainders packed back to back. Gap ``i`` is
+    ``idx[i] - idx[i-1] - 1`` (``idx[0]`` for the first), so every gap is non-negative.
+    """
+    idx = indices.reshape(-1).to(torch.int64)
+    n = idx.numel()
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8, device=idx.device)
+    if _numpy_ok(idx, use_numpy):
+        a = idx.cpu().numpy()
+        gaps = np.diff(a, prepend=-1) - 1
+        q = gaps >> bits
+        ones = np.cumsum(q + 1) - 1
+        unary = np.zeros(int(ones[-1]) + 1, dtype=np.bool_)
+        unary[ones] = True
+        head = np.packbits(unary)
+        rem = pack_uint(torch.from_numpy(gaps & ((1 << bits) - 1)), bits, use_numpy=True)
+        return torch.from_numpy(np.concatenate([head, rem.numpy()])).to(idx.device)
+    gaps = torch.diff(idx, prepend=idx.new_full((1,), -1)) - 1
+    q = gaps >> bits
+    ones = torch.cumsum(q + 1, 0) - 1
+    unary = torch.zeros(int(ones[-1].item()) + 1, dtype=torch.uint8, device=idx.device)
+    unary[ones] = 1
+    head = pack_bits(unary, use_numpy=False)
+    rem = pack_uint(gaps & ((1 << bits) - 1), bits, use_numpy=False)
+    return torch.cat([head, rem])
+
+
+def rice_decode(
+    data: torch.Tensor, bits: int, count: int, numel: int, *, use_numpy: bool | None = None
+) -> torch.Tensor:
+    """Decode :func:`rice_encode` output, validating it fully.
+
+    Raises:
+        DecodeError: wrong number of unary terminators, non-zero padding, stray bytes, or an
+            index at or beyond ``numel``.
+    """
+    if not 0 <= bits <= MAX_RICE_BITS:
+        raise DecodeError(f"index_bits {bits} outside 0..{MAX_RICE_BITS}")
+    if count == 0:
+        if data.numel():
+            raise DecodeError(f"index section has {data.numel()} bytes for 0 indices")
+        return torch.empty(0, dtype=torch.int64, device=data.device)
+    rem_bytes = (count * bits + 7) // 8
+    head_bytes = data.numel() - rem_bytes
+    if head_bytes <= 0:
+        raise DecodeError("index section too short for its remainders")
+    head, rem = data[:head_bytes], data[head_bytes:]
+    if _numpy_ok(data, use_numpy):
+        hb = np.unpackbits(head.cpu().numpy())
+        ones_np = np.flatnonzero(hb)
+        if ones_np.size != count:
+            raise DecodeError(f"index stream holds {ones_np.size} gaps, header says {count}")
+        ones = torch.from_numpy(ones_np.astype(np.int64))
+    else:
+        ones = torch.nonzero(unpack_bits(head, head_bytes * 8, use_numpy=False)).reshape(-1)
+        if ones.numel() != count:
+            raise DecodeError(f"index stream holds {ones.numel()} gaps, header says {count}")
+    last_one = int(ones[-1].item())
+    if last_one // 8 != head_bytes - 1:
+        raise DecodeError("index stream has trailing bytes after its last gap")
+    if rem_bytes and bits and (count * bits) % 8:
+        pad_bits = 8 - (count * bits) % 8
+        if int(rem[-1].item()) & ((1 << pad_bits) - 1):
+            raise DecodeError("non-zero padding bits in the index remainders")
+    ones = ones.to(data.device)
+    q = torch.diff(ones, prepend=ones.new_full((1,), -1)) - 1
+    r = unpack_uint(rem, bits, count, use_numpy=use_numpy)
+    idx = torch.cumsum((q << bits) + r + 1, 0) - 1
+    if int(idx[-1].item()) >= numel:
+        raise DecodeError(f"index {int(idx[-1].item())} out of range for {numel} elements")
+    return idx

@@ -1,0 +1,109 @@
+"""Error feedback: what a biased compressor drops is remembered and sent later.
+
+EF-SGD (Karimireddy et al., ICML 2019), as in Deep Gradient Compression (Lin et al., ICLR 2018)::
+
+    e <- e + g          (add the new gradient to the residual)
+    c <- C(e)           (compress; these bytes are what is sent)
+    e <- e - decode(c)  (keep what was not sent)
+
+so that, at every step, ``sum(sent) + e == sum(fed)`` up to float rounding: nothing is lost,
+only delayed. The residual is reduced by decoding the very bytes that are sent, so it agrees
+exactly with what every receiver applies.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from gossipgrad.compression.base import Codec
+from gossipgrad.compression.spec import from_spec
+
+__all__ = ["ErrorFeedback"]
+
+log = logging.getLogger(__name__)
+
+
+class ErrorFeedback:
+    """Residual memory per named tensor around one codec.
+
+    Residuals are kept in float32 (float64 for float64 inputs) on the gradient's device, so a
+    half-precision gradient does not lose the small entries error feedback exists to keep.
+
+    Example::
+
+        ef = ErrorFeedback(from_spec("topk:0.01+int8"))
+        data = ef.compress("layer1.weight", grad)   # send these bytes
+    """
+
+    def __init__(self, codec: Codec) -> None:
+        if not isinstance(codec, Codec):
+            raise ValueError(f"ErrorFeedback needs a Codec, got {type(codec).__name__}")
+        # hyperparameters
+        self.codec = codec
+        # internal state: name -> residual e
+        self._residuals: dict[str, torch.Tensor] = {}
+
+    def compress(self, name: str, g: torch.Tensor, seed: int | None = None) -> bytes:
+        """Add ``g`` to the residual of ``name``, encode it, subtract what was sent.
+
+        Returns:
+            The encoded bytes of ``c = C(e + g)`` (envelope dtype: the residual's dtype).
+
+        Raises:
+            ValueError: ``g``'s shape or device differs from the residual's, or it is not
+                finite (the residual is then left unchanged).
+        """
+        if not g.is_floating_point():
+            raise ValueError(f"gradient {name!r} must be floating point, got {g.dtype}")
+        e = self._residuals.get(name)
+        if e is None:
+            dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
+            e = torch.zeros(g.shape, dtype=dtype, device=g.device)
+        elif e.shape != g.shape or e.device != g.device:
+            raise ValueError(
+                f"{name!r}: gradient {tuple(g.shape)} on {g.device} does not match the residual "
+                f"{tuple(e.shape)} on {e.device}"
+            )
+        acc = e + g  # not in place: on a failed encode the residual must stay as it was
+        data = self.codec.encode(acc, seed)
+        self.codec.decode_add_(data, acc, alpha=-1.0)
+        self._residuals[name] = acc
+        return data
+
+    def residual(self, name: str) -> torch.Tensor:
+        """The current residual of ``name`` (KeyError if never compressed)."""
+        return self._residuals[name]
+
+    def names(self) -> list[str]:
+        """Names with a residual, in insertion order."""
+        return list(self._residuals)
+
+    def reset(self, name: str | None = None) -> None:
+        """Forget the residual of ``name`` (all of them when None), e.g. after a resync."""
+        if name is None:
+            self._residuals.clear()
+        else:
+            self._residuals.pop(name, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpointable state: the codec spec and a copy of every residual."""
+        return {
+            "codec": self.codec.spec,
+            "residuals": {k: v.detach().clone() for k, v in self._residuals.items()},
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; ValueError if it was made with another codec."""
+        spec = sd.get("codec")
+        if not isinstance(spec, str) or from_spec(spec) != self.codec:
+            raise ValueError(f"state was saved with codec {spec!r}, this uses {self.codec.spec!r}")
+        residuals = sd.get("residuals")
+        if not isinstance(residuals, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) and v.is_floating_point()
+            for k, v in residuals.items()
+        ):
+            raise ValueError("state 'residuals' must map names to floating-point tensors")
+        self._residuals = {k: v.detach().clone() for k, v in residuals.items()}
+        log.debug("loaded %s residuals for codec %s", len(residuals), spec)

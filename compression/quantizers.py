@@ -1,0 +1,348 @@
+"""Quantizers: how values travel. Each is a small class registered under its spec name.
+
+All work on a 1-D chunk of values on its own device; block-scaled ones keep one float32 scale
+per ``block`` values. Error bounds (checked by the tests) are stated per class.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+from gossipgrad.compression.base import CHUNK, Quantizer, _all_finite
+from gossipgrad.compression.bitpack import pack_bits, pack_uint, unpack_bits, unpack_uint
+from gossipgrad.compression.errors import DecodeError
+from gossipgrad.compression.spec import StageArgs, register
+
+__all__ = ["BF16", "FP16", "QSGD", "Identity", "Int4", "Int8", "Sign"]
+
+_MAX_BLOCK = 1 << 16
+
+
+def _parse_block(args: StageArgs, default: int) -> int:
+    block = args.int_option("block", default)
+    if block < 8 or block > _MAX_BLOCK or block & (block - 1):
+        raise ValueError(f"block={block} must be a power of two in 8..{_MAX_BLOCK}")
+    return block
+
+
+def _block_suffix(block: int, default: int) -> str:
+    return "" if block == default else f":block={block}"
+
+
+def _per_block(x: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """``x[i] * scales[i // block]`` for a 1-D float32 ``x`` (one rounding per element)."""
+    n = x.numel()
+    full = n - n % block
+    out = torch.empty_like(x)
+    if full:
+        nb = full // block
+        torch.mul(x[:full].view(nb, block), scales[:nb, None], out=out[:full].view(nb, block))
+    if full < n:
+        torch.mul(x[full:], scales[full // block], out=out[full:])
+    return out
+
+
+def _blocks(v: torch.Tensor, block: int) -> torch.Tensor:
+    """View ``v`` as (blocks, block), zero-padding the last block."""
+    pad = (-v.numel()) % block
+    if pad:
+        v = torch.cat([v, v.new_zeros(pad)])
+    return v.view(-1, block)
+
+
+@register
+class Identity(Quantizer):
+    """``none``: values travel in the tensor's own dtype. Lossless."""
+
+    name = "none"
+    grammar = "none"
+    lossless = True
+
+    @classmethod
+    def from_args(cls, args: StageArgs) -> Identity:
+        args.expect()
+        return cls()
+
+    @property
+    def spec(self) -> str:
+        return "none"
+
+    def value_bits(self, dtype: torch.dtype) -> int:
+        return torch.finfo(dtype).bits
+
+    def quantize(self, v, gen):
+        return v.contiguous().view(torch.uint8), None
+
+    def dequantize(self, values, scales, count, dtype):
+        return values.view(dtype)[:count]
+
+    def check(self, values, scales, count, dtype):
+        for lo in range(0, values.numel(), CHUNK * 8):
+            if not _all_finite(values[lo : lo + CHUNK * 8].view(dtype)):
+                raise DecodeError("non-finite value in payload")
+
+
+class _Float16Like(Quantizer):
+    """Round to a 16-bit float, saturating at its largest finite value.
+
+    Error bound (round to nearest): ``|x - d| <= 2**-p * |x|`` with p = 11 for fp16 and 8 for
+    bf16, for |x| in the normal range; fp16 adds an absolute 2**-25 below 2**-14.
+    """
+
+    target: ClassVar[torch.dtype]
+
+    @classmethod
+    def from_args(cls, args: StageArgs) -> Quantizer:
+        args.expect()
+        return cls()
+
+    @property
+    def spec(self) -> str:
+        return self.name
+
+    def value_bits(self, dtype: torch.dtype) -> int:
+        return 16
+
+    def quantize(self, v, gen):
+        m = torch.finfo(self.target).max
+        return v.clamp(-m, m).to(self.target).view(torch.uint8), None
+
+    def dequantize(self, values, scales, count, dtype):
+        return values.view(self.target)[:count].to(dtype)
+
+    def check(self, values, scales, count, dtype):
+        for lo in range(0, values.numel(), CHUNK * 2):
+            if not _all_finite(values[lo : lo + CHUNK * 2].view(self.target)):
+                raise DecodeError("non-finite value in payload")
+
+
+@register
+class FP16(_Float16Like):
+    """``fp16``: IEEE half precision (11-bit significand); lossless on fp16-representable input."""
+
+    name = "fp16"
+    grammar = "fp16"
+    target = torch.float16
+
+
+@register
+class BF16(_Float16Like):
+    """``bf16``: bfloat16 (8-bit significand, float32's range)."""
+
+    name = "bf16"
+    grammar = "bf16"
+    target = torch.bfloat16
+
+
+class _BlockInt(Quantizer):
+    """Symmetric blockwise integer quantization with absmax scales.
+
+    Per block of ``block`` values: ``scale = max|v| / qmax``, ``q = round(v / scale)`` (or with
+    ``sr``, stochastic rounding ``floor(v / scale + u)``, u ~ U[0, 1): unbiased), decoded as
+    ``q * scale``. Error bound: ``|v - d| <= scale / 2`` (``< scale`` with sr), so at most
+    ``max|v| / (2 * qmax)`` per block.
+    """
+
+    bits: ClassVar[int]
+    default_block: ClassVar[int]
+
+    def __init__(self, *, sr: bool = False, block: int | None = None) -> None:
+        self.stochastic = bool(sr)
+        self.block = self.default_block if block is None else block
+        if self.block < 8 or self.block > _MAX_BLOCK or self.block & (self.block - 1):
+            raise ValueError(f"block={self.block} must be a power of two in 8..{_MAX_BLOCK}")
+
+    @classmethod
+    def from_args(cls, args: StageArgs) -> Quantizer:
+        args.expect(flags=("sr",), options=("block",))
+        return cls(sr="sr" in args.flags, block=_parse_block(args, cls.default_block))
+
+    @property
+    def spec(self) -> str:
+        sr = ":sr" if self.stochastic else ""
+        return f"{self.name}{sr}{_block_suffix(self.block, self.default_block)}"
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.bits - 1)) - 1
+
+    def max_level(self) -> float:
+        return float(self.qmax + 1)
+
+    def value_bits(self, dtype: torch.dtype) -> int:
+        return self.bits
+
+    def quantize(self, v, gen):
+        m = v.numel()
+        b = _blocks(v.float(), self.block)
+        scale = b.abs().amax(1) / self.qmax
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        y = b / safe[:, None]
+        if self.stochastic:
+            y.add_(torch.rand(y.shape, generator=gen, device=y.device)).floor_()
+        else:
+            y.round_()
+        q = y.clamp_(-self.qmax, self.qmax).to(torch.int8).view(-1)[:m]
+        return self._pack(q), scale
+
+    def dequantize(self, values, scales, count, dtype):
+        q = self._unpack(values, count).to(torch.float32)
+        return _per_block(q, scales, self.block).to(dtype)
+
+
+@register
+class Int8(_BlockInt):
+    """``int8[:sr][:block=N]``: 8-bit blockwise (default block 256); error <= max|v|/254."""
+
+    name = "int8"
+    grammar = "int8[:sr][:block=N]"
+    bits = 8
+    default_block = 256
+
+    def _pack(self, q: torch.Tensor) -> torch.Tensor:
+        return q.view(torch.uint8)
+
+    def _unpack(self, values: torch.Tensor, count: int) -> torch.Tensor:
+        return values[:count].view(torch.int8)
+
+
+@register
+class Int4(_BlockInt):
+    """``int4[:sr][:block=N]``: 4-bit blockwise, two per byte (default block 64); error <=
+    max|v|/14."""
+
+    name = "int4"
+    grammar = "int4[:sr][:block=N]"
+    bits = 4
+    default_block = 64
+
+    def _pack(self, q: torch.Tensor) -> torch.Tensor:
+        u = (q + 8).to(torch.uint8)
+        if u.numel() % 2:
+            u = torch.cat([u, u.new_zeros(1)])
+        return (u[0::2] << 4) | u[1::2]
+
+    def _unpack(self, values: torch.Tensor, count: int) -> torch.Tensor:
+        pairs = torch.stack([values >> 4, values & 15], 1).view(-1)[:count]
+        return pairs.to(torch.int8) - 8
+
+
+@register
+class QSGD(Quantizer):
+    """``qsgd:LEVELS[:block=N]``: QSGD (Alistarh et al., NeurIPS 2017) with s = LEVELS.
+
+    Per bucket of ``block`` values (default 512, as in the paper): ``scale = ||v||_2 / s`` and
+    ``level = floor(|v| / scale + u)``, u ~ U[0, 1), so ``E[d] = v``. Sign and level travel as
+    one symbol ``sign * level + s`` in ``ceil(log2(2s + 1))`` bits. Error bound: ``|v - d| <
+    scale = ||bucket||_2 / s``.
+    """
+
+    name = "qsgd"
+    grammar = "qsgd:LEVELS[:block=N] (LEVELS 1..127)"
+    default_block = 512
+    stochastic = True
+
+    def __init__(self, levels: int, *, block: int | None = None) -> None:
+        if not isinstance(levels, int) or not 1 <= levels <= 127:
+            raise ValueError(f"qsgd levels must be an integer in 1..127, got {levels!r}")
+        self.levels = levels
+        self.block = self.default_block if block is None else block
+        if self.block < 8 or self.block > _MAX_BLOCK or self.block & (self.block - 1):
+            raise ValueError(f"block={self.block} must be a power of two in 8..{_MAX_BLOCK}")
+        self.width = math.ceil(math.log2(2 * levels + 1))
+
+    @classmethod
+    def from_args(cls, args: StageArgs) -> QSGD:
+        args.expect(positional=1, options=("block",))
+        try:
+            levels = int(args.positional[0])
+        except ValueError:
+            raise ValueError(f"qsgd levels {args.positional[0]!r} is not an integer") from None
+        return cls(levels, block=_parse_block(args, cls.default_block))
+
+    @property
+    def spec(self) -> str:
+        return f"qsgd:{self.levels}{_block_suffix(self.block, self.default_block)}"
+
+    def value_bits(self, dtype: torch.dtype) -> int:
+        return self.width
+
+    def max_level(self) -> float:
+        return float((1 << self.width) - 1 - self.levels)
+
+    def quantize(self, v, gen):
+        m = v.numel()
+        b = _blocks(v.float(), self.block)
+        amax = b.abs().amax(1)
+        safe_amax = torch.where(amax > 0, amax, torch.ones_like(amax))
+        # ||b|| computed on b / max|b| so that squaring cannot overflow float32.
+        norm = (b / safe_amax[:, None]).norm(dim=1) * amax
+        scale = norm / self.levels
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        y = b.abs() / safe[:, None]
+        y.add_(torch.rand(y.shape, generator=gen, device=y.device)).floor_()
+        y.clamp_(0, self.levels).mul_(torch.where(b < 0, -1.0, 1.0)).add_(self.levels)
+        sym = y.view(-1)[:m].to(torch.int64)
+        return pack_uint(sym, self.width), scale
+
+    def dequantize(self, values, scales, count, dtype):
+        sym = unpack_uint(values, self.width, count)
+        q = (sym - self.levels).to(torch.float32)
+        return _per_block(q, scales, self.block).to(dtype)
+
+    def check(self, values, scales, count, dtype):
+        super().check(values, scales, count, dtype)
+        for lo in range(0, count, CHUNK):
+            hi = min(count, lo + CHUNK)
+            chunk = values[lo * self.width // 8 : (hi * self.width + 7) // 8]
+            sym = unpack_uint(chunk, self.width, hi - lo)
+            if sym.numel() and int(sym.max()) > 2 * self.levels:
+                raise DecodeError(f"qsgd symbol above {2 * self.levels}")
+
+
+@register
+class Sign(Quantizer):
+    """``sign[:block=N]``: scaled sign, 1 bit per value plus a float32 scale per block.
+
+    ``d = sign(v) * mean|v|`` per block (default 256): the magnitude-corrected signSGD
+    (Bernstein et al., ICML 2018) used with error feedback by Karimireddy et al. (ICML 2019).
+    Bound: ``||v - d||^2 = ||v||^2 - n * mean|v|^2 <= ||v||^2`` per block (contractive), and
+    ``|v - d| <= max|v|`` per element.
+    """
+
+    name = "sign"
+    grammar = "sign[:block=N]"
+    default_block = 256
+
+    def __init__(self, *, block: int | None = None) -> None:
+        self.block = self.default_block if block is None else block
+        if self.block < 8 or self.block > _MAX_BLOCK or self.block & (self.block - 1):
+            raise ValueError(f"block={self.block} must be a power of two in 8..{_MAX_BLOCK}")
+
+    @classmethod
+    def from_args(cls, args: StageArgs) -> Sign:
+        args.expect(options=("block",))
+        return cls(block=_parse_block(args, cls.default_block))
+
+    @property
+    def spec(self) -> str:
+        return f"sign{_block_suffix(self.block, self.default_block)}"
+
+    def value_bits(self, dtype: torch.dtype) -> int:
+        return 1
+
+    def quantize(self, v, gen):
+        m = v.numel()
+        v32 = v.float()
+        b = _blocks(v32, self.block)
+        sizes = torch.full((b.shape[0],), float(self.block), device=v.device)
+        sizes[-1] = m - (b.shape[0] - 1) * self.block
+        scale = b.abs().sum(1) / sizes
+        return pack_bits(v32 >= 0), scale
+
+    def dequantize(self, values, scales, count, dtype):
+        bits = unpack_bits(values, count)
+        signs = bits.to(torch.float32).mul_(2).sub_(1)
+        return _per_block(signs, scales, self.block).to(dtype)
