@@ -161,6 +161,10 @@ def test_dirichlet_is_skewed_and_iid_is_not() -> None:
     assert skew_01 > 0.5
     assert skew_01 > skew_1 > skew_100
     assert skew_100 < 0.1
+    # Very skewed draws leave peers (nearly) empty: shards are topped up to 10% of fair share.
+    tiny = dirichlet_partition(labels[:1000], 20, 0.01, seed=0)
+    assert min(len(s) for s in tiny) >= 5
+    assert np.array_equal(np.sort(np.concatenate(tiny)), np.arange(1000))
 
 
 @pytest.mark.timeout(30)
