@@ -44,6 +44,7 @@ from gossipgrad.peer.channel import (
     UpdateRejected,
     client_channel_args,
     server_channel_args,
+    tune_malloc,
 )
 from gossipgrad.peer.chunking import BufferPool, ChunkCodec, Malformed, data_prefix
 from gossipgrad.peer.metrics import REJECT_REASONS
@@ -147,6 +148,8 @@ class GossipServer:
             if self._server is not None:
                 return self._port
             o = self.options
+            if o.tune_malloc:
+                tune_malloc()
             server = grpc.server(
                 futures.ThreadPoolExecutor(
                     max_workers=o.server_threads, thread_name_prefix="gossip-server"
@@ -369,6 +372,8 @@ class PeerClient:
     def __init__(self, address: str, options: TransportOptions | None = None) -> None:
         self.address = address
         self.options = options or TransportOptions()
+        if self.options.tune_malloc:
+            tune_malloc()
         self._channel = grpc.insecure_channel(address, options=client_channel_args(self.options))
         self._push = self._channel.stream_unary(
             _PUSH,
