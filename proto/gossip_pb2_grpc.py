@@ -28,6 +28,14 @@ if _version_not_supported:
 class GossipStub:
     """---------------------------------------------------------------- gossip service
 
+    Errors. A refused call ends with a gRPC status, a human-readable detail and, in trailing
+    metadata "gossipgrad-reject-reason", a short reason token from a closed set ("malformed",
+    "too_large", "unknown_swarm", "unknown_sender", "fingerprint", ...). The transport itself
+    answers RESOURCE_EXHAUSTED/"too_large" to a header whose payload_size exceeds the
+    receiver's limit (before reading any payload) and INVALID_ARGUMENT/"malformed" to a stream
+    that does not start with exactly one header or whose data do not add up to payload_size.
+    Failures without a reason (UNAVAILABLE, DEADLINE_EXCEEDED) are the network's; every method
+    is safe to retry (receivers deduplicate pushes by the per-edge seq).
     """
 
     def __init__(self, channel):
@@ -56,11 +64,20 @@ class GossipStub:
 class GossipServicer:
     """---------------------------------------------------------------- gossip service
 
+    Errors. A refused call ends with a gRPC status, a human-readable detail and, in trailing
+    metadata "gossipgrad-reject-reason", a short reason token from a closed set ("malformed",
+    "too_large", "unknown_swarm", "unknown_sender", "fingerprint", ...). The transport itself
+    answers RESOURCE_EXHAUSTED/"too_large" to a header whose payload_size exceeds the
+    receiver's limit (before reading any payload) and INVALID_ARGUMENT/"malformed" to a stream
+    that does not start with exactly one header or whose data do not add up to payload_size.
+    Failures without a reason (UNAVAILABLE, DEADLINE_EXCEEDED) are the network's; every method
+    is safe to retry (receivers deduplicate pushes by the per-edge seq).
     """
 
     def PushUpdate(self, request_iterator, context):
         """Push one update on the directed edge sender -> receiver. The first chunk carries the
-        header, the following chunks the encoded TensorEnvelope bytes.
+        header, the following chunks the encoded TensorEnvelope bytes (each chunk one gRPC
+        message well under the 4 MiB default cap; 1 MiB by default).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -74,7 +91,8 @@ class GossipServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DownloadState(self, request, context):
-        """A joining (or re-joining) peer downloads model, optimizer and public-copy state.
+        """A joining (or re-joining) peer downloads model, optimizer and public-copy state: first a
+        StateChunk with the header, then data chunks adding up to header.payload_size.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -109,6 +127,14 @@ def add_GossipServicer_to_server(servicer, server):
 class Gossip:
     """---------------------------------------------------------------- gossip service
 
+    Errors. A refused call ends with a gRPC status, a human-readable detail and, in trailing
+    metadata "gossipgrad-reject-reason", a short reason token from a closed set ("malformed",
+    "too_large", "unknown_swarm", "unknown_sender", "fingerprint", ...). The transport itself
+    answers RESOURCE_EXHAUSTED/"too_large" to a header whose payload_size exceeds the
+    receiver's limit (before reading any payload) and INVALID_ARGUMENT/"malformed" to a stream
+    that does not start with exactly one header or whose data do not add up to payload_size.
+    Failures without a reason (UNAVAILABLE, DEADLINE_EXCEEDED) are the network's; every method
+    is safe to retry (receivers deduplicate pushes by the per-edge seq).
     """
 
     @staticmethod
