@@ -4,11 +4,11 @@ It serves PeerMetrics on 127.0.0.1 (port 0), writes ``READY <port>`` on stdout, 
 gossip rounds with realistic numbers -- top-1% + int8 updates of a ``--params`` model (so the
 compression ratio is ~170x), pushes and round latencies drawn from log-normal distributions,
 a decaying loss and consensus distance, rising accuracy, a resync every 25 rounds, a stale
-update now and then -- until ``--stop-file`` exists. Then it goes quiet like a peer whose
-training finished: only heartbeats move, until SIGTERM or ``--max-seconds``.
+update now and then -- until SIGTERM or ``--max-seconds``. Heartbeats are counted without
+a neighbour (``UNATTRIBUTED``), as the daemon's membership layer does.
 
-Used until the real daemon (``python -m gossipgrad.peer --config site.toml``) can be scraped
-instead; see tests/test_prometheus_e2e.py.
+tests/test_prometheus_e2e.py scrapes a swarm of these next to a swarm of real daemons: the
+fake one is deterministic in shape (every series moves) and starts in a second.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import random
 import signal
 import sys
 import time
-from pathlib import Path
 
-from gossipgrad.peer.metrics import PeerMetrics
+from gossipgrad.peer.metrics import UNATTRIBUTED, PeerMetrics
 
 HEARTBEAT_BYTES = 48
 HEADER_BYTES = 96
@@ -41,7 +40,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", type=int, default=1_000_000)
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--round-seconds", type=float, default=0.05)
-    ap.add_argument("--stop-file", type=Path, required=True)
     ap.add_argument("--max-seconds", type=float, default=120.0)
     args = ap.parse_args(argv)
 
@@ -73,9 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         m.record_sent(n, "state", HEADER_BYTES)
 
     r = 0
-    while not stopping and not args.stop_file.exists():
-        if time.monotonic() - start > args.max_seconds:
-            return 1
+    while not stopping and time.monotonic() - start < args.max_seconds:
         t0 = time.monotonic()
         loss = 2.3 * math.exp(-r / 60) + 0.1 + rng.uniform(0, 0.05)
         m.record_step(loss=loss, samples=32)
@@ -83,9 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         for n in neighbors:
             m.record_sent(n, "update", update_wire_bytes(args.params, args.density, rng), dense)
             m.record_received(n, "update", update_wire_bytes(args.params, args.density, rng))
-            m.record_sent(n, "heartbeat", HEARTBEAT_BYTES)
-            m.record_received(n, "heartbeat", HEARTBEAT_BYTES)
             m.observe_push(n, rng.lognormvariate(math.log(0.02), 0.5))
+        m.record_sent(UNATTRIBUTED, "heartbeat", HEARTBEAT_BYTES * len(neighbors))
+        m.record_received(UNATTRIBUTED, "heartbeat", HEARTBEAT_BYTES * len(neighbors))
         if r % 25 == 24:
             n = neighbors[r // 25 % len(neighbors)]
             m.record_resync(n)
@@ -100,13 +96,6 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(max(0.0, args.round_seconds - (time.monotonic() - t0)))
         m.observe_round(time.monotonic() - t0)
         r += 1
-
-    # Training finished: the peer stays up and only heartbeats move.
-    while not stopping and time.monotonic() - start < args.max_seconds:
-        for n in neighbors:
-            m.record_sent(n, "heartbeat", HEARTBEAT_BYTES)
-            m.record_received(n, "heartbeat", HEARTBEAT_BYTES)
-        time.sleep(0.5)
     m.stop()
     return 0
 
