@@ -280,6 +280,8 @@ def test_user_task_module_factory() -> None:
         for i in range(4)
     ]
     assert sum(t.num_train_samples for t in skewed) == 400
+    with pytest.raises(ValueError, match="no training samples"):
+        build_task("tiny_user_task:make_task", _ctx(peer_index=499, num_peers=500))
 
 
 @pytest.mark.timeout(60)

@@ -285,6 +285,11 @@ class Task:
                 raise ValueError(f"{len(y)} labels for {num_items} training samples")
             shards = dirichlet_partition(y, ctx.num_peers, ctx.alpha, ctx.seed)
         mine = torch.from_numpy(shards[ctx.peer_index])
+        if len(mine) == 0:
+            raise ValueError(
+                f"peer {ctx.peer_index} got no training samples: {num_items} samples cannot "
+                f"be split between {ctx.num_peers} peers (use fewer peers or more data)"
+            )
         if tensors is not None:
             shard = tuple(t[mine] for t in tensors)
 
