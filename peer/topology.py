@@ -8,6 +8,7 @@ time-varying graph: the union over one period of rounds is connected).
 Topologies (see docs/topologies.md):
 
 - ``ring``: i-1 and i+1 (mod n).
+- ``torus``: a 2-D grid with wrap-around, as square as n allows (prime n: the ring).
 - ``full``: everybody.
 - ``random-regular``: a random d-regular graph, the same for every peer given (seed, n, d).
 - ``exponential``: i +- 2^k (mod n) for 2^k < n, the static exponential graph of Ying et al.,
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
@@ -84,6 +86,36 @@ class Full(Topology):
     def neighbors(self, i: int, n: int, round: int = 0) -> list[int]:
         _check(i, n)
         return [j for j in range(n) if j != i]
+
+
+class Torus(Topology):
+    """2-D torus: peers on a rows x cols grid with wrap-around, four neighbours each.
+
+    rows is the largest divisor of n not above sqrt(n), so the grid is as square as n allows;
+    a prime n gives a 1 x n grid, which is the ring. Sides of length 2 give fewer distinct
+    neighbours (up and down coincide); MH weights handle the uneven degrees.
+    """
+
+    name = "torus"
+
+    @staticmethod
+    def shape(n: int) -> tuple[int, int]:
+        """(rows, cols) of the grid used for n peers."""
+        rows = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
+        return rows, n // rows
+
+    def neighbors(self, i: int, n: int, round: int = 0) -> list[int]:
+        _check(i, n)
+        rows, cols = self.shape(n)
+        r, c = divmod(i, cols)
+        out = {
+            ((r - 1) % rows) * cols + c,
+            ((r + 1) % rows) * cols + c,
+            r * cols + (c - 1) % cols,
+            r * cols + (c + 1) % cols,
+        }
+        out.discard(i)
+        return sorted(out)
 
 
 class Exponential(Topology):
@@ -211,6 +243,7 @@ def _is_connected(adj: list[list[int]]) -> bool:
 
 TOPOLOGIES: tuple[str, ...] = (
     "ring",
+    "torus",
     "full",
     "random-regular",
     "exponential",
@@ -242,6 +275,7 @@ def topology_from_name(name: str, seed: int = 0, degree: int | None = None) -> T
         )
     return {
         "ring": Ring,
+        "torus": Torus,
         "full": Full,
         "exponential": Exponential,
         "one-peer-exponential": OnePeerExponential,

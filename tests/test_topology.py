@@ -71,6 +71,10 @@ def test_shapes_of_known_topologies() -> None:
     assert ring.neighbors(0, 8) == [1, 7]
     assert ring.neighbors(0, 2) == [1]
     assert full.neighbors(2, 4) == [0, 1, 3]
+    torus = topology_from_name("torus")
+    assert torus.neighbors(0, 16) == [1, 3, 4, 12]  # 4 x 4 grid
+    assert torus.neighbors(5, 12) == [1, 4, 6, 9]  # 3 x 4 grid
+    assert torus.neighbors(0, 7) == ring.neighbors(0, 7)  # prime n: 1 x 7, the ring
     expo = topology_from_name("exponential")
     assert expo.neighbors(0, 16) == [1, 2, 4, 8, 12, 14, 15]
     assert expo.neighbors(0, 1) == []
