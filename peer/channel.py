@@ -250,4 +250,6 @@ class UpdateRejected(TransportError):
     ) -> None:
         if reason not in REJECT_REASONS:
             raise ValueError(f"reject reason {reason!r} is not one of {REJECT_REASONS}")
+        if code == grpc.StatusCode.OK:
+            raise ValueError("a rejection needs an error status code, not OK")
         super().__init__(code, reason, detail, attempts)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
+import socket
 import threading
 import time
 
@@ -353,6 +354,37 @@ def test_handler_crash_is_internal_and_server_stays_up(servers, clients):
 def test_unknown_reject_reason_is_a_programming_error():
     with pytest.raises(ValueError, match="reject reason"):
         UpdateRejected(grpc.StatusCode.INVALID_ARGUMENT, "whatever", "x")
+    with pytest.raises(ValueError, match="OK"):
+        UpdateRejected(grpc.StatusCode.OK, "malformed", "x")
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no ::1 here")
+def test_ipv6_loopback(clients):
+    rec = Recorder()
+    server = GossipServer(rec, bind="[::1]:0", options=FAST)
+    server.start()
+    try:
+        assert server.address == f"[::1]:{server.port}"
+        clients(server.address).push(_header(), b"over ipv6")
+        assert rec.updates[0][2].startswith("ipv6:")
+    finally:
+        server.stop(grace=0.5)
+
+
+def test_second_server_on_a_taken_port_fails(servers):
+    first = servers(Recorder())
+    with pytest.raises(OSError):
+        GossipServer(Recorder(), bind=f"127.0.0.1:{first.port}", options=FAST).start()
 
 
 def test_options_validate():
