@@ -31,7 +31,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_DEGREE = 4
+DEFAULT_DEGREE = 3
 """Degree of ``random-regular`` when none is given."""
 
 
