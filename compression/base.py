@@ -189,7 +189,11 @@ class Codec(abc.ABC):
             raise DecodeError(f"payload dtype {env.dtype} != out dtype {out.dtype}")
         parts = self._read(env, out.device)
         sp, _ = self.stages()
-        target = out.view(-1) if out.is_contiguous() else torch.zeros_like(out).view(-1)
+        target = (
+            out.view(-1)
+            if out.is_contiguous()
+            else torch.zeros(out.numel(), dtype=out.dtype, device=out.device)
+        )
         if sp is None:
             self._apply_dense(parts, target, alpha=alpha)
         else:
@@ -266,6 +270,9 @@ def _quantize_chunked(
     q: Quantizer, vals: torch.Tensor, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     n = vals.numel()
+    if n == 0:
+        empty = torch.empty(0, dtype=torch.uint8, device=vals.device)
+        return empty, (empty.float() if q.block else None)
     gen = None
     if q.stochastic:
         gen = torch.Generator(device=vals.device)

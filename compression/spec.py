@@ -90,6 +90,14 @@ class StageArgs:
             raise ValueError(f"option {key}={raw!r} in {self.stage!r} is not an integer") from None
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _parse_stage(text: str) -> tuple[str, StageArgs]:
     parts = [p.strip() for p in text.split(":")]
     name = parts[0]
@@ -105,7 +113,7 @@ def _parse_stage(text: str) -> tuple[str, StageArgs]:
             if not _WORD.match(k) or not v or k in args.options:
                 raise ValueError(f"bad option {p!r} in {text.strip()!r}")
             args.options[k] = v
-        elif _WORD.match(p):
+        elif _WORD.match(p) and not _is_number(p):
             args.flags.append(p)
         else:
             args.positional.append(p)

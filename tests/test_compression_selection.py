@@ -1,0 +1,143 @@
+"""Top-k selection (approximate vs exact) and the bit-packing it relies on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gossipgrad.compression import DecodeError
+from gossipgrad.compression.bitpack import (
+    pack_bits,
+    pack_uint,
+    rice_bits_for,
+    rice_decode,
+    rice_encode,
+    rice_max_bytes,
+    unpack_bits,
+    unpack_uint,
+)
+from gossipgrad.compression.selection import approx_topk_indices, exact_topk_indices
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.timeout(120)
+SETTINGS = settings(max_examples=60, deadline=None, derandomize=True)
+
+
+def student_t(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    normal = torch.randn(n, generator=g)
+    chi2 = torch.randn(n, 3, generator=g).pow(2).sum(1)
+    return normal / (chi2 / 3).sqrt()
+
+
+@pytest.mark.parametrize("use_numpy", [True, False])
+@pytest.mark.parametrize(("n", "ratio"), [(1_000_000, 0.01), (2_000_000, 0.001), (300_000, 0.1)])
+def test_approx_topk_matches_exact_energy_and_count(use_numpy: bool, n: int, ratio: float) -> None:
+    x = student_t(n, seed=n)
+    k = round(ratio * n)
+    approx = approx_topk_indices(x, k, seed=3, use_numpy=use_numpy)
+    exact = exact_topk_indices(x, k)
+    assert approx.dtype == torch.int64 and bool((approx.diff() > 0).all())
+    assert 0.95 * k <= approx.numel() <= k
+    e_approx = float(x[approx].double().pow(2).sum())
+    e_exact = float(x[exact].double().pow(2).sum())
+    assert e_approx >= 0.95 * e_exact
+    # In practice the selection is the exact top-k set (continuous data: no ties).
+    assert torch.equal(approx, exact)
+
+
+def test_approx_topk_ties_and_zeros() -> None:
+    x = torch.zeros(200_000)
+    x[::7] = 1.0  # 28572 tied non-zeros, k below that: ties resolved towards low indices
+    idx = approx_topk_indices(x, 1000, seed=1)
+    assert idx.numel() == 1000 and bool((x[idx] == 1).all())
+    assert torch.equal(idx, torch.arange(0, 7000, 7))
+    sparse = torch.zeros(500_000)
+    sparse[[5, 17, 400_000]] = torch.tensor([3.0, -4.0, 0.5])
+    # fewer non-zeros than k: the non-zeros are all that is worth sending
+    assert approx_topk_indices(sparse, 5000, seed=0).tolist() == [5, 17, 400_000]
+    assert approx_topk_indices(torch.zeros(100_000), 100).numel() == 0
+
+
+def test_exact_topk_edges() -> None:
+    x = torch.tensor([3.0, -5.0, 1.0])
+    assert exact_topk_indices(x, 0).numel() == 0
+    assert exact_topk_indices(x, 3).tolist() == [0, 1, 2]
+    assert exact_topk_indices(x, 1).tolist() == [1]
+
+
+# ----------------------------------------------------------------------------- bit packing
+
+
+@pytest.mark.parametrize("use_numpy", [True, False])
+@given(bits=st.lists(st.booleans(), max_size=100))
+@SETTINGS
+def test_pack_bits_round_trip(use_numpy: bool, bits: list[bool]) -> None:
+    t = torch.tensor(bits, dtype=torch.bool)
+    packed = pack_bits(t, use_numpy=use_numpy)
+    assert packed.numel() == (len(bits) + 7) // 8
+    assert torch.equal(unpack_bits(packed, len(bits), use_numpy=use_numpy).bool(), t)
+    assert torch.equal(packed, pack_bits(t, use_numpy=not use_numpy))
+
+
+@given(
+    width=st.integers(1, 40),
+    data=st.data(),
+)
+@SETTINGS
+def test_pack_uint_round_trip_both_paths(width: int, data: st.DataObject) -> None:
+    vals = data.draw(st.lists(st.integers(0, 2**width - 1), max_size=60))
+    t = torch.tensor(vals, dtype=torch.int64)
+    a = pack_uint(t, width, use_numpy=True)
+    b = pack_uint(t, width, use_numpy=False)
+    assert torch.equal(a, b) and a.numel() == (len(vals) * width + 7) // 8
+    for use_numpy in (True, False):
+        assert unpack_uint(a, width, len(vals), use_numpy=use_numpy).tolist() == vals
+
+
+@given(
+    numel=st.integers(1, 5000),
+    data=st.data(),
+)
+@SETTINGS
+def test_rice_round_trip_and_size_bound(numel: int, data: st.DataObject) -> None:
+    idx = sorted(data.draw(st.sets(st.integers(0, numel - 1), max_size=300)))
+    t = torch.tensor(idx, dtype=torch.int64)
+    bits = rice_bits_for(len(idx), numel)
+    if data.draw(st.booleans()):
+        bits = data.draw(st.integers(0, 12))
+    enc = rice_encode(t, bits, use_numpy=True)
+    assert torch.equal(enc, rice_encode(t, bits, use_numpy=False))
+    assert enc.numel() <= rice_max_bytes(len(idx), numel, bits)
+    for use_numpy in (True, False):
+        assert rice_decode(enc, bits, len(idx), numel, use_numpy=use_numpy).tolist() == idx
+
+
+def test_rice_size_near_entropy_floor() -> None:
+    rng = np.random.default_rng(0)
+    n, k = 10_000_000, 100_000
+    idx = torch.from_numpy(np.sort(rng.choice(n, k, replace=False)))
+    enc = rice_encode(idx, rice_bits_for(k, n))
+    # entropy of the gaps ~ log2(e * n / k) bits = 1.04 bytes per index
+    assert enc.numel() / k < 1.12
+
+
+@pytest.mark.parametrize("use_numpy", [True, False])
+def test_rice_decode_rejects_bad_streams(use_numpy: bool) -> None:
+    idx = torch.tensor([3, 9, 10, 500], dtype=torch.int64)
+    enc = rice_encode(idx, 4)
+    with pytest.raises(DecodeError, match="out of range"):
+        rice_decode(enc, 4, 4, 500, use_numpy=use_numpy)
+    with pytest.raises(DecodeError, match="gaps"):
+        rice_decode(enc, 4, 3, 1000, use_numpy=use_numpy)
+    with pytest.raises(DecodeError, match="trailing"):
+        # an extra zero byte between the unary stream and the remainders (2 bytes)
+        padded = torch.cat([enc[:-2], torch.zeros(1, dtype=torch.uint8), enc[-2:]])
+        rice_decode(padded, 4, 4, 1000, use_numpy=use_numpy)
+    with pytest.raises(DecodeError):
+        rice_decode(enc[:1], 4, 4, 1000, use_numpy=use_numpy)
+    with pytest.raises(DecodeError, match="index_bits"):
+        rice_decode(enc, 99, 4, 1000, use_numpy=use_numpy)
+    with pytest.raises(DecodeError, match="0 indices"):
+        rice_decode(enc, 4, 0, 1000, use_numpy=use_numpy)
