@@ -10,7 +10,8 @@ the whole payload sits in the receiver's buffer; 1 GB = 1e9 bytes of payload.
 
 Variants (``--variants``): ``fast`` is PeerClient as shipped; ``protobuf`` wraps every chunk
 in a protobuf ``UpdateChunk`` with the generated stub; ``nopool`` allocates a fresh receive
-buffer per push (``recv_pool_bytes=0``).
+buffer per push (``recv_pool_bytes=0``). ``--no-tune-malloc`` runs everything with glibc's
+default malloc thresholds (see ``gossipgrad.peer.channel.tune_malloc``).
 
 Example::
 
@@ -58,9 +59,11 @@ class _Sink:
         return pb.StateHeader(), b""
 
 
-def serve_grpc(max_bytes: int, pool: bool) -> None:
+def serve_grpc(max_bytes: int, pool: bool, tune: bool) -> None:
     pool_bytes = 2 * max_bytes + 2 * MiB if pool else 0  # room for the granule rounding
-    opts = TransportOptions(max_payload_bytes=max_bytes, recv_pool_bytes=pool_bytes)
+    opts = TransportOptions(
+        max_payload_bytes=max_bytes, recv_pool_bytes=pool_bytes, tune_malloc=tune
+    )
     server = GossipServer(_Sink(), bind="127.0.0.1:0", options=opts)
     server.start()
     print(server.address, flush=True)
@@ -160,10 +163,15 @@ def run(args: argparse.Namespace) -> int:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         addresses = {}
         for kind in sorted({"grpc-nopool" if v == "nopool" else "grpc" for v in variants}):
-            procs[kind], addresses[kind] = _spawn("--serve", kind, "--max-bytes", str(max_bytes))
+            extra = ["--no-tune-malloc"] if args.no_tune_malloc else []
+            procs[kind], addresses[kind] = _spawn(
+                "--serve", kind, "--max-bytes", str(max_bytes), *extra
+            )
         load = os.getloadavg()
         print(
-            f"# {os.cpu_count()} CPUs, load {load[0]:.2f}; {args.repeats} timed pushes per cell, "
+            f"# {os.cpu_count()} CPUs, load {load[0]:.2f}; "
+            f"malloc tuned: {not args.no_tune_malloc}; "
+            f"{args.rounds}x{args.repeats} timed pushes per cell, "
             "TCP and gRPC alternating; GB/s of payload (1 GB = 1e9 B), median [best]; "
             "CPU = sender + receiver CPU seconds per GB"
         )
@@ -177,7 +185,11 @@ def run(args: argparse.Namespace) -> int:
         for variant in variants:
             kind = "grpc-nopool" if variant == "nopool" else "grpc"
             for chunk in chunks:
-                opts = TransportOptions(chunk_size=chunk, max_payload_bytes=max_bytes)
+                opts = TransportOptions(
+                    chunk_size=chunk,
+                    max_payload_bytes=max_bytes,
+                    tune_malloc=not args.no_tune_malloc,
+                )
                 client = PeerClient(addresses[kind], options=opts)
                 channel = grpc.insecure_channel(addresses[kind], options=[
                     ("grpc.max_send_message_length", opts.max_message_bytes),
@@ -242,6 +254,9 @@ def main() -> int:
     )
     parser.add_argument("--chunk-kib", default="1024", help="chunk sizes to try, KiB")
     parser.add_argument("--variants", default="fast", help="fast,protobuf,nopool")
+    parser.add_argument(
+        "--no-tune-malloc", action="store_true", help="leave glibc malloc thresholds alone"
+    )
     parser.add_argument("--serve", choices=["grpc", "grpc-nopool", "tcp"], help=argparse.SUPPRESS)
     parser.add_argument("--max-bytes", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -249,7 +264,7 @@ def main() -> int:
         serve_tcp(args.max_bytes)
         return 0
     if args.serve:
-        serve_grpc(args.max_bytes, pool=args.serve == "grpc")
+        serve_grpc(args.max_bytes, pool=args.serve == "grpc", tune=not args.no_tune_malloc)
         return 0
     unknown = set(args.variants.split(",")) - {"fast", "protobuf", "nopool"}
     if unknown:
