@@ -318,20 +318,24 @@ class GossipServer:
     def _download_state(
         self, request: pb.StateRequest, context: grpc.ServicerContext
     ) -> Iterator[Any]:
-        header, blob = self._guarded(
-            "DownloadState", context, lambda: self.handler.handle_state_request(request)
-        )
-        view = memoryview(blob).cast("B")
-        if header.payload_size not in (0, view.nbytes):
-            log.error("state header says %d bytes, blob has %d", header.payload_size, view.nbytes)
-            context.abort(grpc.StatusCode.INTERNAL, "state header/blob size mismatch")
-        out = pb.StateHeader()
-        out.CopyFrom(header)
-        out.payload_size = view.nbytes
-        yield out
+        header, view = self._guarded("DownloadState", context, lambda: self._state_for(request))
+        yield header
         step = self.options.chunk_size
         for offset in range(0, view.nbytes, step):
             yield view[offset : offset + step]
+
+    def _state_for(self, request: pb.StateRequest) -> tuple[pb.StateHeader, memoryview]:
+        """The handler's state as a header with payload_size set and a byte view of the blob."""
+        header, blob = self.handler.handle_state_request(request)
+        view = memoryview(blob).cast("B")
+        if header.payload_size not in (0, view.nbytes):
+            raise ValueError(
+                f"state header says {header.payload_size} bytes, blob has {view.nbytes}"
+            )
+        out = pb.StateHeader()
+        out.CopyFrom(header)
+        out.payload_size = view.nbytes
+        return out, view
 
 
 def _malformed(why: str) -> UpdateRejected:

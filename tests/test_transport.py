@@ -351,6 +351,20 @@ def test_handler_crash_is_internal_and_server_stays_up(servers, clients):
     assert client.push(_header(seq=1), b"ok").status == pb.PushReply.ACCEPTED
 
 
+@pytest.mark.timeout(30)
+def test_state_handler_size_mismatch_is_internal(servers, clients):
+    class Liar(Recorder):
+        def handle_state_request(self, request):
+            return pb.StateHeader(payload_size=10), b"12345"
+
+    server = servers(Liar())
+    client = clients(server.address)
+    with pytest.raises(TransportError) as info:
+        client.download_state(pb.StateRequest(swarm="s"))
+    assert info.value.code == grpc.StatusCode.INTERNAL
+    assert client.heartbeat(pb.HeartbeatRequest(swarm="s")).responder.id == "server"
+
+
 def test_unknown_reject_reason_is_a_programming_error():
     with pytest.raises(ValueError, match="reject reason"):
         UpdateRejected(grpc.StatusCode.INVALID_ARGUMENT, "whatever", "x")
