@@ -258,6 +258,10 @@ def test_train_centralized_learns_and_zero_steps_is_chance() -> None:
     assert untrained["accuracy"] < 0.3
     assert trained["accuracy"] > 0.9
     assert train_centralized("digits", 100, ctx) == trained
+    frozen = train_centralized(
+        "digits", 100, ctx, optimizer=lambda params: torch.optim.SGD(params, lr=0.0)
+    )
+    assert frozen == untrained
 
 
 # --- user tasks -----------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 
 import torch
-from gossipgrad.peer.tasks.base import Task, TaskContext
+from gossipgrad.peer.tasks.base import OptimizerFn, Task, TaskContext
 from gossipgrad.peer.tasks.charlm import shakespeare_task
 from gossipgrad.peer.tasks.vision import digits_task, fashion_mnist_cnn_task, fashion_mnist_mlp_task
 
@@ -75,14 +75,20 @@ def build_task(name: str, ctx: TaskContext) -> Task:
 
 
 def train_centralized(
-    name: str, steps: int, ctx: TaskContext, *, lr: float | None = None
+    name: str,
+    steps: int,
+    ctx: TaskContext,
+    *,
+    lr: float | None = None,
+    optimizer: OptimizerFn | None = None,
 ) -> dict[str, float]:
     """Centralized baseline: one model on all the data, for the same number of samples.
 
     A swarm of ``ctx.num_peers`` peers taking ``steps`` steps of ``ctx.batch_size`` each sees
     ``steps * num_peers * batch_size`` samples; the baseline takes ``steps`` steps of
     ``num_peers * batch_size`` samples (mini-batch SGD with the swarm's global batch) with the
-    task's recommended optimizer (``lr`` overrides its learning rate), then evaluates.
+    task's recommended optimizer, or ``optimizer(params)`` to match the swarm's (``lr``
+    overrides the learning rate either way), then evaluates.
     """
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
@@ -92,7 +98,7 @@ def train_centralized(
     task = build_task(name, central)
     model = task.model
     model.train()
-    opt = task.make_optimizer()
+    opt = optimizer(list(model.parameters())) if optimizer else task.make_optimizer()
     if lr is not None:
         for group in opt.param_groups:
             group["lr"] = lr
