@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gzip
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +33,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 TESTS_DIR = Path(__file__).parent
+FETCH_SCRIPT = TESTS_DIR.parent / "scripts" / "fetch_data.sh"
 
 
 def _available(load) -> bool:
@@ -432,3 +435,33 @@ def test_shakespeare_task_shapes_splits_and_learning() -> None:
     end = task.evaluate(task.model)
     assert end["loss"] < start["loss"] - 1.0
     assert end["perplexity"] < start["perplexity"]
+
+
+@pytest.mark.timeout(60)
+def test_fetch_data_is_quiet_when_done_and_reports_what_is_missing(tmp_path: Path) -> None:
+    """scripts/fetch_data.sh (real process, no network): silent when every data set is there."""
+    fmnist = tmp_path / "fmnist"
+    fmnist.mkdir()
+    for img, lab in FASHION_MNIST_FILES.values():
+        (fmnist / img).write_bytes(b"x")
+        (fmnist / lab).write_bytes(b"x")
+    shk = tmp_path / "data" / "shakespeare"
+    shk.mkdir(parents=True)
+    (shk / ".complete").touch()
+    env = {**os.environ, "GOSSIPGRAD_DATA": str(tmp_path / "data")}
+
+    def run(fm_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", str(FETCH_SCRIPT), *args],
+            env={**env, "GOSSIPGRAD_FASHION_MNIST": str(fm_dir)},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+
+    done = run(fmnist)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
+    missing = run(tmp_path / "nowhere")
+    assert missing.returncode == 0 and missing.stdout == ""
+    assert "fashion-mnist" in missing.stderr and "unavailable" in missing.stderr
+    assert run(tmp_path / "nowhere", "--strict").returncode == 1
