@@ -19,6 +19,7 @@ from gossipgrad.peer.tasks import (
     build_task,
     train_centralized,
 )
+from gossipgrad.peer.tasks.charlm import BLOCK_CHARS, VALID_EVERY
 from gossipgrad.peer.tasks.data import (
     FASHION_MNIST_FILES,
     load_fashion_mnist,
@@ -465,3 +466,38 @@ def test_fetch_data_is_quiet_when_done_and_reports_what_is_missing(tmp_path: Pat
     assert missing.returncode == 0 and missing.stdout == ""
     assert "fashion-mnist" in missing.stderr and "unavailable" in missing.stderr
     assert run(tmp_path / "nowhere", "--strict").returncode == 1
+
+
+def _works_of_windows(task: Task, works: dict[str, bytes], batches: int = 2) -> list[set[str]]:
+    """For each training window of ``task``: the works that contain it (substring search)."""
+    out = []
+    it = task.batches()
+    for _ in range(batches):
+        x, _y = next(it)
+        for row in x:
+            window = bytes(row.to(torch.uint8).tolist())
+            hits = {name for name, text in works.items() if window in text}
+            assert hits, "a training window is not in any work"
+            out.append(hits)
+    return out
+
+
+@needs_shakespeare
+@pytest.mark.timeout(120)
+def test_shakespeare_non_iid_split_is_by_work() -> None:
+    works = load_shakespeare()
+    names = list(works)
+    # Training blocks per work, as the task counts them (every 20th block is validation).
+    blocks = [len(text) // BLOCK_CHARS for text in works.values()]
+    sizes = [k - sum(1 for i in range(k) if i % VALID_EVERY == VALID_EVERY // 2) for k in blocks]
+    groups = balanced_groups(sizes, 4, seed=0)
+    for peer in range(4):
+        ctx = _ctx(peer_index=peer, partition="dirichlet", batch_size=32)
+        task = build_task("shakespeare", ctx)
+        assert task.num_train_samples == BLOCK_CHARS * sum(sizes[g] for g in groups[peer])
+        mine = {names[g] for g in groups[peer]}
+        for hits in _works_of_windows(task, works):
+            assert hits & mine, (peer, hits)
+    iid_task = build_task("shakespeare", _ctx(peer_index=0, batch_size=32))
+    # IID: passages from all over the corpus.
+    assert len({min(hits) for hits in _works_of_windows(iid_task, works)}) >= 15
