@@ -279,8 +279,9 @@ def overview() -> dict:
     lay.add(
         timeseries(
             "Bandwidth per link (sender → receiver)",
-            [(rate(sent, s, "peer, neighbor"), "{{peer}} → {{neighbor}}")],
+            [(rate(sent, f'{s}, neighbor!=""', "peer, neighbor"), "{{peer}} → {{neighbor}}")],
             "Bps",
+            "Gossip traffic per edge; heartbeats to any peer (no neighbor label) left out.",
         ),
         8,
         8,
