@@ -72,6 +72,36 @@ def unpack_bits(data: torch.Tensor, nbits: int, *, use_numpy: bool | None = None
     return ((data[:, None] >> shifts) & 1).reshape(-1)[:nbits]
 
 
+def _pack_small(v: np.ndarray, width: int) -> np.ndarray:
+    """numpy pack for width < 8: eight values make one ``width``-byte big-endian group."""
+    n = v.size
+    groups = (n + 7) // 8
+    padded = np.zeros(groups * 8, dtype=np.uint64)
+    padded[:n] = v
+    padded = padded.reshape(groups, 8)
+    g = np.zeros(groups, dtype=np.uint64)
+    for i in range(8):
+        g |= padded[:, i] << np.uint64(width * (7 - i))
+    out = g.astype(">u8").view(np.uint8).reshape(groups, 8)[:, 8 - width :]
+    return np.ascontiguousarray(out).reshape(-1)[: (n * width + 7) // 8]
+
+
+def _unpack_small(data: np.ndarray, width: int, count: int) -> np.ndarray:
+    """Inverse of :func:`_pack_small`: ``count`` int64 values."""
+    groups = (count + 7) // 8
+    buf = np.zeros((groups, 8), dtype=np.uint8)
+    flat = np.zeros(groups * width, dtype=np.uint8)
+    used = min(data.size, groups * width)
+    flat[:used] = data[:used]
+    buf[:, 8 - width :] = flat.reshape(groups, width)
+    g = buf.view(">u8").reshape(-1).astype(np.uint64)
+    mask = np.uint64((1 << width) - 1)
+    out = np.empty((groups, 8), dtype=np.int64)
+    for i in range(8):
+        out[:, i] = (g >> np.uint64(width * (7 - i))) & mask
+    return out.reshape(-1)[:count]
+
+
 def pack_uint(values: torch.Tensor, width: int, *, use_numpy: bool | None = None) -> torch.Tensor:
     """Pack non-negative integers below ``2**width`` into ``ceil(n*width/8)`` bytes.
 
@@ -88,6 +118,8 @@ def pack_uint(values: torch.Tensor, width: int, *, use_numpy: bool | None = None
         return values.reshape(-1).to(torch.uint8)
     if _numpy_ok(values, use_numpy):
         v = values.reshape(-1).cpu().numpy()
+        if width < 8:
+            return torch.from_numpy(_pack_small(v, width)).to(values.device)
         container = 8 if width <= 8 else 16 if width <= 16 else 32 if width <= 32 else 64
         as_bytes = v.astype(f">u{container // 8}").view(np.uint8).reshape(n, container // 8)
         bits = np.unpackbits(as_bytes, axis=1)[:, container - width :]
@@ -109,8 +141,10 @@ def unpack_uint(
     if width == 8:
         return data[:count].to(torch.int64)
     if _numpy_ok(data, use_numpy):
-        container = 8 if width <= 8 else 16 if width <= 16 else 32 if width <= 32 else 64
+        if width < 8:
+            return torch.from_numpy(_unpack_small(data.cpu().numpy(), width, count)).to(data.device)
         bits = np.unpackbits(data.cpu().numpy(), count=nbits).reshape(count, width)
+        container = 16 if width <= 16 else 32 if width <= 32 else 64
         full = np.zeros((count, container), dtype=np.uint8)
         full[:, container - width :] = bits
         vals = np.packbits(full, axis=1).view(f">u{container // 8}").reshape(-1)
