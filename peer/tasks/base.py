@@ -8,7 +8,6 @@ user tasks (``"package.module:factory"``) look the same to it.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -345,11 +344,6 @@ def _find_labels(dataset: Any, tensors: tuple[torch.Tensor, ...] | None, labels:
     if isinstance(labels, torch.Tensor):
         labels = labels.cpu().numpy()
     return np.asarray(labels)
-
-
-def perplexity(loss: float) -> float:
-    """exp(loss), capped to stay finite for early, badly-trained models."""
-    return math.exp(min(loss, 50.0))
 
 
 __all__ = [
