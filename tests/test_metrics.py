@@ -401,3 +401,15 @@ def test_provisioning_points_at_the_dashboards_and_prometheus() -> None:
     assert "type: prometheus" in ds and "${GOSSIPGRAD_PROMETHEUS_URL}" in ds
     dashboards = (prov / "dashboards" / "gossipgrad.yaml").read_text()
     assert "path: ${GOSSIPGRAD_GRAFANA_DIR}/dashboards" in dashboards
+
+
+@pytest.mark.timeout(30)
+def test_every_metric_is_documented() -> None:
+    doc = (ROOT / "docs" / "observability.md").read_text(encoding="utf-8")
+    m = filled(PeerMetrics())
+    for fam in m.registry.collect():
+        name = f"{fam.name}_total" if fam.type == "counter" else fam.name
+        assert f"`{name}`" in doc, f"{name} missing from docs/observability.md"
+    for value_set in (MESSAGE_KINDS, REJECT_REASONS, PEER_STATES):
+        for v in value_set:
+            assert f"`{v}`" in doc, v
