@@ -91,7 +91,7 @@ class TransportOptions:
     #: big push on a busy machine; a buffer the handler keeps a reference to is never reused.
     recv_pool_bytes: int = 1 * GiB
     #: Apply :func:`tune_malloc` when a server starts or a client is created (process-wide,
-    #: glibc only). Cuts the receiver's CPU per GB by about a third (BENCHMARKS.md).
+    #: glibc only). Cuts the receiver's CPU per GB by a fifth to a third (BENCHMARKS.md).
     tune_malloc: bool = True
 
     def __post_init__(self) -> None:
