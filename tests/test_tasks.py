@@ -501,3 +501,18 @@ def test_shakespeare_non_iid_split_is_by_work() -> None:
     iid_task = build_task("shakespeare", _ctx(peer_index=0, batch_size=32))
     # IID: passages from all over the corpus.
     assert len({min(hits) for hits in _works_of_windows(iid_task, works)}) >= 15
+
+
+@pytest.mark.timeout(60)
+def test_task_listing_cli(tmp_path: Path) -> None:
+    """python -m gossipgrad.peer.tasks: one line per task, exit 1 when one is unavailable."""
+    env = {**os.environ, "GOSSIPGRAD_DATA": str(tmp_path)}
+    cmd = [sys.executable, "-m", "gossipgrad.peer.tasks"]
+    good = subprocess.run([*cmd, "digits"], capture_output=True, text=True, env=env, timeout=50)
+    assert good.returncode == 0, good.stderr
+    assert good.stdout.startswith("digits") and "1,437 training samples" in good.stdout
+    bad = subprocess.run(
+        [*cmd, "digits", "shakespeare"], capture_output=True, text=True, env=env, timeout=50
+    )
+    assert bad.returncode == 1
+    assert "shakespeare" in bad.stdout and "fetch_data.sh" in bad.stdout
