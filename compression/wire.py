@@ -3,9 +3,11 @@
 An encoded tensor is one serialized ``gossipgrad.proto.gossip_pb2.TensorEnvelope`` with up to
 three sections (indices, values, scales). Each section is stored raw or as one zstd frame,
 whichever the policy in :func:`_store` picks: zstd is tried on index streams, scales and small
-sections (where it pays) and never on large dense value arrays (it shrinks them ~1.1x at
-~700 MB/s, DESIGN.md). A CRC32 covers a fixed serialization of every header field followed by
-the stored section bytes, so an edited field is caught like a flipped payload bit.
+sections (where it pays); a large dense value array is compressed only when a 1 MiB prefix
+shrinks by 15% or more (fp16/fp32 shrink ~1.1x at ~700 MB/s, DESIGN.md: not worth it; int8 of
+heavy-tailed gradients shrinks ~1.25x). A CRC32 covers a fixed serialization of every header
+field followed by the stored section bytes, so an edited field is caught like a flipped
+payload bit.
 
 Parsing checks, in this order and before any allocation driven by the message: protobuf
 well-formedness with no unknown or repeated fields, format version, codec spec, dtype, shape
@@ -51,6 +53,11 @@ DEFAULT_MAX_NUMEL = 1 << 31
 ZSTD_SMALL = 4 << 20
 #: zstd output is kept only if it is at most this fraction of the raw size.
 ZSTD_KEEP_RATIO = 0.97
+#: Larger sections are zstd-compressed only if a prefix of this size shrinks to at most
+#: ZSTD_PROBE_RATIO: int8 of heavy-tailed gradients shrinks ~1.25x (worth ~1.3 ms/MB on a WAN
+#: link), fp32/fp16 ~1.05-1.1x (not worth it).
+ZSTD_PROBE = 1 << 20
+ZSTD_PROBE_RATIO = 0.85
 ZSTD_LEVEL = 1
 
 DTYPE_TO_WIRE: dict[torch.dtype, int] = {
@@ -95,12 +102,17 @@ def bytes_to_tensor(buf: bytes | memoryview, device: torch.device | None = None)
     return t if device is None or torch.device(device).type == "cpu" else t.to(device)
 
 
+def _probe_pays(raw: bytes) -> bool:
+    probe = memoryview(raw)[:ZSTD_PROBE]
+    return len(_compressor().compress(probe)) <= ZSTD_PROBE_RATIO * len(probe)
+
+
 def _store(sec: TensorEnvelope.Section, raw: bytes, *, try_zstd: bool) -> bytes:
     """Fill ``sec`` with ``raw``, zstd-compressed where it pays; return the stored bytes."""
     sec.raw_size = len(raw)
     stored = raw
     sec.storage = TensorEnvelope.RAW
-    if raw and (try_zstd or len(raw) <= ZSTD_SMALL):
+    if raw and (try_zstd or len(raw) <= ZSTD_SMALL or _probe_pays(raw)):
         z = _compressor().compress(raw)
         if len(z) <= ZSTD_KEEP_RATIO * len(raw):
             sec.storage = TensorEnvelope.ZSTD
