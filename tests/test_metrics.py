@@ -300,6 +300,7 @@ def test_http_endpoint_serves_the_text_format_on_loopback() -> None:
     port = m.serve()
     try:
         assert port > 0 and m.port == port
+        assert m._server.server_address[0] == "127.0.0.1"  # loopback unless asked otherwise
         with pytest.raises(RuntimeError):
             m.serve()
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
