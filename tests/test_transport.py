@@ -428,7 +428,7 @@ def test_deadline_on_hanging_handler(servers, clients):
         rec.stall.set()
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert info.value.attempts == 1  # DEADLINE_EXCEEDED is not retried
-    assert 0.45 <= elapsed < 2.0
+    assert 0.45 <= elapsed < 3.0
 
 
 @pytest.mark.timeout(30)
