@@ -35,8 +35,17 @@ MAX_RICE_BITS = 40
 _WEIGHTS_CACHE: dict[torch.device, torch.Tensor] = {}
 
 
+#: Tests set this to run the torch (GPU) code paths on CPU tensors.
+FORCE_TORCH = False
+
+
+def numpy_path(t: torch.Tensor) -> bool:
+    """True when ``t``'s work should go through numpy (CPU tensors, unless FORCE_TORCH)."""
+    return t.device.type == "cpu" and not FORCE_TORCH
+
+
 def _numpy_ok(t: torch.Tensor, use_numpy: bool | None) -> bool:
-    return t.device.type == "cpu" if use_numpy is None else use_numpy
+    return numpy_path(t) if use_numpy is None else use_numpy
 
 
 def _bit_weights(device: torch.device) -> torch.Tensor:

@@ -24,6 +24,7 @@ import threading
 
 import numpy as np
 import torch
+from gossipgrad.compression.bitpack import numpy_path
 
 __all__ = ["approx_topk_indices", "exact_topk_indices"]
 
@@ -90,9 +91,9 @@ def _candidates_torch(flat: torch.Tensor, threshold: float) -> torch.Tensor:
     return torch.nonzero(flat.abs() >= threshold).reshape(-1)
 
 
-def _trim(flat: torch.Tensor, cand: torch.Tensor, k: int) -> torch.Tensor:
+def _trim(flat: torch.Tensor, cand: torch.Tensor, k: int, numpy_pass: bool) -> torch.Tensor:
     """Keep the k largest-magnitude candidates, ties towards lower indices, order preserved."""
-    if cand.device.type == "cpu":
+    if numpy_pass:
         c = cand.numpy()
         mags_np = np.abs(flat.numpy()[c])
         kth_np = np.partition(mags_np, c.size - k)[c.size - k]  # the k-th largest magnitude
@@ -125,7 +126,7 @@ def approx_topk_indices(
     n = flat.numel()
     if n <= EXACT_BELOW or k >= n // 4 or k <= 0:
         return exact_topk_indices(flat, k)
-    numpy_pass = flat.device.type == "cpu" if use_numpy is None else use_numpy
+    numpy_pass = numpy_path(flat) if use_numpy is None else use_numpy
     for margin_scale in (1.0, 3.0):
         threshold = _sample_threshold(flat, k, seed, margin_scale)
         if threshold is None:
@@ -133,13 +134,13 @@ def approx_topk_indices(
         if threshold <= 0.0:
             # Fewer than ~k non-zeros: the non-zeros are the whole useful top-k.
             cand = torch.nonzero(flat).reshape(-1)
-            return _trim(flat, cand, k) if cand.numel() > k else cand
+            return _trim(flat, cand, k, numpy_pass) if cand.numel() > k else cand
         if numpy_pass:
             cand = torch.from_numpy(_candidates_numpy(flat, threshold))
         else:
             cand = _candidates_torch(flat, threshold)
         if cand.numel() > k:
-            return _trim(flat, cand, k)
+            return _trim(flat, cand, k, numpy_pass)
         if cand.numel() >= math.ceil((1.0 - TOLERANCE) * k):
             return cand
     return exact_topk_indices(flat, k)

@@ -394,3 +394,43 @@ def test_decode_to_other_device_string() -> None:
     codec = from_spec("int8")
     x = student_t(1000, seed=16)
     assert torch.equal(codec.decode(codec.encode(x), device="cpu"), codec.decode(codec.encode(x)))
+
+
+# ----------------------------------------------------------------------------- devices
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_torch_code_paths_match_numpy_paths(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Non-CPU devices run torch ops where CPU runs numpy; force them on CPU and compare."""
+    from gossipgrad.compression import bitpack
+
+    codec = from_spec(spec)
+    x = student_t(300_000, seed=17).reshape(600, 500)
+    numpy_bytes = codec.encode(x, seed=3)
+    monkeypatch.setattr(bitpack, "FORCE_TORCH", True)
+    torch_bytes = codec.encode(x, seed=3)
+    assert torch_bytes == numpy_bytes
+    y = codec.decode(numpy_bytes)
+    out = torch.ones_like(x)
+    codec.decode_add_(numpy_bytes, out)
+    monkeypatch.setattr(bitpack, "FORCE_TORCH", False)
+    assert torch.equal(y, codec.decode(numpy_bytes))
+    assert torch.equal(out, codec.decode_add_(numpy_bytes, torch.ones_like(x)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_cuda_round_trip_and_cross_device_decode(spec: str) -> None:
+    codec = from_spec(spec)
+    x = student_t(300_000, seed=18).reshape(600, 500)
+    data = codec.encode(x.cuda(), seed=3)
+    y = codec.decode(data, device="cuda")
+    assert y.is_cuda and y.shape == x.shape
+    # bytes written on the GPU decode identically on the CPU
+    assert torch.equal(y.cpu(), codec.decode(data))
+    a, b = torch.ones_like(x).cuda(), torch.ones_like(x).cuda()
+    codec.decode_add_(data, a)
+    codec.decode_add_(data, b)
+    assert torch.equal(a, b) and torch.equal(a.cpu(), codec.decode_add_(data, torch.ones_like(x)))
+    if not codec.stages()[1].stochastic and spec not in ("sign", "sign:block=1024"):
+        assert codec.decode(codec.encode(x, seed=3)).allclose(y.cpu(), rtol=1e-6, atol=1e-6)
