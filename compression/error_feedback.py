@@ -17,7 +17,7 @@ import logging
 from typing import Any
 
 import torch
-from gossipgrad.compression.base import Codec
+from gossipgrad.compression.base import Codec, _all_finite
 from gossipgrad.compression.spec import from_spec
 
 __all__ = ["ErrorFeedback"]
@@ -53,7 +53,7 @@ class ErrorFeedback:
 
         Raises:
             ValueError: ``g``'s shape or device differs from the residual's, or it is not
-                finite (the residual is then left unchanged).
+                finite (checked first: the residual is then left unchanged).
         """
         if not g.is_floating_point():
             raise ValueError(f"gradient {name!r} must be floating point, got {g.dtype}")
@@ -66,10 +66,16 @@ class ErrorFeedback:
                 f"{name!r}: gradient {tuple(g.shape)} on {g.device} does not match the residual "
                 f"{tuple(e.shape)} on {e.device}"
             )
-        acc = e + g  # not in place: on a failed encode the residual must stay as it was
-        data = self.codec.encode(acc, seed)
-        self.codec.decode_add_(data, acc, alpha=-1.0)
-        self._residuals[name] = acc
+        if not _all_finite(g):
+            raise ValueError(f"gradient {name!r} has NaN or infinite values; residual unchanged")
+        e.add_(g)  # in place: a new residual per step would page-fault a model-sized buffer
+        try:
+            data = self.codec.encode(e, seed)
+        except ValueError:
+            e.sub_(g)  # e + g overflowed; undo (best effort) and report
+            raise
+        self.codec.decode_add_(data, e, alpha=-1.0)
+        self._residuals[name] = e
         return data
 
     def residual(self, name: str) -> torch.Tensor:
