@@ -216,23 +216,33 @@ def tune_malloc() -> bool:
         return ok
 
 
-class TransportError(Exception):
+class TransportError(grpc.RpcError):
     """A gossip call that failed: the gRPC status, its detail and, if any, the reason token.
 
+    A :class:`grpc.RpcError` with the methods of a failed call (``code()``, ``details()``),
+    so code that branches on ``err.code()`` works unchanged.
+
     Attributes:
-        code: the gRPC status code.
         reason: the reject reason token (from :data:`REJECT_REASONS`) when the remote
             handler refused the call, else ``""`` (network failure, deadline, ...).
-        detail: human-readable explanation.
+        detail: human-readable explanation (also ``details()``).
         attempts: how many attempts were made (client side).
     """
 
     def __init__(self, code: grpc.StatusCode, reason: str, detail: str, attempts: int = 1) -> None:
         super().__init__(f"{code.name}: {reason + ': ' if reason else ''}{detail}")
-        self.code = code
+        self._code = code
         self.reason = reason
         self.detail = detail
         self.attempts = attempts
+
+    def code(self) -> grpc.StatusCode:
+        """The gRPC status code the call ended with."""
+        return self._code
+
+    def details(self) -> str:
+        """The status detail message."""
+        return self.detail
 
 
 class UpdateRejected(TransportError):

@@ -232,7 +232,7 @@ class GossipServer:
     @staticmethod
     def _abort(context: grpc.ServicerContext, err: UpdateRejected) -> None:
         context.set_trailing_metadata(((REASON_METADATA_KEY, err.reason),))
-        context.abort(err.code, err.detail)
+        context.abort(err.code(), err.detail)
 
     def _guarded(self, what: str, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
         """Run ``fn``, mapping UpdateRejected to its status and anything else to INTERNAL."""
@@ -543,15 +543,15 @@ class PeerClient:
                         grpc.StatusCode.DEADLINE_EXCEEDED, "", "deadline spent on retries"
                     )
                 return attempt(remaining), attempts
-            except grpc.RpcError as err:
-                failure = _as_transport_error(err, attempts)
-            except TransportError as err:
+            except TransportError as err:  # raised by us: final (before grpc.RpcError!)
                 err.attempts = attempts
                 raise
+            except grpc.RpcError as err:
+                failure = _as_transport_error(err, attempts)
             pause = min(delay, self.options.backoff_max)
             pause *= 1 + self.options.backoff_jitter * self._random.random()
             if (
-                failure.code not in self._retry_codes
+                failure.code() not in self._retry_codes
                 or attempts > self.options.retries
                 or time.monotonic() + pause >= deadline
             ):

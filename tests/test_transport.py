@@ -214,7 +214,7 @@ def test_state_larger_than_client_limit_is_refused(servers, clients):
     client = clients(server.address, TransportOptions(retries=0, max_state_bytes=MiB))
     with pytest.raises(TransportError) as info:
         client.download_state(pb.StateRequest(swarm="s"))
-    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert info.value.reason == "too_large"
 
 
@@ -230,7 +230,7 @@ def test_oversized_push_is_refused_and_server_stays_up(servers, clients):
     client = clients(server.address)
     with pytest.raises(UpdateRejected) as info:
         client.push(_header(), _bytes(MiB + 1, seed=1))
-    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert info.value.reason == "too_large"
     assert "exceeds" in info.value.detail
     assert rec.updates == []
@@ -325,15 +325,18 @@ def test_handler_rejection_reaches_client_with_code_reason_and_detail(servers, c
     client = clients(server.address)
     with pytest.raises(UpdateRejected) as info:
         client.push(_header(), b"payload")
-    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert info.value.reason == "fingerprint"
     assert info.value.detail == "model fingerprint 'x' != ours 'y'"
+    # A grpc.RpcError like any failed call, so `err.code()` branches keep working.
+    assert isinstance(info.value, grpc.RpcError)
+    assert info.value.details() == info.value.detail
     with pytest.raises(UpdateRejected) as info:
         client.heartbeat(pb.HeartbeatRequest(swarm="s"))
     assert info.value.reason == "fingerprint"
     with pytest.raises(UpdateRejected) as info:
         client.download_state(pb.StateRequest(swarm="s"))
-    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
 @pytest.mark.timeout(30)
@@ -344,7 +347,7 @@ def test_handler_crash_is_internal_and_server_stays_up(servers, clients):
     client = clients(server.address)
     with pytest.raises(TransportError) as info:
         client.push(_header(), b"payload")
-    assert info.value.code == grpc.StatusCode.INTERNAL
+    assert info.value.code() == grpc.StatusCode.INTERNAL
     assert not isinstance(info.value, UpdateRejected)
     assert "RuntimeError" in info.value.detail
     rec.raise_exc = None
@@ -361,7 +364,7 @@ def test_state_handler_size_mismatch_is_internal(servers, clients):
     client = clients(server.address)
     with pytest.raises(TransportError) as info:
         client.download_state(pb.StateRequest(swarm="s"))
-    assert info.value.code == grpc.StatusCode.INTERNAL
+    assert info.value.code() == grpc.StatusCode.INTERNAL
     assert client.heartbeat(pb.HeartbeatRequest(swarm="s")).responder.id == "server"
 
 
@@ -426,7 +429,7 @@ def test_deadline_on_hanging_handler(servers, clients):
         elapsed = time.monotonic() - started
     finally:
         rec.stall.set()
-    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert info.value.attempts == 1  # DEADLINE_EXCEEDED is not retried
     assert 0.45 <= elapsed < 3.0
 
@@ -441,7 +444,7 @@ def test_no_server_fails_fast_without_retries(clients):
     started = time.monotonic()
     with pytest.raises(TransportError) as info:
         client.heartbeat(pb.HeartbeatRequest(swarm="s"))
-    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert time.monotonic() - started < 3.0
 
 
@@ -490,7 +493,7 @@ def test_graceful_stop_finishes_in_flight_push_then_refuses(clients):
     assert outcome and outcome[0].status == pb.PushReply.ACCEPTED
     with pytest.raises(TransportError) as info:
         client.push(_header(seq=1), b"too late", timeout=2)
-    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     server.stop()  # idempotent
 
 
