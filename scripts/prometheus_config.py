@@ -9,6 +9,11 @@ Usage::
         --out prometheus.yml
     prometheus --config.file=prometheus.yml --web.listen-address=127.0.0.1:9090
 
+For a swarm running on this machine (``gossipgrad-swarm``, or daemons with ``metrics.port = 0``),
+read the targets from the peers' ``status.json``::
+
+    python scripts/prometheus_config.py --status runs/swarm/peer* --out prometheus.yml
+
 Importable too: ``write_prometheus_config(targets, path, scrape_interval="1s")``.
 The YAML is written by hand (no PyYAML dependency); strings are emitted as JSON strings,
 which are valid YAML double-quoted scalars.
@@ -107,15 +112,49 @@ def parse_peer_args(items: list[str]) -> dict[str, str]:
     return targets
 
 
+def targets_from_status(paths: list[Path], host: str = "127.0.0.1") -> dict[str, str]:
+    """Targets of running peers from their ``run_dir/status.json`` (``id``, ``metrics_port``).
+
+    ``host`` is where the metrics endpoints listen (the daemon's ``metrics.host``).
+    """
+    targets: dict[str, str] = {}
+    for path in paths:
+        path = path / "status.json" if path.is_dir() else path
+        try:
+            status = json.loads(path.read_text())
+            peer_id, port = status["id"], int(status["metrics_port"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: no peer id and metrics_port ({e})") from e
+        if not port:
+            raise ValueError(f"{path}: peer {peer_id!r} serves no metrics (metrics_port 0)")
+        if peer_id in targets:
+            raise ValueError(f"peer id {peer_id!r} found twice")
+        host_part = f"[{host}]" if ":" in host else host
+        targets[peer_id] = f"{host_part}:{port}"
+    return targets
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--peers", nargs="+", required=True, metavar="ID=HOST:PORT")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--peers", nargs="+", metavar="ID=HOST:PORT")
+    src.add_argument(
+        "--status",
+        nargs="+",
+        type=Path,
+        metavar="RUN_DIR",
+        help="peers' run dirs (or their status.json): targets of a running local swarm",
+    )
+    ap.add_argument("--metrics-host", default="127.0.0.1", help="with --status: metrics host")
     ap.add_argument("--out", required=True, help="where to write prometheus.yml ('-' = stdout)")
     ap.add_argument("--scrape-interval", default="1s")
     ap.add_argument("--job-name", default=JOB_NAME)
     args = ap.parse_args(argv)
     try:
-        targets = parse_peer_args(args.peers)
+        if args.peers:
+            targets = parse_peer_args(args.peers)
+        else:
+            targets = targets_from_status(args.status, args.metrics_host)
         text = render_prometheus_config(targets, args.scrape_interval, args.job_name)
     except ValueError as e:
         ap.error(str(e))

@@ -236,11 +236,11 @@ def start_daemon_swarm(tmp: Path, n: int = 3, timeout: float = 150.0) -> Swarm:
             if i == 0:
                 status = wait_status(swarm, run_dir, deadline, lambda s: s.get("address"))
                 bootstrap = json.dumps(status["address"])
-        for i in range(n):
-            status = wait_status(
-                swarm, tmp / f"peer{i}", deadline, lambda s: s.get("state") == "training"
-            )
-            swarm.targets[status["id"]] = f"127.0.0.1:{status['metrics_port']}"
+        run_dirs = [tmp / f"peer{i}" for i in range(n)]
+        for run_dir in run_dirs:
+            wait_status(swarm, run_dir, deadline, lambda s: s.get("state") == "training")
+        swarm.targets = load_script("prometheus_config").targets_from_status(run_dirs)
+        assert sorted(swarm.targets) == [f"peer{i}" for i in range(n)], swarm.targets
     except BaseException:
         swarm.close()
         raise
@@ -645,3 +645,24 @@ def test_config_rejects_bad_input(targets, interval) -> None:
     cfg = load_script("prometheus_config")
     with pytest.raises(ValueError):
         cfg.render_prometheus_config(targets, scrape_interval=interval)
+
+
+@pytest.mark.timeout(30)
+def test_targets_from_status_files(tmp_path) -> None:
+    cfg = load_script("prometheus_config")
+    for i, port in enumerate((9101, 9102)):
+        (tmp_path / f"p{i}").mkdir()
+        (tmp_path / f"p{i}" / "status.json").write_text(
+            json.dumps({"id": f"peer{i}", "metrics_port": port, "state": "training"})
+        )
+    got = cfg.targets_from_status([tmp_path / "p0", tmp_path / "p1" / "status.json"])
+    assert got == {"peer0": "127.0.0.1:9101", "peer1": "127.0.0.1:9102"}
+    assert cfg.targets_from_status([tmp_path / "p0"], host="::1") == {"peer0": "[::1]:9101"}
+    with pytest.raises(ValueError, match="twice"):
+        cfg.targets_from_status([tmp_path / "p0", tmp_path / "p0"])
+    (tmp_path / "p2").mkdir()
+    (tmp_path / "p2" / "status.json").write_text(json.dumps({"id": "peer2", "metrics_port": 0}))
+    with pytest.raises(ValueError, match="no metrics"):
+        cfg.targets_from_status([tmp_path / "p2"])
+    with pytest.raises(ValueError, match="metrics_port"):
+        cfg.targets_from_status([tmp_path / "missing"])
