@@ -72,13 +72,19 @@ class Identity(Quantizer):
     def value_bits(self, dtype: torch.dtype) -> int:
         return torch.finfo(dtype).bits
 
-    def quantize(self, v, gen):
+    def quantize(
+        self, v: torch.Tensor, gen: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return v.contiguous().view(torch.uint8), None
 
-    def dequantize(self, values, scales, count, dtype):
+    def dequantize(
+        self, values: torch.Tensor, scales: torch.Tensor | None, count: int, dtype: torch.dtype
+    ) -> torch.Tensor:
         return values.view(dtype)[:count]
 
-    def check(self, values, scales, count, dtype):
+    def check(
+        self, values: torch.Tensor, scales: torch.Tensor | None, count: int, dtype: torch.dtype
+    ) -> None:
         for lo in range(0, values.numel(), CHUNK * 8):
             if not _all_finite(values[lo : lo + CHUNK * 8].view(dtype)):
                 raise DecodeError("non-finite value in payload")
@@ -105,14 +111,20 @@ class _Float16Like(Quantizer):
     def value_bits(self, dtype: torch.dtype) -> int:
         return 16
 
-    def quantize(self, v, gen):
+    def quantize(
+        self, v: torch.Tensor, gen: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         m = torch.finfo(self.target).max
         return v.clamp(-m, m).to(self.target).view(torch.uint8), None
 
-    def dequantize(self, values, scales, count, dtype):
+    def dequantize(
+        self, values: torch.Tensor, scales: torch.Tensor | None, count: int, dtype: torch.dtype
+    ) -> torch.Tensor:
         return values.view(self.target)[:count].to(dtype)
 
-    def check(self, values, scales, count, dtype):
+    def check(
+        self, values: torch.Tensor, scales: torch.Tensor | None, count: int, dtype: torch.dtype
+    ) -> None:
         for lo in range(0, values.numel(), CHUNK * 2):
             if not _all_finite(values[lo : lo + CHUNK * 2].view(self.target)):
                 raise DecodeError("non-finite value in payload")
@@ -174,7 +186,9 @@ class _BlockInt(Quantizer):
     def value_bits(self, dtype: torch.dtype) -> int:
         return self.bits
 
-    def quantize(self, v, gen):
+    def quantize(
+        self, v: torch.Tensor, gen: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         m = v.numel()
         b = _blocks(v.float(), self.block)
         scale = b.abs().amax(1) / self.qmax
@@ -187,7 +201,9 @@ class _BlockInt(Quantizer):
         q = y.clamp_(-self.qmax, self.qmax).to(torch.int8).view(-1)[:m]
         return self._pack(q), scale
 
-    def dequantize(self, values, scales, count, dtype):
+    def dequantize(
+        self, values: torch.Tensor, scales: torch.Tensor | None, count: int, dtype: torch.dtype
+    ) -> torch.Tensor:
         q = self._unpack(values, count).to(torch.float32)
         return _per_block(q, scales, self.block).to(dtype)
 
@@ -272,7 +288,9 @@ class QSGD(Quantizer):
     def max_level(self) -> float:
         return float((1 << self.width) - 1 - self.levels)
 
-    def quantize(self, v, gen):
+    def quantize(
+        self, v: torch.Tensor, gen: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         m = v.numel()
         b = _blocks(v.float(), self.block)
         amax = b.abs().amax(1)
@@ -287,12 +305,16 @@ class QSGD(Quantizer):
         sym = y.view(-1)[:m].to(torch.int64)
         return pack_uint(sym, self.width), scale
 
-    def dequantize(self, values, scales, count, dtype):
+    def dequantize(
+        self, values: torch.Tensor, scales: torch.Tensor | None, count: int, dtype: torch.dtype
+    ) -> torch.Tensor:
         sym = unpack_uint(values, self.width, count)
         q = (sym - self.levels).to(torch.float32)
         return _per_block(q, scales, self.block).to(dtype)
 
-    def check(self, values, scales, count, dtype):
+    def check(
+        self, values: torch.Tensor, scales: torch.Tensor | None, count: int, dtype: torch.dtype
+    ) -> None:
         super().check(values, scales, count, dtype)
         for lo in range(0, count, CHUNK):
             hi = min(count, lo + CHUNK)
@@ -333,7 +355,9 @@ class Sign(Quantizer):
     def value_bits(self, dtype: torch.dtype) -> int:
         return 1
 
-    def quantize(self, v, gen):
+    def quantize(
+        self, v: torch.Tensor, gen: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         m = v.numel()
         v32 = v.float()
         b = _blocks(v32, self.block)
@@ -342,7 +366,9 @@ class Sign(Quantizer):
         scale = b.abs().sum(1) / sizes
         return pack_bits(v32 >= 0), scale
 
-    def dequantize(self, values, scales, count, dtype):
+    def dequantize(
+        self, values: torch.Tensor, scales: torch.Tensor | None, count: int, dtype: torch.dtype
+    ) -> torch.Tensor:
         bits = unpack_bits(values, count)
         signs = bits.to(torch.float32).mul_(2).sub_(1)
         return _per_block(signs, scales, self.block).to(dtype)

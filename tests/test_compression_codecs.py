@@ -434,3 +434,17 @@ def test_cuda_round_trip_and_cross_device_decode(spec: str) -> None:
     assert torch.equal(a, b) and torch.equal(a.cpu(), codec.decode_add_(data, torch.ones_like(x)))
     if not codec.stages()[1].stochastic and spec not in ("sign", "sign:block=1024"):
         assert codec.decode(codec.encode(x, seed=3)).allclose(y.cpu(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec", ["topk:0.1+int8", "int8", "randomk:0.1"])
+def test_decode_into_out_overwrites(spec: str) -> None:
+    codec = from_spec(spec)
+    x = student_t(6000, seed=19).reshape(60, 100)
+    data = codec.encode(x, seed=2)
+    out = torch.full((60, 100), 7.0)
+    assert codec.decode(data, out=out) is out
+    assert torch.equal(out, codec.decode(data))
+    with pytest.raises(DecodeError, match="!= out"):
+        codec.decode(data, out=torch.zeros(100, 60))
+    with pytest.raises(DecodeError, match="contiguous"):
+        codec.decode(data, out=torch.zeros(100, 60).t())
