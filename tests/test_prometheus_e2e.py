@@ -312,7 +312,7 @@ class ScrapeRecorder:
     def snapshots(self) -> list[tuple[float, dict[SeriesKey, float]]]:
         """(arrival time, byte counters) of every relayed scrape."""
         with self._lock:
-            relayed = list(self.relayed)
+            relayed = sorted(self.relayed, key=lambda r: r[0])
         return [(t, parse_byte_counters(body.decode(), ctype)) for t, ctype, body in relayed]
 
     def close(self) -> None:
@@ -523,19 +523,32 @@ def test_every_dashboard_query_returns_data_and_byte_counters_match(scraped_swar
         matched = 0
         for key, samples in stored.items():
             for ts, v in samples:
-                arrived, served = min(snaps, key=lambda snap, ts=ts: abs(snap[0] - ts))
-                assert abs(arrived - ts) < 0.5, (pid, key, ts, arrived)
+                served = relayed_for_scrape(snaps, ts)
+                assert served is not None, f"{pid}: no relayed scrape for the sample at {ts}"
                 assert served.get(key) == v, f"{pid} {key}: Prometheus {v}, peer {served.get(key)}"
                 matched += 1
         # The newest stored scrape holds exactly the series the peer served in it.
         newest = max(ts for samples in stored.values() for ts, _ in samples)
-        _, served = min(snaps, key=lambda snap: abs(snap[0] - newest))
+        served = relayed_for_scrape(snaps, newest)
         at_newest = {key for key, samples in stored.items() if samples[-1][0] == newest}
         assert at_newest == set(served), (pid, sorted(set(served) ^ at_newest))
         updates = [v for key, v in served.items() if key[2] == "update"]
         assert updates and all(v > 0 for v in updates), (pid, served)
         assert any(key[0] == "gossipgrad_dense_bytes_total" and v > 0 for key, v in served.items())
         assert matched >= 5 * len(stored), (pid, matched, len(stored))
+
+
+def relayed_for_scrape(snaps: list[tuple[float, dict]], ts: float) -> dict | None:
+    """What the recorder relayed for the scrape Prometheus timestamped ``ts``.
+
+    Prometheus stamps a sample with the scrape's start time (aligned by at most a few ms); the
+    request reaches the recorder just after. Scrapes are a second apart, so the first
+    arrival from just before ``ts`` to 0.9 s after it is that scrape.
+    """
+    for arrived, served in snaps:  # in arrival order
+        if ts - 0.1 <= arrived < ts + 0.9:
+            return served
+    return None
 
 
 def query_until_data(prom: Prometheus, expr: str, timeout: float) -> dict:
