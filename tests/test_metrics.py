@@ -414,3 +414,26 @@ def test_every_metric_is_documented() -> None:
     for value_set in (MESSAGE_KINDS, REJECT_REASONS, PEER_STATES):
         for v in value_set:
             assert f"`{v}`" in doc, v
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_http_endpoint_on_ipv6_loopback() -> None:
+    m = PeerMetrics()
+    m.record_step(loss=0.5, samples=8)
+    port = m.serve(host="::1")
+    try:
+        with urllib.request.urlopen(f"http://[::1]:{port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        assert "gossipgrad_samples_total 8.0" in text
+    finally:
+        m.stop()
