@@ -84,6 +84,7 @@ class Codec(abc.ABC):
 
     # ----------------------------------------------------------------------------- encode
 
+    @torch.no_grad()
     def encode(self, t: torch.Tensor, seed: int | None = None) -> bytes:
         """Compress ``t`` into a serialized TensorEnvelope.
 
@@ -139,6 +140,7 @@ class Codec(abc.ABC):
 
     # ----------------------------------------------------------------------------- decode
 
+    @torch.no_grad()
     def decode(
         self,
         data: bytes,
@@ -183,6 +185,7 @@ class Codec(abc.ABC):
                 flat.index_copy_(0, idx, vals)
         return out
 
+    @torch.no_grad()
     def decode_add_(self, data: bytes, out: torch.Tensor, *, alpha: float = 1.0) -> torch.Tensor:
         """``out += alpha * decode(data)`` in place, and return ``out``.
 
