@@ -512,6 +512,19 @@ def test_every_dashboard_query_returns_data_and_byte_counters_match(scraped_swar
                 checked += 1
         assert not failures, f"{name}: queries without data:\n" + "\n".join(failures)
     assert checked >= 40
+
+    # The generated recording and alert rules load, evaluate without errors, and record data.
+    def rules_evaluated() -> list[dict]:
+        groups = prom.api("/api/v1/rules")["data"]["groups"]
+        rules = [r for g in groups for r in g["rules"]]
+        never = [r for r in rules if r.get("lastEvaluation", "0001").startswith("0001")]
+        return rules if rules and not never else []
+
+    rules = wait_for("the rules to be evaluated", rules_evaluated, timeout=20)
+    assert len(rules) >= 8
+    assert all(r["health"] == "ok" for r in rules), [r for r in rules if r["health"] != "ok"]
+    body = query_until_data(prom, "peer:gossipgrad_compression_ratio:rate1m", timeout=15)
+    assert {r["metric"]["peer"] for r in body["data"]["result"]} == peers, body
     swarm.check_alive()
 
     # 2. Every byte-counter sample Prometheus stored equals what the peer's /metrics served
@@ -608,9 +621,17 @@ def test_generated_config_passes_promtool(tmp_path) -> None:
         [PROMTOOL, "check", "config", str(path)], capture_output=True, text=True, timeout=30
     )
     assert res.returncode == 0, res.stdout + res.stderr
+    assert "1 rule files found" in res.stdout + res.stderr
     text = path.read_text()
     for pid in ("site-a", "site-b", "site.c_3"):
         assert f'peer: "{pid}"' in text
+    rules = tmp_path / cfg.RULES_FILE
+    res = subprocess.run(
+        [PROMTOOL, "check", "rules", str(rules)], capture_output=True, text=True, timeout=30
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    n_rules = len(cfg.RECORDING_RULES) + len(cfg.ALERT_RULES)
+    assert f"{n_rules} rules found" in res.stdout
 
 
 @needs_promtool
@@ -627,6 +648,7 @@ def test_cli_writes_a_config_promtool_accepts(tmp_path) -> None:
     )
     assert res.returncode == 0, res.stderr
     assert "scrape_interval: 5s" in out.read_text()
+    assert (tmp_path / "gossipgrad-rules.yml").exists()
     res = subprocess.run(
         [PROMTOOL, "check", "config", str(out)], capture_output=True, text=True, timeout=30
     )
