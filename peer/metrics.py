@@ -19,7 +19,7 @@ passed in), so tests and several peers in one process never collide on the globa
 Example::
 
     m = PeerMetrics()
-    m.set_build_info(version="0.1.0", algorithm="choco", codec="topk:0.01>>int8", topology="ring")
+    m.set_build_info(version="0.1.0", algorithm="choco", codec="topk:0.01+int8", topology="ring")
     m.add_neighbor("site-b")
     m.record_sent("site-b", "update", wire_bytes=23_000, dense_bytes=4_000_000)
     port = m.serve()          # http://127.0.0.1:<port>/metrics
