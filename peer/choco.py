@@ -61,7 +61,7 @@ class ChocoGossip:
         me: this peer's id; swarm: the swarm name.
         present_ids: callable returning the sorted ids of peers in the topology (self included).
         is_alive: callable(peer_id) -> bool, False for suspect or dead peers.
-        push: callable(peer_id, header, payload) -> PushReply, blocking (the transport).
+        push: callable(peer_id, header, payload) -> (PushReply, wire bytes), blocking.
         metrics: a PeerMetrics or None.
     """
 
@@ -73,9 +73,10 @@ class ChocoGossip:
         swarm: str,
         present_ids: Callable[[], list[str]],
         is_alive: Callable[[str], bool],
-        push: Callable[[str, pb.UpdateHeader, bytes], pb.PushReply],
+        push: Callable[[str, pb.UpdateHeader, bytes], tuple[pb.PushReply, int]],
         metrics=None,
         seed: int = 0,
+        state_lock: threading.RLock | None = None,
     ) -> None:
         self.flat = flat
         self.cfg = cfg
@@ -94,10 +95,16 @@ class ChocoGossip:
         self._edges_lock = threading.Lock()
         self._arrived = threading.Condition()
         self._lagging: set[str] = set()
+        self._lag_heard: dict[str, int] = {}
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="push")
+        # Held while x is read for an update or written by mixing (not while waiting), so
+        # a state download never sees a half-mixed model and never waits on the network.
+        self.state_lock = state_lock if state_lock is not None else threading.RLock()
         self._direction = torch.zeros_like(flat.data)
         self._pulled = torch.zeros_like(flat.data)
         self.on_push_failure: Callable[[str, Exception], None] = lambda peer, err: None
+        # Set by the owner: the incarnation membership knows for a peer (0: unknown).
+        self.incarnation_of: Callable[[str], int] = lambda peer: 0
 
     # ------------------------------------------------------------------ topology
 
@@ -132,7 +139,10 @@ class ChocoGossip:
         with self._edges_lock:
             e = self.in_edges.get(peer)
             if e is None:
-                e = self.in_edges[peer] = InEdge(mirror=torch.zeros_like(self.flat.data))
+                e = self.in_edges[peer] = InEdge(
+                    mirror=torch.zeros_like(self.flat.data),
+                    incarnation=self.incarnation_of(peer),
+                )
             return e
 
     def reset_peer(self, peer: str) -> None:
@@ -145,7 +155,7 @@ class ChocoGossip:
                 out.need_resync = True
         if inn is not None:
             with inn.lock:
-                inn.synced = False
+                inn.invalidate()
 
     def prune(self) -> None:
         """Drop edges to peers no longer present (frees their public copies)."""
@@ -195,11 +205,11 @@ class ChocoGossip:
         kind = "resync" if header.kind == pb.RESYNC else "update"
         t0 = time.perf_counter()
         try:
-            reply = self._push(peer, header, payload)
+            reply, wire_bytes = self._push(peer, header, payload)
         except Exception as err:
             # The receiver may or may not have applied it; if not, it sees a gap next time
             # and asks for a resync. Nothing to undo here.
-            log.debug("push to %s failed: %s", peer, err)
+            log.warning("push to %s failed: %s", peer, err)
             self.on_push_failure(peer, err)
             if isinstance(err, grpc.RpcError) and err.code() in (
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -213,9 +223,7 @@ class ChocoGossip:
                 edge.busy = False
         if self.metrics is not None:
             self.metrics.observe_push(peer, time.perf_counter() - t0)
-            self.metrics.record_sent(
-                peer, kind, header.ByteSize() + len(payload), dense_bytes=header.dense_size
-            )
+            self.metrics.record_sent(peer, kind, wire_bytes, dense_bytes=header.dense_size)
         if reply.status == pb.PushReply.NEED_RESYNC:
             log.info("%s asks for a resync (%s)", peer, reply.detail)
             with edge.lock:
@@ -237,32 +245,39 @@ class ChocoGossip:
                 "malformed",
                 f"update addressed to {header.receiver!r}, this is {self.me!r}",
             )
+        if header.kind not in (pb.DELTA, pb.RESYNC):
+            raise UpdateRejected(
+                grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"unknown kind {header.kind}"
+            )
         edge = self._in_edge(header.sender)
         with edge.lock:
+            before = (edge.synced, edge.expected_seq)
+            edge.heard_round = max(edge.heard_round, header.round)
             try:
-                if header.kind == pb.RESYNC:
-                    dense = self.dense_codec.decode(payload, max_numel=self.flat.numel)
-                    verdict = edge.apply_resync(header.seq, header.round, dense, header.checksum)
-                elif header.kind == pb.DELTA:
-                    verdict = edge.check_delta(header.seq)
-                    if verdict is None:
-                        self.codec.decode_add_(payload, edge.mirror)
-                        verdict = edge.finish_delta(header.seq, header.round, header.checksum)
-                else:
-                    raise UpdateRejected(
-                        grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"unknown kind {header.kind}"
-                    )
-            except (DecodeError, ValueError) as err:
-                if isinstance(err, UpdateRejected):
-                    raise
-                edge.synced = False
+                verdict = edge.admit(header.kind == pb.RESYNC, header.seq)
+                if verdict is None:
+                    # An update from a round ahead of ours waits, so that this round's
+                    # mixing sees the sender's copy as of this round (symmetric exchange).
+                    if edge.pending or header.round > self.round:
+                        edge.hold(header, bytes(payload))
+                        verdict = Verdict.ACCEPTED
+                    else:
+                        verdict = self._apply(edge, header, payload)
+            except DecodeError as err:
+                # Nothing was applied; if the sender's copy moved on, the next seq is a gap.
                 raise UpdateRejected(
                     grpc.StatusCode.INVALID_ARGUMENT, "decode_error", str(err)
                 ) from None
             expected = edge.expected_seq
-        if verdict is not Verdict.ACCEPTED:
-            log.debug(
-                "update %s seq %d from %s: %s", header.kind, header.seq, header.sender, verdict
+        if verdict is Verdict.NEED_RESYNC:
+            log.info(
+                "edge %s->%s needs a resync: got %s seq %d (round %d), edge synced=%s expected %d",
+                header.sender,
+                self.me,
+                "RESYNC" if header.kind == pb.RESYNC else "DELTA",
+                header.seq,
+                header.round,
+                *before,
             )
         with self._arrived:
             self._arrived.notify_all()
@@ -272,6 +287,26 @@ class ChocoGossip:
             Verdict.NEED_RESYNC: pb.PushReply.NEED_RESYNC,
         }[verdict]
         return pb.PushReply(status=status, expected_seq=expected, detail=verdict.value)
+
+    def _apply(self, edge: InEdge, header: pb.UpdateHeader, payload) -> Verdict:
+        """Fold one admitted update into the edge's mirror (edge lock held)."""
+        if header.kind == pb.RESYNC:
+            dense = self.dense_codec.decode(payload, max_numel=self.flat.numel)
+            return edge.apply_resync(header.seq, header.round, dense, header.checksum)
+        self.codec.decode_add_(payload, edge.mirror)
+        return edge.finish_delta(header.seq, header.round, header.checksum)
+
+    def _drain(self, edge: InEdge) -> None:
+        """Apply held updates of rounds up to the current one, in order (edge lock held)."""
+        while edge.pending and edge.pending[0][0].round <= self.round:
+            header, payload = edge.pending.popleft()
+            try:
+                verdict = self._apply(edge, header, payload)
+            except DecodeError as err:
+                log.warning("held update from %s undecodable: %s", header.sender, err)
+                verdict = Verdict.NEED_RESYNC
+            if verdict is not Verdict.ACCEPTED:
+                edge.invalidate()
 
     # ------------------------------------------------------------------ the round
 
@@ -301,7 +336,9 @@ class ChocoGossip:
                 edge = self.in_edges.get(peer)
                 if target is None:
                     continue
-                if edge is None or not edge.synced or edge.last_round < target:
+                # Heard counts, applied or not: a refused update means the sender resyncs
+                # next round, and waiting for that would deadlock the pair.
+                if edge is None or edge.heard_round < target:
                     out.append(peer)
             return out
 
@@ -311,14 +348,18 @@ class ChocoGossip:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     log.warning("round %d: no update from %s in time", self.round, waiting)
-                    self._lagging.update(waiting)
+                    for peer in waiting:
+                        self._lagging.add(peer)
+                        edge = self.in_edges.get(peer)
+                        self._lag_heard[peer] = edge.heard_round if edge is not None else -1
                     break
                 self._arrived.wait(timeout=min(left, 0.1))
                 waiting = missing()
-        # A lagging peer that caught up is waited for again.
+        # A lagging peer is waited for again as soon as it is heard from: a slow neighbour
+        # paces this peer (bounded by max_staleness), only a silent one is left behind.
         for peer in list(self._lagging):
             edge = self.in_edges.get(peer)
-            if edge is not None and edge.synced and edge.last_round >= self.round - 1:
+            if edge is not None and edge.heard_round > self._lag_heard.get(peer, -1):
                 self._lagging.discard(peer)
         return time.monotonic() - t0
 
@@ -336,7 +377,8 @@ class ChocoGossip:
                     continue
                 edge.busy = True
             try:
-                header, payload = self._make_update(peer, edge)
+                with self.state_lock:
+                    header, payload = self._make_update(peer, edge)
             except Exception:
                 with edge.lock:
                     edge.busy = False
@@ -352,7 +394,7 @@ class ChocoGossip:
         direction.zero_()
         pulled.zero_()
         mixed, residual_sq = [], 0.0
-        with torch.no_grad():
+        with torch.no_grad(), self.state_lock:
             for peer in neighbors:
                 out = self.out_edges.get(peer)
                 inn = self.in_edges.get(peer)
@@ -360,7 +402,8 @@ class ChocoGossip:
                     continue
                 # Both locks: a concurrent apply must not tear the copies we read.
                 with inn.lock, out.lock:
-                    if not inn.synced or out.seq < 0:
+                    self._drain(inn)
+                    if not inn.valid or out.seq < 0:
                         continue
                     w = weights.get(peer, 0.0)
                     direction.add_(inn.mirror, alpha=w).sub_(out.public, alpha=w)

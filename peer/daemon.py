@@ -176,7 +176,7 @@ class Daemon:
             loss.backward()
             gopt.step()
             scheduler.step()
-            loss_value = float(loss)
+            loss_value = float(loss.detach())
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"loss is {loss_value} at step {gopt.local_step}")
             metrics.record_step(loss_value, t.batch_size)

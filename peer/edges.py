@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from gossipgrad.peer.flat import tensor_checksum
@@ -52,10 +54,39 @@ class InEdge:
 
     mirror: torch.Tensor
     expected_seq: int = 0
-    synced: bool = False
-    last_round: int = -1
+    synced: bool = False  # the seq stream is consistent: deltas are admitted
+    valid: bool = False  # the mirror equals the sender's copy as of last_round: mix with it
+    last_round: int = -1  # round of the last update applied
+    heard_round: int = -1  # round of the last update received, applied or not (liveness)
     incarnation: int = 0
+    # Admitted updates from a round ahead of the receiver's, applied when it gets there.
+    pending: deque[tuple[Any, bytes]] = field(default_factory=deque)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def admit(self, resync: bool, seq: int) -> Verdict | None:
+        """Sequence check on arrival: None to go ahead, or the verdict to answer with.
+
+        A RESYNC is admitted unless it is a replay of one already taken; a delta must be the
+        next seq of a synced edge. Pending (held) updates count as taken.
+        """
+        if resync:
+            if self.synced and seq < self.expected_seq:
+                return Verdict.DUPLICATE
+            self.pending.clear()  # a resync supersedes whatever was held before it
+            return None
+        return self.check_delta(seq)
+
+    def hold(self, header: Any, payload: bytes) -> None:
+        """Keep an admitted update for a later round; its seq counts as received."""
+        self.pending.append((header, payload))
+        self.expected_seq = header.seq + 1
+        self.synced = True  # later deltas are admitted; `valid` waits for the apply
+
+    def invalidate(self) -> None:
+        """The mirror can no longer be trusted: refuse deltas and stop mixing until a resync."""
+        self.synced = False
+        self.valid = False
+        self.pending.clear()
 
     def apply_resync(self, seq: int, round_: int, dense: torch.Tensor, checksum: int) -> Verdict:
         """Replace the mirror by the sender's whole public copy."""
@@ -63,10 +94,10 @@ class InEdge:
             raise ValueError(f"resync shape {tuple(dense.shape)} != {tuple(self.mirror.shape)}")
         self.mirror.copy_(dense)
         if tensor_checksum(self.mirror) != checksum:
-            self.synced = False
+            self.invalidate()
             return Verdict.NEED_RESYNC
-        self.expected_seq = seq + 1
-        self.synced = True
+        self.expected_seq = max(self.expected_seq, seq + 1)  # held ones may be counted
+        self.synced = self.valid = True
         self.last_round = max(self.last_round, round_)
         return Verdict.ACCEPTED
 
@@ -77,15 +108,15 @@ class InEdge:
         if seq < self.expected_seq:
             return Verdict.DUPLICATE
         if seq > self.expected_seq:
-            self.synced = False  # a gap: something was lost on the way
+            self.invalidate()  # a gap: something was lost on the way
             return Verdict.NEED_RESYNC
         return None
 
     def finish_delta(self, seq: int, round_: int, checksum: int) -> Verdict:
         """After the delta was added to the mirror: verify it and advance."""
         if tensor_checksum(self.mirror) != checksum:
-            self.synced = False
+            self.invalidate()
             return Verdict.NEED_RESYNC
-        self.expected_seq = seq + 1
+        self.expected_seq = max(self.expected_seq, seq + 1)  # held ones may be counted
         self.last_round = max(self.last_round, round_)
         return Verdict.ACCEPTED

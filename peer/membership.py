@@ -152,7 +152,10 @@ class Membership:
         with self._lock:
             for pid, r in self._peers.items():
                 silent = now - r.last_seen
-                if r.state != DEAD and (silent > self.cfg.dead_after or r.info.leaving):
+                if r.state != DEAD and r.info.leaving:
+                    log.info("peer %s left", pid)
+                    r.state, changed = DEAD, True
+                elif r.state != DEAD and silent > self.cfg.dead_after:
                     log.warning("peer %s dead (silent %.1fs)", pid, silent)
                     r.state, changed = DEAD, True
                 elif r.state == ALIVE and silent > self.cfg.suspect_after:

@@ -87,14 +87,21 @@ class Peer:
         flat: FlatParameters,
         state_fn: Callable[[], tuple[int, int, bytes]] | None = None,
         registry=None,
+        state_lock: threading.RLock | None = None,
     ) -> None:
         self.cfg = cfg
         self.flat = flat
         self._state_fn = state_fn
+        self._state_lock = state_lock
         self.metrics = PeerMetrics(registry=registry)
         self.options = transport_options(cfg)
         self.clients = ClientPool(self.options)
-        self.server = GossipServer(self, bind=cfg.peer.listen, options=self.options)
+        self.server = GossipServer(
+            self,
+            bind=cfg.peer.listen,
+            options=self.options,
+            on_reject=lambda reason, _peer: self.metrics.record_rejected(reason),
+        )
         self.id = cfg.peer.id
         self.address = ""
         self.metrics_port = 0
@@ -145,7 +152,9 @@ class Peer:
             push=self._push,
             metrics=self.metrics,
             seed=self.cfg.train.seed,
+            state_lock=self._state_lock,
         )
+        self.gossip.incarnation_of = self._incarnation_of
         self.membership.start()
         self._started = True
         log.info("peer %s serving gossip on %s", self.id, self.address)
@@ -171,14 +180,18 @@ class Peer:
         self, address: str, request: pb.HeartbeatRequest, timeout: float
     ) -> pb.HeartbeatReply:
         reply = self.clients.get(address).heartbeat(request, timeout=timeout)
-        self.metrics.record_sent("", "heartbeat", request.ByteSize())
+        if reply.responder.id:
+            self.metrics.record_sent(reply.responder.id, "heartbeat", request.ByteSize())
         return reply
 
-    def _push(self, peer: str, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
+    def _push(self, peer: str, header: pb.UpdateHeader, payload: bytes) -> tuple[pb.PushReply, int]:
         address = self.membership.address_of(peer)
         if address is None:
             raise ConnectionError(f"no address for peer {peer}")
-        return self.clients.get(address).push(header, payload, timeout=self.options.push_timeout)
+        result = self.clients.get(address).push_detailed(
+            header, payload, timeout=self.options.push_timeout
+        )
+        return result.reply, result.wire_bytes
 
     def download_state(self, timeout: float = 60.0) -> tuple[pb.StateHeader, bytes] | None:
         """Fetch the state of the most advanced live peer, or None if nobody has trained."""
@@ -232,7 +245,8 @@ class Peer:
 
     def handle_heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
         self._check_swarm(request.swarm)
-        self.metrics.record_received("", "heartbeat", request.ByteSize())
+        if request.sender.id:
+            self.metrics.record_received(request.sender.id, "heartbeat", request.ByteSize())
         return self.membership.handle_heartbeat(request)
 
     def handle_state_request(self, request: pb.StateRequest) -> tuple[pb.StateHeader, bytes]:
@@ -272,6 +286,10 @@ class Peer:
                 self.gossip.reset_peer(pid)
                 edge.incarnation = rec.info.incarnation
         self.gossip.prune()
+
+    def _incarnation_of(self, peer: str) -> int:
+        rec = self.membership.record(peer) if self.membership is not None else None
+        return rec.info.incarnation if rec is not None else 0
 
     def update_progress(self, step: int, round_: int) -> None:
         """Advertise training progress in heartbeats (joining peers pick the most advanced)."""

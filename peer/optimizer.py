@@ -61,7 +61,9 @@ class GossipOptimizer:
         self.local_step = 0
         self.last_round: RoundStats | None = None
         self._lock = threading.RLock()  # the training thread vs. state downloads
-        self.peer = Peer(config, self.flat, state_fn=self._state_blob, registry=registry)
+        self.peer = Peer(
+            config, self.flat, state_fn=self._state_blob, registry=registry, state_lock=self._lock
+        )
         if start:
             self.start()
 
@@ -90,9 +92,10 @@ class GossipOptimizer:
         with self._lock:
             loss = self.optimizer.step(closure)
             self.local_step += 1
-            if self.local_step % self.config.gossip.local_steps == 0:
-                self.last_round = self.peer.gossip.step_round()
-            self.peer.update_progress(self.local_step, self.round)
+        if self.local_step % self.config.gossip.local_steps == 0:
+            # Takes the lock itself, only around reading and writing x (not while waiting).
+            self.last_round = self.peer.gossip.step_round()
+        self.peer.update_progress(self.local_step, self.round)
         return loss
 
     # ------------------------------------------------------------------ state

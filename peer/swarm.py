@@ -55,8 +55,9 @@ class LocalSwarm:
         self.n = n
         self.overrides = overrides
         self.config = config
-        self.procs: list[subprocess.Popen] = []
+        self.procs: dict[int, subprocess.Popen] = {}
         self.logs: list[Any] = []
+        self.bootstrap: str | None = None
 
     def peer_dir(self, i: int) -> Path:
         return self.out / f"peer{i}"
@@ -81,24 +82,27 @@ class LocalSwarm:
             cmd += [f"--{k}", v]
         return cmd
 
-    def _spawn(self, i: int, bootstrap: str | None) -> None:
+    def spawn(self, i: int) -> None:
+        """Start (or restart) peer i, bootstrapping from peer0 unless it is peer0."""
+        bootstrap = None if i == 0 else self.bootstrap
         cmd = self.command(i, bootstrap)
         self.peer_dir(i).mkdir(parents=True, exist_ok=True)
         with open(self.out / "commands.sh", "a") as f:
             f.write(" ".join(cmd) + " &\n")
-        log = open(self.out / f"peer{i}.log", "w")  # noqa: SIM115 - closed in stop()
+        log = open(self.out / f"peer{i}.log", "a")  # noqa: SIM115 - closed in stop()
         self.logs.append(log)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+        self.procs[i] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
-    def start(self) -> None:
-        """Start peer0, wait for its address, then the rest bootstrapping from it."""
+    def start(self, count: int | None = None) -> None:
+        """Start peer0, wait for its address, then peers 1..count-1 bootstrapping from it."""
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "commands.sh").write_text("#!/usr/bin/env bash\n")
         for i in range(self.n):
-            for name in ("status.json", "summary.json"):
+            for name in ("status.json", "summary.json", "params.pt", "checkpoint.pt"):
                 (self.peer_dir(i) / name).unlink(missing_ok=True)
-        self._spawn(0, None)
+            (self.out / f"peer{i}.log").unlink(missing_ok=True)
+        self.spawn(0)
         deadline = time.monotonic() + ADDRESS_TIMEOUT_S
         address = None
         while address is None:
@@ -109,25 +113,40 @@ class LocalSwarm:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"peer0 did not start in {ADDRESS_TIMEOUT_S}s")
             time.sleep(0.1)
-        for i in range(1, self.n):
-            self._spawn(i, address)
+        self.bootstrap = address
+        for i in range(1, self.n if count is None else count):
+            self.spawn(i)
+
+    def kill(self, i: int) -> None:
+        """SIGKILL peer i (a crash: no checkpoint, no goodbye)."""
+        self.procs[i].kill()
+        self.procs[i].wait()
 
     def statuses(self) -> list[dict[str, Any]]:
         return [_read_json(self.peer_dir(i) / "status.json") or {} for i in range(self.n)]
 
     def running(self) -> bool:
-        return any(p.poll() is None for p in self.procs)
+        return any(p.poll() is None for p in self.procs.values())
 
     def failed(self) -> list[int]:
-        return [i for i, p in enumerate(self.procs) if p.poll() not in (None, 0)]
+        return [i for i, p in self.procs.items() if p.poll() not in (None, 0)]
+
+    def wait(self, timeout: float) -> bool:
+        """Wait for every peer to exit; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self.running():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        return True
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM every peer (they checkpoint and leave), SIGKILL what is left after timeout."""
-        for p in self.procs:
+        for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        for p in self.procs:
+        for p in self.procs.values():
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -155,8 +174,9 @@ def progress_table(statuses: list[dict[str, Any]], steps: int) -> Table:
     return table
 
 
-def consensus_distance(param_files: list[Path]) -> float | None:
-    """True consensus distance (1/n) Σ_i ||x_i − x̄||² from the peers' final parameters."""
+def consensus_distance(param_files: list[Path]) -> tuple[float, float] | None:
+    """True consensus distance (1/n) Σ_i ||x_i − x̄||² from the peers' final parameters,
+    and the same relative to ||x̄||² (scale-free, comparable across models)."""
     import torch
 
     xs = [torch.load(p, weights_only=True) for p in param_files if p.exists()]
@@ -164,7 +184,8 @@ def consensus_distance(param_files: list[Path]) -> float | None:
         return None
     stacked = torch.stack(xs).double()
     mean = stacked.mean(dim=0)
-    return float(((stacked - mean) ** 2).sum(dim=1).mean())
+    dist = float(((stacked - mean) ** 2).sum(dim=1).mean())
+    return dist, dist / max(float((mean**2).sum()), 1e-30)
 
 
 def summarize(swarm: LocalSwarm) -> dict[str, Any]:
@@ -183,10 +204,10 @@ def summarize(swarm: LocalSwarm) -> dict[str, Any]:
             steps=steps,
             mean_sent_bytes=sum(sent) / len(sent),
             ddp_allreduce_bytes_per_peer=ddp,
-            consensus_distance=consensus_distance(
-                [swarm.peer_dir(i) / "params.pt" for i in range(swarm.n)]
-            ),
         )
+        cd = consensus_distance([swarm.peer_dir(i) / "params.pt" for i in range(swarm.n)])
+        if cd is not None:
+            result["consensus_distance"], result["relative_consensus_distance"] = cd
     (swarm.out / "swarm.json").write_text(json.dumps(result, indent=1))
     return result
 
@@ -222,9 +243,11 @@ def print_summary(console: Console, result: dict[str, Any]) -> None:
             if sent
             else "no bytes sent"
         )
-        cd = result["consensus_distance"]
-        if cd is not None:
-            console.print(f"consensus distance (1/n) Σ||x_i - x̄||²: {cd:.3e}")
+        if "consensus_distance" in result:
+            console.print(
+                f"consensus distance (1/n) Σ||x_i - x̄||²: {result['consensus_distance']:.3e} "
+                f"({result['relative_consensus_distance']:.2e} of ||x̄||²)"
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:

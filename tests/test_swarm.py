@@ -1,0 +1,126 @@
+"""Multi-process swarms: real peer processes gossiping over gRPC on 127.0.0.1.
+
+Sized for a 2-core machine: the digits task, a few hundred steps, one torch thread per peer.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from gossipgrad.peer.swarm import LocalSwarm, summarize
+from gossipgrad.peer.tasks import TaskContext, train_centralized
+
+STEPS = 300
+BATCH = 32
+# Tolerances stated by the peer issue's test: every peer within 3 points of one model trained
+# on all the data with the same sample budget, and the peers' models close together.
+ACCURACY_TOLERANCE = 0.03
+RELATIVE_CONSENSUS_BOUND = 0.02  # (1/n) Σ||x_i - x̄||² over ||x̄||²
+
+BASE = {
+    "train.task": "digits",
+    "train.batch_size": str(BATCH),
+    "train.eval_every": "0",
+    "gossip.codec": "topk:0.01+int8",
+    "gossip.topology": "ring",
+    "metrics.enabled": "false",
+    "membership.heartbeat_interval": "0.2",
+    "membership.suspect_after": "2",
+    "membership.dead_after": "4",
+    "gossip.round_timeout": "3",
+}
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def step_of(swarm: LocalSwarm, i: int) -> int:
+    return swarm.statuses()[i].get("step", 0)
+
+
+@pytest.fixture
+def swarm_factory(tmp_path: Path):
+    made: list[LocalSwarm] = []
+
+    def make(n: int, **overrides: str) -> LocalSwarm:
+        s = LocalSwarm(tmp_path / f"swarm{len(made)}", n, {**BASE, **overrides})
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.stop(timeout=10)
+
+
+@pytest.mark.timeout(300)
+def test_four_peer_ring_matches_centralized_accuracy(swarm_factory) -> None:
+    swarm = swarm_factory(4, **{"train.steps": str(STEPS)})
+    swarm.start()
+    assert swarm.wait(240), "swarm did not finish"
+    assert swarm.failed() == []
+    result = summarize(swarm)
+    central = train_centralized("digits", STEPS, TaskContext(num_peers=4, seed=0, batch_size=BATCH))
+    accs = [p["final"]["accuracy"] for p in result["peers"]]
+    print(f"swarm accuracies {accs}, centralized {central['accuracy']:.4f}")
+    print(f"relative consensus distance {result['relative_consensus_distance']:.3e}")
+    for acc in accs:
+        assert acc >= central["accuracy"] - ACCURACY_TOLERANCE
+    assert result["relative_consensus_distance"] < RELATIVE_CONSENSUS_BOUND
+    for p in result["peers"]:
+        assert p["steps"] == STEPS
+        # Compressed updates: at least 50x fewer bytes than the same updates dense.
+        assert p["dense_bytes"] > 50 * p["sent_update_bytes"] > 0
+    (swarm.out / "figures.json").write_text(json.dumps({"central": central, "accs": accs}))
+
+
+@pytest.mark.timeout(300)
+def test_killed_peer_others_go_on_and_it_resumes_from_checkpoint(swarm_factory) -> None:
+    swarm = swarm_factory(4, **{"train.steps": "700", "checkpoint.every": "50"})
+    swarm.start()
+    wait_for(lambda: step_of(swarm, 2) >= 150, 120, "peer2 to reach step 150")
+    swarm.kill(2)
+    killed_at = step_of(swarm, 2)
+    others = [step_of(swarm, i) for i in (0, 1, 3)]
+    # Nobody blocks on the dead peer: the others make real progress without it.
+    wait_for(
+        lambda: all(step_of(swarm, i) >= s + 150 for i, s in zip((0, 1, 3), others, strict=True)),
+        120,
+        "the others to go on without peer2",
+    )
+    swarm.spawn(2)
+    assert swarm.wait(240), "swarm did not finish"
+    assert swarm.failed() == []
+    log = (swarm.out / "peer2.log").read_text()
+    assert "resumed from checkpoint at step" in log
+    resumed_at = int(log.split("resumed from checkpoint at step ")[1].split()[0])
+    assert resumed_at % 50 == 0 and 0 < resumed_at <= killed_at
+    result = summarize(swarm)
+    for p in result["peers"]:
+        assert p["steps"] == 700
+        assert p["final"]["accuracy"] > 0.85
+
+
+@pytest.mark.timeout(300)
+def test_late_joiner_downloads_state_and_catches_up(swarm_factory) -> None:
+    # Long enough that the first three are still training when the fourth has started.
+    swarm = swarm_factory(4, **{"train.steps": "2500", "peer.expected_peers": "3"})
+    swarm.start(count=3)
+    wait_for(lambda: step_of(swarm, 0) >= 150, 120, "the first peers to train")
+    swarm.spawn(3)
+    assert swarm.wait(240), "swarm did not finish"
+    assert swarm.failed() == []
+    status = json.loads((swarm.peer_dir(3) / "status.json").read_text())
+    assert status["joined_at_step"] >= 150
+    result = summarize(swarm)
+    late = result["peers"][3]
+    assert late["received_state_bytes"] > 0
+    # It trained only the remaining steps yet ends as good as the others.
+    best = max(p["final"]["accuracy"] for p in result["peers"][:3])
+    assert late["final"]["accuracy"] >= best - 0.05
