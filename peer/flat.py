@@ -73,7 +73,7 @@ class FlatParameters:
 def model_fingerprint(names: list[str], shapes: list[tuple[int, ...]], dtype: torch.dtype) -> str:
     """A short hash of parameter names, shapes and dtype: peers must train the same model."""
     h = hashlib.sha256(str(dtype).encode())
-    for n, s in zip(names, shapes):
+    for n, s in zip(names, shapes, strict=True):
         h.update(f"{n}:{'x'.join(map(str, s))};".encode())
     return h.hexdigest()[:16]
 
