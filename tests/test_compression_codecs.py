@@ -264,6 +264,32 @@ def test_qsgd_and_int8_sr_are_unbiased() -> None:
         assert float((mean - x).abs().max()) < 0.25 * step
 
 
+@pytest.mark.parametrize("ratio", [0.01, 0.1, 0.5])
+@given(x=VECTORS, seed=st.integers(0, 2**32))
+@SETTINGS
+def test_sparsifier_bounds(ratio: float, x: torch.Tensor, seed: int) -> None:
+    """top-k is a k/n-contraction (Stich et al., NeurIPS 2018): ||x - C(x)||^2 <= (1 - k/n)
+    ||x||^2; random-k keeps exact values and zeros the rest; with int8 on top, each kept entry
+    is within half a quantization step of its block's scale."""
+    n = x.numel()
+    k = min(n, max(1, round(ratio * n)))
+    x64 = x.double()
+    d = from_spec(f"topk:{ratio}").decode(from_spec(f"topk:{ratio}").encode(x, seed=seed))
+    assert float((x64 - d.double()).pow(2).sum()) <= (1 - k / n) * float(x64.pow(2).sum()) * (
+        1 + 1e-9
+    )
+    r = from_spec(f"randomk:{ratio}").decode(from_spec(f"randomk:{ratio}").encode(x, seed=seed))
+    kept = r != 0
+    assert torch.equal(r[kept], x[kept]) and int((r != 0).sum()) <= k
+    codec = from_spec(f"topk:{ratio}+int8:block=8")
+    q = codec.decode(codec.encode(x, seed=seed))
+    idx = TopK(ratio).select(x, seed)  # the selection encode made (int8 blocks follow it)
+    vals, qv = x[idx], q[idx]
+    for vb, qb in zip(vals.split(8), qv.split(8), strict=True):
+        step = float(vb.abs().max()) / 127
+        assert float((vb - qb).abs().max()) <= 0.5 * step * (1 + 1e-5) + 1e-30
+
+
 @pytest.mark.parametrize("spec", ["topk:0.01", "topk:0.01:exact", "topk:0.2+int8"])
 def test_topk_keeps_largest_magnitudes(spec: str) -> None:
     x = student_t(200_000, seed=8)
