@@ -133,11 +133,12 @@ class GossipSection(Section):
     )
     topology: str = Field(
         "ring",
-        description="ring, full, random-regular, exponential, one-peer-exponential.",
+        description="ring, torus, full, random-regular, exponential, one-peer-exponential "
+        "(docs/topologies.md).",
     )
     degree: int | None = Field(
         None,
-        ge=1,
+        ge=2,
         description="Degree of the random-regular topology (empty: 3); other topologies "
         "have a fixed shape and reject it.",
     )
