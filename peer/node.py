@@ -286,9 +286,6 @@ class Peer:
                 self.gossip.reset_peer(pid)
                 edge.incarnation = rec.info.incarnation
         self.gossip.prune()
-        present = set(m.present_ids())
-        for neighbor in self.metrics.neighbor_ids - present:
-            self.metrics.remove_neighbor(neighbor)  # keeps label cardinality bounded
 
     def _incarnation_of(self, peer: str) -> int:
         rec = self.membership.record(peer) if self.membership is not None else None
