@@ -20,6 +20,7 @@ class UpdateKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UPDATE_KIND_UNSPECIFIED: _ClassVar[UpdateKind]
     DELTA: _ClassVar[UpdateKind]
     RESYNC: _ClassVar[UpdateKind]
+    GRADIENT: _ClassVar[UpdateKind]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -28,6 +29,7 @@ FLOAT64: DType
 UPDATE_KIND_UNSPECIFIED: UpdateKind
 DELTA: UpdateKind
 RESYNC: UpdateKind
+GRADIENT: UpdateKind
 
 class TensorEnvelope(_message.Message):
     __slots__ = ("format_version", "shape", "dtype", "codec_spec", "crc32", "seed", "count", "index_bits", "indices", "values", "scales")
