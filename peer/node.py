@@ -107,6 +107,8 @@ class Peer:
         self.metrics_port = 0
         self.membership: Membership | None = None
         self.gossip: ChocoGossip | None = None
+        # Set by the owner for algorithm ef-gradient: takes GRADIENT updates (header, payload).
+        self.gradient_handler: Callable[[pb.UpdateHeader, bytes], pb.PushReply] | None = None
         self._started = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -234,8 +236,16 @@ class Peer:
         self._check_swarm(header.swarm)
         if self.gossip is None:
             raise UpdateRejected(grpc.StatusCode.UNAVAILABLE, "stale", "peer is starting")
+        handler = self.gossip.handle_update
+        if header.kind == pb.GRADIENT:
+            if self.gradient_handler is None:
+                self.metrics.record_rejected("malformed")
+                raise UpdateRejected(
+                    grpc.StatusCode.FAILED_PRECONDITION, "malformed", "not running ef-gradient"
+                )
+            handler = self.gradient_handler
         try:
-            reply = self.gossip.handle_update(header, payload)
+            reply = handler(header, payload)
         except UpdateRejected as err:
             self.metrics.record_rejected(err.reason)
             raise
