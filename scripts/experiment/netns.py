@@ -1,0 +1,277 @@
+"""Emulated WAN on one machine: a network namespace per site, joined to a bridge in a hub
+namespace through veth links, shaped with ``tc``.
+
+Layout for sites 0..n-1 (run prefix ``ggPIDxTOKEN-``)::
+
+    [PREFIXp0] eth0 198.18.0.1 ──veth── v0 ┐
+    [PREFIXp1] eth0 198.18.0.2 ──veth── v1 ┼─ br0 [PREFIXhub]
+    ...                                     ┘
+
+Addresses come from the benchmarking range 198.18.0.0/15 (RFC 2544) and exist only inside the
+namespaces created here; no host interface is touched. A site's upload is shaped on its
+``eth0`` (egress), its download on the hub's ``v{i}`` (egress towards the site): an HTB class
+caps the rate, a netem leaf adds delay, jitter and loss. Per-link (pair) profiles get their own
+HTB class on the sender's ``eth0``, selected by a u32 filter on the destination address.
+
+netem is a kernel module (sch_netem) that some kernels lack; rate shaping (HTB) works without
+it, and a spec asking for delay, jitter or loss then fails before anything starts.
+
+``NetnsLab`` removes every namespace it made in ``down()`` (also called on Ctrl-C, SIGTERM and
+crashes by the runner), first killing what still runs inside them; ``cleanup_stale()`` removes
+namespaces left by runners that died (their pid is part of the name).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+from collections.abc import Sequence
+
+from gossipgrad.experiment.spec import LinkProfile, NetworkSection
+
+log = logging.getLogger(__name__)
+
+ROOT_PREFIX = "gg"
+SUBNET = "198.18.0"
+PREFIX_LEN = 24
+MAX_SITES = 250
+# HTB class for traffic a pair profile does not cover, when the site itself is unshaped.
+UNSHAPED_RATE = "10gbit"
+_STALE = re.compile(rf"^{ROOT_PREFIX}(\d+)x[0-9a-f]{{4}}-")
+
+
+class NetnsError(RuntimeError):
+    """Namespaces cannot be set up here (no root, no iproute2, a missing qdisc)."""
+
+
+def available() -> str | None:
+    """None when netns mode can run here, else the reason it cannot."""
+    if os.name != "posix" or not hasattr(os, "geteuid"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "netns mode needs root (creates namespaces, veth links and qdiscs)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"netns mode needs iproute2 ('{tool}' not found on PATH)"
+    return None
+
+
+def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    log.debug("netns: %s", " ".join(cmd))
+    proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise NetnsError(f"{' '.join(cmd)}: {proc.stderr.strip() or proc.returncode}")
+    return proc
+
+
+def list_namespaces() -> list[str]:
+    proc = _run(["ip", "netns", "list"], check=False)
+    return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+
+
+def _kill_inside(ns: str) -> None:
+    """SIGKILL the processes still running in a namespace this module created."""
+    proc = _run(["ip", "netns", "pids", ns], check=False)
+    for pid in proc.stdout.split():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def delete_namespace(ns: str) -> None:
+    _kill_inside(ns)
+    _run(["ip", "netns", "del", ns], check=False)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cleanup_stale() -> list[str]:
+    """Delete namespaces left behind by runners that are no longer alive; returns them."""
+    removed = []
+    for ns in list_namespaces():
+        m = _STALE.match(ns)
+        if m and not _pid_alive(int(m.group(1))):
+            delete_namespace(ns)
+            removed.append(ns)
+    if removed:
+        log.warning("removed %d stale namespaces: %s", len(removed), " ".join(removed))
+    return removed
+
+
+def netem_supported(ns: str, dev: str) -> bool:
+    """Whether this kernel has the netem qdisc (probed on a device in our namespace)."""
+    probe = _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
+                  "netem", "delay", "1ms"], check=False)  # fmt: skip
+    if probe.returncode == 0:
+        _run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"], check=False)
+        return True
+    return False
+
+
+def netem_args(p: LinkProfile) -> list[str]:
+    """``tc ... netem`` arguments for the delay/jitter/loss of a profile ([] if none)."""
+    args: list[str] = []
+    if p.delay:
+        args += ["delay", p.delay]
+        if p.jitter:
+            args += [p.jitter, "distribution", "normal"]
+    if p.loss:
+        args += ["loss", f"{p.loss}%"]
+    if args:
+        args += ["limit", "100000"]
+    return args
+
+
+def shaping_commands(
+    dev: str, site: LinkProfile, pairs: dict[str, LinkProfile] | None = None
+) -> list[list[str]]:
+    """``tc`` commands (without the netns wrapper) shaping egress of ``dev``.
+
+    Args:
+        dev: the interface.
+        site: profile of all traffic on it.
+        pairs: destination address -> profile of the traffic to that address.
+    """
+    pairs = pairs or {}
+    if not (site.rate or site.needs_netem() or pairs):
+        return []
+    cmds = [["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1"]]
+    classes = [(1, site, None)] + [
+        (10 + k, site.merged(p), addr) for k, (addr, p) in enumerate(sorted(pairs.items()))
+    ]
+    for cls, prof, addr in classes:
+        rate = prof.rate or UNSHAPED_RATE
+        cmds.append(["tc", "class", "add", "dev", dev, "parent", "1:", "classid", f"1:{cls}",
+                     "htb", "rate", rate, "ceil", rate])  # fmt: skip
+        if prof.needs_netem():
+            cmds.append(["tc", "qdisc", "add", "dev", dev, "parent", f"1:{cls}", "handle",
+                         f"{cls}:", "netem", *netem_args(prof)])  # fmt: skip
+        if addr is not None:
+            cmds.append(["tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip",
+                         "prio", "1", "u32", "match", "ip", "dst", f"{addr}/32", "flowid",
+                         f"1:{cls}"])  # fmt: skip
+    return cmds
+
+
+class NetnsLab:
+    """n sites in their own namespaces around a hub bridge; ``with NetnsLab(...) as lab``.
+
+    Args:
+        n: number of sites.
+        network: link profiles (defaults: unshaped).
+        prefix: namespace name prefix (default: ``gg{pid}x{random}-``, unique per run).
+    """
+
+    def __init__(self, n: int, network: NetworkSection | None = None, prefix: str = "") -> None:
+        if not 1 <= n <= MAX_SITES:
+            raise ValueError(f"netns mode supports 1..{MAX_SITES} sites, got {n}")
+        self.n = n
+        self.network = network or NetworkSection()
+        self.prefix = prefix or f"{ROOT_PREFIX}{os.getpid()}x{secrets.token_hex(2)}-"
+        self.hub = f"{self.prefix}hub"
+        self.created: list[str] = []
+
+    def ns(self, i: int) -> str:
+        return f"{self.prefix}p{i}"
+
+    @staticmethod
+    def address(i: int) -> str:
+        return f"{SUBNET}.{i + 1}"
+
+    def exec_prefix(self, i: int) -> list[str]:
+        """Command prefix that runs a program inside site i's namespace."""
+        return ["ip", "netns", "exec", self.ns(i)]
+
+    def _add_ns(self, name: str) -> None:
+        _run(["ip", "netns", "add", name])
+        self.created.append(name)
+        _run(["ip", "-n", name, "link", "set", "lo", "up"])
+
+    def up(self) -> NetnsLab:
+        """Create namespaces, links and qdiscs; on any failure remove what was made."""
+        reason = available()
+        if reason:
+            raise NetnsError(reason)
+        try:
+            self._up()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def _up(self) -> None:
+        self._add_ns(self.hub)
+        _run(["ip", "-n", self.hub, "link", "add", "br0", "type", "bridge"])
+        _run(["ip", "-n", self.hub, "link", "set", "br0", "up"])
+        if self.network.needs_netem() and not netem_supported(self.hub, "br0"):
+            raise NetnsError(
+                "network: delay, jitter and loss need the netem qdisc (kernel module "
+                "sch_netem), which this kernel lacks; keep only 'rate' (HTB) or use a "
+                "kernel with CONFIG_NET_SCH_NETEM"
+            )
+        for i in range(self.n):
+            ns = self.ns(i)
+            self._add_ns(ns)
+            _run(["ip", "link", "add", f"v{i}", "netns", self.hub, "type", "veth",
+                  "peer", "name", "eth0", "netns", ns])  # fmt: skip
+            _run(["ip", "-n", self.hub, "link", "set", f"v{i}", "master", "br0"])
+            _run(["ip", "-n", self.hub, "link", "set", f"v{i}", "up"])
+            _run(["ip", "-n", ns, "addr", "add", f"{self.address(i)}/{PREFIX_LEN}", "dev", "eth0"])
+            _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+        for i in range(self.n):
+            site = self.network.site(i)
+            pairs = {}
+            for j in range(self.n):
+                p = self.network.pair(i, j) if j != i else None
+                if p is not None:
+                    pairs[self.address(j)] = p
+            for cmd in shaping_commands("eth0", site, pairs):
+                _run(["ip", "netns", "exec", self.ns(i), *cmd])
+            for cmd in shaping_commands(f"v{i}", site):
+                _run(["ip", "netns", "exec", self.hub, *cmd])
+        log.info("netns lab up: %d sites, prefix %s", self.n, self.prefix)
+
+    def down(self) -> None:
+        """Kill what runs inside our namespaces and delete them (idempotent)."""
+        for ns in reversed(self.created):
+            delete_namespace(ns)
+        left = [ns for ns in list_namespaces() if ns.startswith(self.prefix)]
+        for ns in left:
+            delete_namespace(ns)
+        self.created.clear()
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Bytes on each site's access link as the kernel counts them (headers included):
+        ``{"peer0": {"tx_bytes": ..., "rx_bytes": ...}, ...}`` read from eth0 in each site."""
+        out = {}
+        for i in range(self.n):
+            proc = _run(["ip", "-n", self.ns(i), "-s", "-j", "link", "show", "eth0"], check=False)
+            try:
+                stats = json.loads(proc.stdout)[0]["stats64"]
+                out[f"peer{i}"] = {
+                    "tx_bytes": int(stats["tx"]["bytes"]),
+                    "rx_bytes": int(stats["rx"]["bytes"]),
+                }
+            except (json.JSONDecodeError, IndexError, KeyError):
+                out[f"peer{i}"] = {"tx_bytes": 0, "rx_bytes": 0}
+        return out
+
+    def __enter__(self) -> NetnsLab:
+        return self.up()
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
