@@ -294,7 +294,7 @@ def _quantize_chunked(
     if q.stochastic:
         gen = torch.Generator(device=vals.device)
         gen.manual_seed(seed)
-    if n <= CHUNK:
+    if n <= CHUNK or q.lossless:  # lossless = a view of the input: no copy
         return q.quantize(vals, gen)
     values = torch.empty(q.value_bytes(n, vals.dtype), dtype=torch.uint8, device=vals.device)
     nscales = q.scale_count(n)

@@ -474,3 +474,18 @@ def test_decode_into_out_overwrites(spec: str) -> None:
         codec.decode(data, out=torch.zeros(100, 60))
     with pytest.raises(DecodeError, match="contiguous"):
         codec.decode(data, out=torch.zeros(100, 60).t())
+
+
+@pytest.mark.parametrize("spec", ["none", "topk:0.01+int8", "randomk:0.1+fp16", "int4"])
+def test_payload_is_a_plain_protobuf_message(spec: str) -> None:
+    """encode() frames section payloads after a protobuf-serialized header (one copy instead of
+    three); any protobuf implementation reads the same message, and its canonical
+    re-serialization decodes to the same tensor."""
+    codec = from_spec(spec)
+    x = student_t(200_000, seed=20)
+    data = codec.encode(x, seed=4)
+    env = TensorEnvelope.FromString(data)
+    assert env.codec_spec == spec and list(env.shape) == [200_000]
+    assert env.values.raw_size == codec.stages()[1].value_bytes(env.count, torch.float32)
+    canonical = env.SerializeToString()
+    assert torch.equal(codec.decode(canonical), codec.decode(data))
