@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +45,21 @@ class LocalSwarm:
         n: number of peers.
         overrides: dotted config keys applied to every peer (``train.task`` etc.).
         config: optional base TOML file every peer reads first.
+        command_prefix: optional ``i -> argv prefix`` run before peer i's python, e.g.
+            ``["ip", "netns", "exec", NS]`` to start it inside a network namespace.
+        peer_overrides: optional ``i -> {key: value}`` applied to peer i after
+            ``overrides``, e.g. its own ``peer.listen`` address.
     """
 
     def __init__(
-        self, out: Path, n: int, overrides: dict[str, str], config: Path | None = None
+        self,
+        out: Path,
+        n: int,
+        overrides: dict[str, str],
+        config: Path | None = None,
+        *,
+        command_prefix: Callable[[int], list[str]] | None = None,
+        peer_overrides: Callable[[int], dict[str, str]] | None = None,
     ) -> None:
         if n < 1:
             raise ValueError(f"need at least one peer, got {n}")
@@ -55,6 +67,8 @@ class LocalSwarm:
         self.n = n
         self.overrides = overrides
         self.config = config
+        self.command_prefix = command_prefix
+        self.peer_overrides = peer_overrides
         self.procs: dict[int, subprocess.Popen] = {}
         self.logs: list[Any] = []
         self.bootstrap: str | None = None
@@ -73,9 +87,12 @@ class LocalSwarm:
             "train.threads": "1",
             **self.overrides,
         }
+        if self.peer_overrides is not None:
+            opts.update(self.peer_overrides(i))
         if bootstrap:
             opts["peer.bootstrap"] = bootstrap
-        cmd = [sys.executable, "-m", "gossipgrad.peer"]
+        cmd = [*(self.command_prefix(i) if self.command_prefix else []), sys.executable]
+        cmd += ["-m", "gossipgrad.peer"]
         if self.config is not None:
             cmd += ["--config", str(self.config)]
         for k, v in opts.items():
