@@ -86,6 +86,15 @@ class TransportOptions:
     max_concurrent_rpcs: int = 16
     #: HTTP/2 streams one connection may carry at once.
     max_concurrent_streams: int = 32
+    #: Calls one caller (certificate identity, else claimed peer id) may have in flight on
+    #: this server; more are refused with RESOURCE_EXHAUSTED (reason ``rate_limited``), so a
+    #: flood from one peer leaves server threads to the others (0: no limit).
+    max_streams_per_peer: int = 8
+    #: Sustained calls per second one caller may make (token bucket; 0: no limit), and the
+    #: bucket's capacity. Honest peers make about one push per neighbour per round plus a
+    #: few heartbeats per second; the defaults leave room for very fast rounds.
+    peer_rate: float = 1000.0
+    peer_burst: int = 2000
     #: Receive buffers the server keeps for reuse between pushes, in bytes (0 disables).
     #: Reusing buffers avoids page-faulting a fresh buffer per push, the largest cost of a
     #: big push on a busy machine; a buffer the handler keeps a reference to is never reused.
@@ -124,6 +133,8 @@ class TransportOptions:
             raise ValueError("server_threads and max_concurrent_rpcs must be >= 1")
         if self.max_concurrent_streams < 1:
             raise ValueError("max_concurrent_streams must be >= 1")
+        if self.max_streams_per_peer < 0 or self.peer_rate < 0 or self.peer_burst < 1:
+            raise ValueError("need max_streams_per_peer >= 0, peer_rate >= 0, peer_burst >= 1")
         unknown = [c for c in self.retry_codes if c not in grpc.StatusCode.__members__]
         if unknown:
             raise ValueError(f"retry_codes {unknown} are not grpc.StatusCode names")

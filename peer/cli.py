@@ -2,6 +2,9 @@
 
 Every config key is also an option, ``--section.key VALUE`` (see ``--help`` or
 docs/config.md). A bad key or value is a one-line error before anything starts.
+
+``gossipgrad-peer certs ID...`` creates the swarm CA and peer certificates instead
+(:mod:`gossipgrad.peer.certs_cli`); ``--insecure`` allows plaintext on non-loopback addresses.
 """
 
 from __future__ import annotations
@@ -42,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--print-config", action="store_true", help="print the merged config as JSON and exit"
     )
     parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow plaintext gRPC on non-loopback addresses (same as security.insecure=true; "
+        "logged as a warning)",
+    )
+    parser.add_argument(
         "--config-reference",
         action="store_true",
         help="print the config reference (markdown) and exit",
@@ -78,12 +87,20 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["certs"]:
+        from gossipgrad.peer.certs_cli import main as certs_main
+
+        return certs_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.config_reference:
         sys.stdout.write(markdown_reference())
         return 0
     try:
-        cfg = load_config(args.config, overrides_from_args(args))
+        overrides = overrides_from_args(args)
+        if args.insecure:
+            overrides["security.insecure"] = True
+        cfg = load_config(args.config, overrides)
     except ConfigError as err:
         print(f"gossipgrad-peer: config error: {err}", file=sys.stderr)
         return 2

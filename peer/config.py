@@ -154,6 +154,14 @@ class GossipSection(Section):
     consensus_every: int = Field(
         1, ge=1, description="ef-gradient: rounds between model-gossip consensus steps."
     )
+    ef_momentum: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="ef-gradient: DGC momentum correction (Lin et al. 2018), the momentum "
+        "folded into the compressed gradient; use it with a momentum-free local optimizer "
+        "(0: off).",
+    )
     max_staleness: int = Field(
         1,
         ge=0,
@@ -228,6 +236,53 @@ class TransportSection(Section):
     retries: int = Field(3, ge=0, description="Retries of an idempotent call on UNAVAILABLE.")
 
 
+class SecuritySection(Section):
+    """Peer authentication and admission limits (SECURITY.md).
+
+    Mutual TLS is required as soon as any address (listen, advertise, bootstrap) is not
+    loopback; a swarm that lives entirely on 127.0.0.1 / ::1 may run plaintext without
+    certificates. Plaintext on other addresses needs ``insecure = true`` (or ``--insecure``)
+    and is logged as a warning.
+    """
+
+    ca: str = Field(
+        "",
+        description="PEM file of the swarm CA certificate; peers must present a certificate "
+        "it signed (make them with 'gossipgrad-peer certs').",
+    )
+    cert: str = Field(
+        "",
+        description="PEM file of this peer's certificate; its common name must equal peer.id.",
+    )
+    key: str = Field("", description="PEM file of this peer's private key (keep it mode 0600).")
+    token: str = Field(
+        "",
+        description="Optional shared swarm secret every call must carry, on top of TLS. Prefer "
+        "the GOSSIPGRAD_TOKEN environment variable to writing it into a file.",
+    )
+    insecure: bool = Field(
+        False,
+        description="Allow plaintext gRPC on non-loopback addresses (no authentication, no "
+        "encryption). For trusted private networks only.",
+    )
+    max_streams_per_peer: int = Field(
+        8, ge=0, description="Calls one peer may have in flight on this server (0: no limit)."
+    )
+    peer_rate: float = Field(
+        1000.0, ge=0, description="Sustained calls per second one peer may make (0: no limit)."
+    )
+    peer_burst: int = Field(2000, ge=1, description="Calls a quiet peer may make at once.")
+
+    @model_validator(mode="after")
+    def _tls_files_together(self) -> SecuritySection:
+        given = [k for k in ("ca", "cert", "key") if getattr(self, k)]
+        if given and len(given) != 3:
+            raise ValueError(f"security: set all of ca, cert and key, not only {given}")
+        if given and self.insecure:
+            raise ValueError("security: insecure = true contradicts ca/cert/key; drop one")
+        return self
+
+
 class PeerConfig(Section):
     """The whole configuration of one peer daemon."""
 
@@ -238,6 +293,7 @@ class PeerConfig(Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     metrics: MetricsSection = Field(default_factory=MetricsSection)
     transport: TransportSection = Field(default_factory=TransportSection)
+    security: SecuritySection = Field(default_factory=SecuritySection)
 
 
 def _one_line(err: ValidationError) -> str:

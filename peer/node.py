@@ -7,6 +7,7 @@ nothing of training loops (that is GossipOptimizer's job) or tasks (the daemon's
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -19,6 +20,7 @@ from gossipgrad.peer.config import PeerConfig
 from gossipgrad.peer.flat import FlatParameters
 from gossipgrad.peer.membership import Membership
 from gossipgrad.peer.metrics import PeerMetrics
+from gossipgrad.peer.security import TransportSecurity, resolve_security
 from gossipgrad.peer.transport import GossipServer, PeerClient, TransportOptions, UpdateRejected
 from gossipgrad.proto import gossip_pb2 as pb
 
@@ -33,21 +35,50 @@ def package_version() -> str:
 
 
 def transport_options(cfg: PeerConfig) -> TransportOptions:
-    """TransportOptions from the [transport] section."""
-    t = cfg.transport
+    """TransportOptions from the [transport] and [security] sections."""
+    t, s = cfg.transport, cfg.security
     return TransportOptions(
         chunk_size=t.chunk_bytes,
         max_payload_bytes=t.max_payload_bytes,
         push_timeout=t.push_timeout,
         retries=t.retries,
+        max_streams_per_peer=s.max_streams_per_peer,
+        peer_rate=s.peer_rate,
+        peer_burst=s.peer_burst,
     )
+
+
+def transport_security(cfg: PeerConfig) -> TransportSecurity | None:
+    """Mutual TLS / token / plaintext for this peer (see security.resolve_security).
+
+    Raises ValueError when a non-loopback swarm has neither certificates nor ``insecure``,
+    or when the certificate's identity is not ``peer.id``.
+    """
+    s, p = cfg.security, cfg.peer
+    sec = resolve_security(
+        s.ca,
+        s.cert,
+        s.key,
+        s.token or os.environ.get("GOSSIPGRAD_TOKEN", ""),
+        s.insecure,
+        [p.listen, p.advertise, *p.bootstrap],
+    )
+    if sec is not None and sec.tls and p.id and sec.identity != p.id:
+        raise ValueError(
+            f"security.cert is issued to {sec.identity!r} but peer.id is {p.id!r}; "
+            "use the certificate made for this peer"
+        )
+    return sec
 
 
 class ClientPool:
     """One PeerClient per address, created on first use."""
 
-    def __init__(self, options: TransportOptions) -> None:
+    def __init__(
+        self, options: TransportOptions, security: TransportSecurity | None = None
+    ) -> None:
         self._options = options
+        self._security = security
         self._clients: dict[str, PeerClient] = {}
         self._lock = threading.Lock()
 
@@ -55,7 +86,9 @@ class ClientPool:
         with self._lock:
             c = self._clients.get(address)
             if c is None:
-                c = self._clients[address] = PeerClient(address, options=self._options)
+                c = self._clients[address] = PeerClient(
+                    address, options=self._options, security=self._security
+                )
             return c
 
     def drop(self, address: str) -> None:
@@ -95,14 +128,16 @@ class Peer:
         self._state_lock = state_lock
         self.metrics = PeerMetrics(registry=registry)
         self.options = transport_options(cfg)
-        self.clients = ClientPool(self.options)
+        self.security = transport_security(cfg)
+        self.clients = ClientPool(self.options, self.security)
         self.server = GossipServer(
             self,
             bind=cfg.peer.listen,
             options=self.options,
             on_reject=lambda reason, _peer: self.metrics.record_rejected(reason),
+            security=self.security,
         )
-        self.id = cfg.peer.id
+        self.id = cfg.peer.id or (self.security.identity if self.security is not None else "")
         self.address = ""
         self.metrics_port = 0
         self.membership: Membership | None = None

@@ -10,6 +10,16 @@ Service ``gossipgrad.v1.Gossip`` (proto/gossip.proto), three methods:
 2. ``Heartbeat`` (unary): liveness plus peer exchange.
 3. ``DownloadState`` (server-streaming): a ``StateHeader`` chunk, then the state blob.
 
+Security (docs in SECURITY.md): with a :class:`~gossipgrad.peer.security.TransportSecurity`
+holding TLS material, the server requires a client certificate signed by the swarm CA (a
+client without one fails in the TLS handshake, before any call), and every call's claimed
+sender (``UpdateHeader.sender``, ``HeartbeatRequest.sender.id``, ``StateRequest.requester``)
+must equal the certificate's common name. A swarm token, if set, must come with every call.
+Each caller is then admitted by a :class:`~gossipgrad.peer.limits.PeerLimiter` (calls in
+flight, calls per second). All of this happens before a buffer is allocated or the handler
+runs; refusals are reported to ``on_reject`` with reason ``unauthenticated`` or
+``rate_limited``.
+
 Handlers refuse a call by raising :class:`UpdateRejected`; the call ends with its status,
 detail and the reason token in trailing metadata, and the client raises the same exception
 class. Any other handler exception ends the call with INTERNAL (logged; the server stays up).
@@ -47,7 +57,9 @@ from gossipgrad.peer.channel import (
     tune_malloc,
 )
 from gossipgrad.peer.chunking import BufferPool, ChunkCodec, Malformed, data_prefix
+from gossipgrad.peer.limits import PeerLimiter
 from gossipgrad.peer.metrics import REJECT_REASONS
+from gossipgrad.peer.security import TransportSecurity, peer_identity
 from gossipgrad.proto import gossip_pb2 as pb
 
 __all__ = [
@@ -120,8 +132,10 @@ class GossipServer:
             :meth:`start` or :attr:`address`).
         options: transport settings (limits, threads, buffer pool, gRPC arguments).
         on_reject: called as ``on_reject(reason, context_peer)`` whenever the transport
-            itself refuses a push (``malformed``, ``too_large``) before the handler sees it,
-            so the engine can count it; handler-raised rejections are the handler's to count.
+            itself refuses a call (``malformed``, ``too_large``, ``unauthenticated``,
+            ``rate_limited``) before the handler sees it, so the engine can count it;
+            handler-raised rejections are the handler's to count.
+        security: TLS material and/or swarm token (None: plaintext, anyone may call).
     """
 
     def __init__(
@@ -130,11 +144,15 @@ class GossipServer:
         bind: str = "127.0.0.1:0",
         options: TransportOptions | None = None,
         on_reject: Callable[[str, str], None] | None = None,
+        security: TransportSecurity | None = None,
     ) -> None:
         self.handler = handler
         self.bind = bind
         self.options = options or TransportOptions()
         self.on_reject = on_reject
+        self.security = security
+        o = self.options
+        self.limiter = PeerLimiter(o.max_streams_per_peer, o.peer_rate, o.peer_burst)
         self._pool = BufferPool(self.options.recv_pool_bytes)
         self._server: grpc.Server | None = None
         self._port = 0
@@ -159,14 +177,21 @@ class GossipServer:
             )
             server.add_generic_rpc_handlers((self._rpc_handlers(),))
             try:
-                port = server.add_insecure_port(self.bind)
+                if self.security is not None and self.security.tls:
+                    port = server.add_secure_port(self.bind, self.security.server_credentials())
+                else:
+                    port = server.add_insecure_port(self.bind)
             except RuntimeError as err:
                 raise OSError(f"cannot bind gossip server to {self.bind}: {err}") from err
             if port == 0:
                 raise OSError(f"cannot bind gossip server to {self.bind}")
             server.start()
             self._server, self._port = server, port
-            log.info("gossip server listening on %s", self.address)
+            log.info(
+                "gossip server listening on %s (%s)",
+                self.address,
+                "mutual TLS" if self.security is not None and self.security.tls else "plaintext",
+            )
             return port
 
     @property
@@ -249,6 +274,48 @@ class GossipServer:
             context.abort(grpc.StatusCode.INTERNAL, f"{what} failed: {type(err).__name__}")
         raise AssertionError("unreachable")  # context.abort always raises
 
+    def _admit(self, context: grpc.ServicerContext, claimed: str) -> str:
+        """Authenticate one call and count it against its caller's limits.
+
+        Returns the caller key to pass to ``limiter.leave`` when the call ends; raises
+        UpdateRejected (already reported to ``on_reject``) when the call is refused.
+        """
+        try:
+            return self._admission(context, claimed)
+        except UpdateRejected as err:
+            self._reject(context, err, context.peer())
+        raise AssertionError("unreachable")  # _reject always raises
+
+    def _admission(self, context: grpc.ServicerContext, claimed: str) -> str:
+        sec = self.security
+        identity = None
+        if sec is not None:
+            if not sec.token_ok(context.invocation_metadata() or ()):
+                raise UpdateRejected(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "unauthenticated",
+                    "missing or wrong swarm token",
+                )
+            if sec.tls:
+                identity = peer_identity(context)
+                if identity is None:
+                    raise UpdateRejected(
+                        grpc.StatusCode.UNAUTHENTICATED,
+                        "unauthenticated",
+                        "no client certificate",
+                    )
+                if claimed != identity:
+                    raise UpdateRejected(
+                        grpc.StatusCode.PERMISSION_DENIED,
+                        "unauthenticated",
+                        f"sender {claimed!r} does not match the certificate of {identity!r}",
+                    )
+        key = identity or claimed or _host_of(context.peer())
+        why = self.limiter.enter(key)
+        if why is not None:
+            raise UpdateRejected(grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limited", why)
+        return key
+
     def _push_update(self, chunks: Iterator[Any], context: grpc.ServicerContext) -> pb.PushReply:
         peer = context.peer()
         first = next(chunks, None)
@@ -258,6 +325,19 @@ class GossipServer:
                 why = first.why
             self._reject(context, _malformed(why), peer)
         header: pb.UpdateHeader = first
+        key = self._admit(context, header.sender)
+        try:
+            return self._push_admitted(header, chunks, context, peer)
+        finally:
+            self.limiter.leave(key)
+
+    def _push_admitted(
+        self,
+        header: pb.UpdateHeader,
+        chunks: Iterator[Any],
+        context: grpc.ServicerContext,
+        peer: str,
+    ) -> pb.PushReply:
         size = header.payload_size
         limit = self.options.max_payload_bytes
         if size > limit:
@@ -313,16 +393,26 @@ class GossipServer:
     def _heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatReply:
-        return self._guarded("Heartbeat", context, lambda: self.handler.handle_heartbeat(request))
+        key = self._admit(context, request.sender.id)
+        try:
+            return self._guarded(
+                "Heartbeat", context, lambda: self.handler.handle_heartbeat(request)
+            )
+        finally:
+            self.limiter.leave(key)
 
     def _download_state(
         self, request: pb.StateRequest, context: grpc.ServicerContext
     ) -> Iterator[Any]:
-        header, view = self._guarded("DownloadState", context, lambda: self._state_for(request))
-        yield header
-        step = self.options.chunk_size
-        for offset in range(0, view.nbytes, step):
-            yield view[offset : offset + step]
+        key = self._admit(context, request.requester)
+        try:
+            header, view = self._guarded("DownloadState", context, lambda: self._state_for(request))
+            yield header
+            step = self.options.chunk_size
+            for offset in range(0, view.nbytes, step):
+                yield view[offset : offset + step]
+        finally:
+            self.limiter.leave(key)
 
     def _state_for(self, request: pb.StateRequest) -> tuple[pb.StateHeader, memoryview]:
         """The handler's state as a header with payload_size set and a byte view of the blob."""
@@ -340,6 +430,11 @@ class GossipServer:
 
 def _malformed(why: str) -> UpdateRejected:
     return UpdateRejected(grpc.StatusCode.INVALID_ARGUMENT, "malformed", why)
+
+
+def _host_of(context_peer: str) -> str:
+    """``ipv4:1.2.3.4:5678`` -> ``ipv4:1.2.3.4`` (one limiter key per host, not per socket)."""
+    return context_peer.rsplit(":", 1)[0] if context_peer.count(":") > 1 else context_peer
 
 
 # ---------------------------------------------------------------------------------- client
@@ -373,12 +468,25 @@ class PeerClient:
     that ``last_*`` attributes describe whichever call finished last.
     """
 
-    def __init__(self, address: str, options: TransportOptions | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        options: TransportOptions | None = None,
+        security: TransportSecurity | None = None,
+    ) -> None:
         self.address = address
         self.options = options or TransportOptions()
         if self.options.tune_malloc:
             tune_malloc()
-        self._channel = grpc.insecure_channel(address, options=client_channel_args(self.options))
+        args: list[tuple[str, Any]] = list(client_channel_args(self.options))
+        if security is not None and security.tls:
+            args += security.channel_args()
+            self._channel = grpc.secure_channel(
+                address, security.channel_credentials(), options=args
+            )
+        else:
+            self._channel = grpc.insecure_channel(address, options=args)
+        self._metadata = security.call_metadata() if security is not None else ()
         self._push = self._channel.stream_unary(
             _PUSH,
             request_serializer=_UPDATE_CODEC.encode,
@@ -452,7 +560,9 @@ class PeerClient:
         reply, attempts = self._with_retries(
             "PushUpdate",
             timeout if timeout is not None else self.options.push_timeout,
-            lambda remaining: self._push(chunks(), timeout=remaining),
+            lambda remaining: self._push(
+                chunks(), timeout=remaining, metadata=self._metadata or None
+            ),
         )
         self.last_push_wire_bytes = sent[0]
         return PushResult(reply, sent[0], attempts, time.monotonic() - started)
@@ -464,7 +574,9 @@ class PeerClient:
         reply, _ = self._with_retries(
             "Heartbeat",
             timeout if timeout is not None else self.options.heartbeat_timeout,
-            lambda remaining: self._heartbeat(request, timeout=remaining),
+            lambda remaining: self._heartbeat(
+                request, timeout=remaining, metadata=self._metadata or None
+            ),
         )
         return reply
 
@@ -482,7 +594,7 @@ class PeerClient:
     def _download_once(
         self, request: pb.StateRequest, remaining: float
     ) -> tuple[pb.StateHeader, bytearray]:
-        call = self._state(request, timeout=remaining)
+        call = self._state(request, timeout=remaining, metadata=self._metadata or None)
         try:
             first = next(call, None)
             if not isinstance(first, pb.StateHeader):
