@@ -1,0 +1,167 @@
+"""Data-parallel baselines in the same run: DDP dense all-reduce and DDP + PowerSGD (gloo).
+
+Each baseline starts ``n`` rank processes (``gossipgrad.experiment.ddp_worker``) where the
+swarm's peers ran -- as plain processes on 127.0.0.1, inside the same shaped namespaces in
+netns mode -- on the same task, seed, shards, batch size, optimizer and step count, and
+collects what they measured into one summary per baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gossipgrad.peer.config import TrainSection
+
+log = logging.getLogger(__name__)
+
+HOOKS = {"ddp": "dense", "powersgd": "powersgd"}
+
+
+@dataclass
+class RankPlacement:
+    """Where ranks run: argv prefix per rank, rank 0's address, and gloo's interface."""
+
+    prefix: Callable[[int], list[str]] = field(default=lambda i: [])
+    host: str = "127.0.0.1"
+    ifname: str = "lo"
+    python: str = sys.executable
+
+
+def rank_command(
+    name: str,
+    rank: int,
+    world: int,
+    out: Path,
+    place: RankPlacement,
+    powersgd_rank: int = 2,
+    powersgd_start: int = 10,
+) -> list[str]:
+    """argv of one rank of baseline ``name`` ('ddp' or 'powersgd')."""
+    cmd = [*place.prefix(rank), place.python, "-m", "gossipgrad.experiment.ddp_worker"]
+    cmd += ["--rank", str(rank), "--world", str(world), "--host", place.host]
+    cmd += ["--out", str(out), "--train-json", str(out / "train.json"), "--hook", HOOKS[name]]
+    if name == "powersgd":
+        cmd += ["--psgd-rank", str(powersgd_rank), "--psgd-start", str(powersgd_start)]
+    return cmd
+
+
+class BaselineRun:
+    """The rank processes of one baseline; ``start()``, poll ``statuses()``, ``collect()``."""
+
+    def __init__(
+        self,
+        name: str,
+        world: int,
+        train: TrainSection,
+        out: Path,
+        place: RankPlacement,
+        powersgd_rank: int = 2,
+        powersgd_start: int = 10,
+    ) -> None:
+        if name not in HOOKS:
+            raise ValueError(f"unknown baseline {name!r}; valid: {', '.join(HOOKS)}")
+        self.name, self.world, self.train, self.out, self.place = name, world, train, out, place
+        self.psgd = (powersgd_rank, powersgd_start)
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[Any] = []
+        self.t0 = 0.0
+
+    def start(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        for stale in self.out.glob("*.json"):
+            stale.unlink()
+        # Ranks train one process each like the peers: one thread, deterministic per seed.
+        (self.out / "train.json").write_text(
+            self.train.model_copy(update={"threads": 1}).model_dump_json()
+        )
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            "GLOO_SOCKET_IFNAME": self.place.ifname,
+        }
+        self.t0 = time.monotonic()
+        with open(self.out / "commands.sh", "w") as script:
+            for r in range(self.world):
+                cmd = rank_command(self.name, r, self.world, self.out, self.place, *self.psgd)
+                script.write(" ".join(cmd) + " &\n")
+                log_file = open(self.out / f"rank{r}.log", "w")  # noqa: SIM115 - closed in stop()
+                self.logs.append(log_file)
+                self.procs.append(
+                    subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+                )
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
+    def failed(self) -> list[int]:
+        return [r for r, p in enumerate(self.procs) if p.poll() not in (None, 0)]
+
+    def statuses(self) -> list[dict[str, Any]]:
+        out = []
+        for r in range(self.world):
+            try:
+                out.append(json.loads((self.out / f"rank{r}.status.json").read_text()))
+            except (FileNotFoundError, json.JSONDecodeError):
+                out.append({"id": f"rank{r}", "state": "starting"})
+        return out
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL, every rank still running; close the logs."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for f in self.logs:
+            f.close()
+        self.logs.clear()
+
+    def collect(self) -> dict[str, Any]:
+        """Per-rank results and the baseline's headline figures (rank 0's evaluation: DDP
+        keeps every rank's model identical)."""
+        ranks = []
+        for r in range(self.world):
+            try:
+                ranks.append(json.loads((self.out / f"rank{r}.json").read_text()))
+            except (FileNotFoundError, json.JSONDecodeError):
+                ranks.append(None)
+        done = [x for x in ranks if x]
+        result: dict[str, Any] = {
+            "name": self.name,
+            "ok": len(done) == self.world and not self.failed(),
+            "ranks": ranks,
+            "elapsed_seconds": time.monotonic() - self.t0,
+        }
+        if self.name == "powersgd":
+            result["powersgd_rank"], result["powersgd_start_iter"] = self.psgd
+        if done:
+            first = done[0]
+            result.update(
+                final=first["final"],
+                metric=first["metric"],
+                steps=first["steps"],
+                params=first["params"],
+                wall_seconds=max(x["wall_seconds"] for x in done),
+                mean_sent_bytes=sum(x["sent_bytes"] for x in done) / len(done),
+                mean_received_bytes=sum(x["received_bytes"] for x in done) / len(done),
+                dense_bytes_per_rank=first["dense_bytes"],
+            )
+        if not result["ok"]:
+            log.error("baseline %s failed; see %s", self.name, self.out / "rank0.log")
+        return result

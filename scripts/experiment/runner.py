@@ -1,0 +1,371 @@
+"""Run one experiment: the swarm, then each baseline, in the same place; then the report.
+
+    spec = load_spec(Path("scripts/experiments/digits-small.toml"))
+    report = Experiment(spec, Path("runs/digits-small")).run()
+
+Modes (``experiment.mode``): ``local`` runs every process on 127.0.0.1; ``netns`` runs site i
+(peer i, and rank i of each baseline) inside its own network namespace with shaped links
+(``gossipgrad.experiment.netns``); ``ssh`` runs peers on the inventory's hosts
+(``gossipgrad.experiment.ssh``). Whatever happens -- a failure, Ctrl-C, SIGTERM -- every
+process is stopped and every namespace removed before ``run()`` returns or raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gossipgrad.experiment import netns, ssh
+from gossipgrad.experiment.baselines import BaselineRun, RankPlacement
+from gossipgrad.experiment.live import LiveView
+from gossipgrad.experiment.report import write_outputs
+from gossipgrad.experiment.spec import Spec
+from gossipgrad.peer.swarm import LocalSwarm, consensus_distance
+from rich.console import Console
+
+log = logging.getLogger(__name__)
+
+SCRAPE_EVERY_S = 2.0
+_SAMPLE = re.compile(r"^gossipgrad_(sent|received)_bytes_total\{([^}]*)\}\s+([0-9.eE+]+)$")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def scrape_edge_bytes(port: int, timeout: float = 1.0) -> dict[str, dict[str, int]]:
+    """Bytes per neighbour from a peer's Prometheus endpoint on 127.0.0.1:
+    ``{neighbour: {"sent": n, "received": n}}`` summed over message kinds."""
+    url = f"http://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        text = resp.read().decode()
+    out: dict[str, dict[str, int]] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        labels = dict(_LABEL.findall(m.group(2)))
+        nb = labels.get("neighbor", "?")
+        entry = out.setdefault(nb, {"sent": 0, "received": 0})
+        entry[m.group(1)] += int(float(m.group(3)))
+    return out
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _delta(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]]) -> dict[str, int]:
+    """Per site access link: bytes sent (upload) and received (download) in a phase."""
+    out = {}
+    for site, c in after.items():
+        b = before.get(site, {})
+        out[f"{site} up"] = c["tx_bytes"] - b.get("tx_bytes", 0)
+        out[f"{site} down"] = c["rx_bytes"] - b.get("rx_bytes", 0)
+    return out
+
+
+class Experiment:
+    """One spec run into one output directory.
+
+    Args:
+        spec: the validated experiment.
+        out: output directory (created).
+        console: where the live view and messages go.
+        live: redraw a live table (else a plain line every few seconds).
+    """
+
+    def __init__(
+        self, spec: Spec, out: Path, console: Console | None = None, live: bool = True
+    ) -> None:
+        self.spec = spec
+        self.out = Path(out)
+        self.console = console or Console()
+        self.live = live
+        self.n = spec.experiment.peers
+        self.cfg = spec.peer_config()
+        self.lab: netns.NetnsLab | None = None
+        self.inventory: ssh.Inventory | None = None
+        if spec.experiment.mode == "ssh":
+            assert spec.ssh.inventory is not None
+            self.inventory = ssh.load_inventory(spec.ssh.inventory)
+            if len(self.inventory.hosts) < self.n:
+                raise ValueError(
+                    f"ssh.inventory lists {len(self.inventory.hosts)} hosts for "
+                    f"experiment.peers = {self.n}"
+                )
+        self.run_name = f"{spec.experiment.name}-{int(time.time())}"
+
+    # -- placement -------------------------------------------------------------------------
+
+    def _prefix(self) -> Callable[[int], list[str]] | None:
+        return self.lab.exec_prefix if self.lab else None
+
+    def _peer_overrides(self, i: int) -> dict[str, str]:
+        if self.lab:
+            return {"peer.listen": f"{self.lab.address(i)}:0"}
+        return {}
+
+    def _placement(self) -> RankPlacement:
+        if self.lab:
+            return RankPlacement(
+                prefix=self.lab.exec_prefix, host=self.lab.address(0), ifname="eth0"
+            )
+        return RankPlacement()
+
+    def make_swarm(self) -> LocalSwarm | ssh.SshSwarm:
+        overrides = self.spec.peer_overrides()
+        if self.inventory is not None:
+            return ssh.SshSwarm(
+                self.out / "swarm", self.n, overrides, self.inventory, self.run_name,
+                self.spec.ssh.options,
+            )  # fmt: skip
+        return LocalSwarm(
+            self.out / "swarm",
+            self.n,
+            overrides,
+            command_prefix=self._prefix(),
+            peer_overrides=self._peer_overrides,
+        )
+
+    def plan(self) -> list[str]:
+        """What ``run()`` would do, one line per step (``--dry-run``)."""
+        s, lines = self.spec, []
+        lines.append(
+            f"experiment {s.experiment.name}: {self.n} peers, mode {s.experiment.mode}, "
+            f"task {self.cfg.train.task}, {self.cfg.train.steps} steps of batch "
+            f"{self.cfg.train.batch_size}, seed {s.experiment.seed}, codec "
+            f"{self.cfg.gossip.codec}, topology {self.cfg.gossip.topology}, gamma "
+            f"{self.cfg.gossip.gamma}"
+        )
+        if s.experiment.mode == "netns":
+            lab = netns.NetnsLab(self.n, s.network, prefix="ggPLANx0000-")
+            for i in range(self.n):
+                site = s.network.site(i)
+                lines.append(
+                    f"site {i}: namespace {lab.ns(i)} address {lab.address(i)} "
+                    f"rate={site.rate or 'unshaped'} delay={site.delay or 0} "
+                    f"jitter={site.jitter or 0} loss={site.loss}%"
+                )
+            for link in s.network.links:
+                lines.append(f"link {link.a}<->{link.b}: {link.model_dump(exclude={'a', 'b'})}")
+            self.lab = lab
+        try:
+            swarm = self.make_swarm()
+            for i in range(self.n):
+                boot = "<peer0's address>" if i else None
+                cmd = swarm.command(i, boot)
+                lines.append(f"peer {i}: {' '.join(cmd)}")
+            place = self._placement()
+        finally:
+            self.lab = None
+        for name in s.baselines.run:
+            lines.append(
+                f"baseline {name}: {self.n} ranks, torch DDP over gloo, rank 0 at {place.host}"
+                + (f", PowerSGD rank {s.baselines.powersgd_rank}" if name == "powersgd" else "")
+            )
+        lines.append(f"outputs: {self.out}/report.json, summary.md, *.png")
+        return lines
+
+    # -- phases ----------------------------------------------------------------------------
+
+    def _watch(
+        self,
+        view: LiveView,
+        phase: str,
+        running: Callable[[], bool],
+        statuses: Callable[[], list[dict[str, Any]]],
+        on_sample: Callable[[list[dict[str, Any]]], None] | None = None,
+    ) -> bool:
+        """Sample statuses until the phase ends; False if it ran past experiment.timeout."""
+        deadline = time.monotonic() + self.spec.experiment.timeout
+        steps = self.cfg.train.steps
+        while running():
+            if time.monotonic() > deadline:
+                log.error("%s ran past experiment.timeout; stopping it", phase)
+                return False
+            time.sleep(self.spec.experiment.sample_every)
+            st = statuses()
+            if on_sample:
+                on_sample(st)
+            view.update(phase, st, steps)
+        return True
+
+    def run_swarm(self, view: LiveView) -> dict[str, Any]:
+        swarm = self.make_swarm()
+        history: list[list[dict[str, Any]]] = [[] for _ in range(self.n)]
+        edges: dict[int, dict[str, dict[str, int]]] = {}
+        last_scrape = [0.0]
+
+        def on_sample(statuses: list[dict[str, Any]]) -> None:
+            for i, s in enumerate(statuses):
+                if s.get("state") == "training" and "loss" in s and "time" in s:
+                    h = history[i]
+                    if not h or h[-1]["step"] != s["step"]:
+                        h.append(
+                            {
+                                "step": s["step"],
+                                "loss": s["loss"],
+                                "sent_bytes": s.get("sent_bytes", 0),
+                                "received_bytes": s.get("received_bytes", 0),
+                                "time": s["time"],
+                            }
+                        )
+            now = time.monotonic()
+            if self.spec.experiment.mode == "local" and now - last_scrape[0] > SCRAPE_EVERY_S:
+                last_scrape[0] = now
+                for i, s in enumerate(statuses):
+                    if s.get("metrics_port") and s.get("state") == "training":
+                        with contextlib.suppress(OSError):
+                            edges[i] = scrape_edge_bytes(int(s["metrics_port"]))
+
+        before = self.lab.counters() if self.lab else {}
+        t0 = time.monotonic()
+        ok = False
+        try:
+            swarm.start()
+            ok = self._watch(view, "swarm", swarm.running, swarm.statuses, on_sample)
+        finally:
+            swarm.stop()
+        elapsed = time.monotonic() - t0
+        link_bytes = _delta(self.lab.counters(), before) if self.lab else {}
+        if isinstance(swarm, ssh.SshSwarm):
+            swarm.fetch()
+        return self._swarm_result(swarm, history, edges, link_bytes, ok, elapsed)
+
+    def _swarm_result(self, swarm, history, edges, link_bytes, ok, elapsed) -> dict[str, Any]:
+        peers = []
+        failed = swarm.failed()
+        t_start = min((h[0]["time"] for h in history if h), default=0.0)
+        for i in range(self.n):
+            summary = _read_json(swarm.peer_dir(i) / "summary.json")
+            entry: dict[str, Any] = {"id": f"peer{i}", "ok": bool(summary) and i not in failed}
+            if summary:
+                keep = ("id", "final", "metric", "steps", "rounds", "train_loss", "evals",
+                        "params", "wall_seconds", "consensus_distance_estimate")  # fmt: skip
+                entry.update({k: summary.get(k) for k in keep})
+                for key in ("sent_bytes", "received_bytes", "dense_bytes", "sent_update_bytes"):
+                    entry[key] = summary.get(key, 0)
+            hist = history[i]
+            for h in hist:
+                h["seconds"] = h["time"] - t_start
+            entry["history"] = hist
+            if i in edges:
+                entry["neighbours"] = edges[i]
+            peers.append(entry)
+        done = [p for p in peers if p.get("final")]
+        result: dict[str, Any] = {
+            "ok": ok and not failed and len(done) == self.n,
+            "elapsed_seconds": elapsed,
+            "peers": peers,
+        }
+        if done:
+            result.update(
+                metric=done[0]["metric"],
+                wall_seconds=max(p["wall_seconds"] for p in done),
+                mean_sent_bytes=sum(p["sent_bytes"] for p in done) / len(done),
+                mean_received_bytes=sum(p["received_bytes"] for p in done) / len(done),
+                mean_dense_bytes=sum(p["dense_bytes"] for p in done) / len(done),
+            )
+        cd = consensus_distance([swarm.peer_dir(i) / "params.pt" for i in range(self.n)])
+        if cd is not None:
+            result["consensus_distance"], result["relative_consensus_distance"] = cd
+        if link_bytes:
+            result["link_bytes"] = link_bytes
+        else:
+            result["link_bytes"] = {
+                f"{p['id']}→{nb}": c["sent"]
+                for p in peers
+                for nb, c in p.get("neighbours", {}).items()
+            }
+        return result
+
+    def run_baseline(self, name: str, view: LiveView) -> dict[str, Any]:
+        b = self.spec.baselines
+        train = self.cfg.train.model_copy(update={"seed": self.spec.experiment.seed})
+        run = BaselineRun(
+            name, self.n, train, self.out / "baselines" / name, self._placement(),
+            b.powersgd_rank, b.powersgd_start_iter,
+        )  # fmt: skip
+        before = self.lab.counters() if self.lab else {}
+        ok = False
+        try:
+            run.start()
+            ok = self._watch(view, name, run.running, run.statuses)
+        finally:
+            run.stop()
+        result = run.collect()
+        result["ok"] = result["ok"] and ok
+        if self.lab:
+            result["link_bytes"] = _delta(self.lab.counters(), before)
+        else:
+            result["link_bytes"] = {
+                f"rank{r['id'][4:]} ring": r["sent_bytes"] for r in result["ranks"] if r
+            }
+        return result
+
+    # -- whole run -------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Run everything and write the outputs; returns the report dict."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        spec_dump = self.spec.model_dump(mode="json", exclude={"source"})
+        (self.out / "spec.json").write_text(json.dumps(spec_dump, indent=1))
+        t = self.cfg.train
+        report: dict[str, Any] = {
+            "name": self.spec.experiment.name,
+            "mode": self.spec.experiment.mode,
+            "peers": self.n,
+            "task": t.task,
+            "steps": t.steps,
+            "batch_size": t.batch_size,
+            "seed": self.spec.experiment.seed,
+            "codec": self.cfg.gossip.codec,
+            "topology": self.cfg.gossip.topology,
+            "gamma": self.cfg.gossip.gamma,
+            "local_steps": self.cfg.gossip.local_steps,
+            "spec": spec_dump,
+            "started": time.time(),
+            "baselines": {},
+        }
+        try:
+            if self.spec.experiment.mode == "netns":
+                netns.cleanup_stale()
+                self.lab = netns.NetnsLab(self.n, self.spec.network).up()
+                report["namespaces"] = self.lab.prefix
+            with LiveView(self.console, self.live) as view:
+                report["swarm"] = self.run_swarm(view)
+                view.finish(self._line("swarm", report["swarm"]))
+                for name in self.spec.baselines.run:
+                    report["baselines"][name] = self.run_baseline(name, view)
+                    view.finish(self._line(name, report["baselines"][name]))
+        finally:
+            if self.lab is not None:
+                self.lab.down()
+                self.lab = None
+        report["finished"] = time.time()
+        report["ok"] = report["swarm"]["ok"] and all(b["ok"] for b in report["baselines"].values())
+        write_outputs(self.out, report)
+        return report
+
+    @staticmethod
+    def _line(phase: str, result: dict[str, Any]) -> str:
+        if not result.get("ok"):
+            return f"{phase}: FAILED"
+        if phase == "swarm":
+            finals = [p["final"][p["metric"]] for p in result["peers"]]
+            return (
+                f"swarm: {result['metric']} {min(finals):.4f}-{max(finals):.4f}, "
+                f"{result['mean_sent_bytes'] / 1e6:.3f} MB sent per peer"
+            )
+        return (
+            f"{phase}: {result['metric']} {result['final'][result['metric']]:.4f}, "
+            f"{result['mean_sent_bytes'] / 1e6:.3f} MB sent per rank"
+        )

@@ -1,0 +1,217 @@
+"""ssh mode: peers on real hosts listed in an inventory, started and stopped over ssh.
+
+Inventory (TOML), one ``[[hosts]]`` table per site, in peer order (a host listed twice runs
+two peers)::
+
+    [[hosts]]
+    address = "site-a.example.org"    # what ssh connects to (user@host works)
+    listen = "10.0.0.5"               # address the peer binds and advertises (default: address)
+    python = "/opt/venv/bin/python"   # interpreter with gossipgrad installed
+    data = "/srv/gossipgrad-data"     # GOSSIPGRAD_DATA on that host (task data cache)
+    workdir = "/srv/gossipgrad-runs"  # where run directories go on that host
+
+The runner starts ``ssh HOST 'cd WORKDIR && GOSSIPGRAD_DATA=DATA exec PYTHON -m
+gossipgrad.peer ...'`` per peer (ssh without a tty: stopping the local ssh client closes the
+session, and the peer gets SIGHUP -- the runner first sends SIGTERM through ``ssh HOST kill``),
+then copies each peer's status.json, summary.json and params.pt back with scp.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import time
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from gossipgrad.experiment.spec import SpecError, tomllib
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+FETCHED = ("status.json", "summary.json", "params.pt")
+
+
+class Host(BaseModel):
+    """One site of the inventory."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    address: str = Field(pattern=r"^[A-Za-z0-9_.@\-\[\]:]+$")
+    listen: str = ""
+    python: str = "python3"
+    data: str = ""
+    workdir: str = "gossipgrad-runs"
+    port: int = Field(0, ge=0, le=65535)
+    """Gossip port to bind (0: the peer picks one and reports it in status.json)."""
+
+    @property
+    def listen_host(self) -> str:
+        return self.listen or self.address.split("@")[-1]
+
+
+class Inventory(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    hosts: list[Host] = Field(min_length=1)
+
+
+def load_inventory(path: Path) -> Inventory:
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise SpecError(f"ssh.inventory: file not found: {path}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise SpecError(f"ssh.inventory: {path}: invalid TOML: {err}") from None
+    try:
+        return Inventory.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        key = ".".join(str(p) for p in first["loc"])
+        raise SpecError(f"ssh.inventory {path}: {key}: {first['msg']}") from None
+
+
+def remote_run_dir(host: Host, run: str, i: int) -> str:
+    return str(PurePosixPath(host.workdir) / run / f"peer{i}")
+
+
+def peer_command(
+    host: Host, i: int, run: str, opts: dict[str, str], ssh_options: list[str]
+) -> list[str]:
+    """argv that starts peer i on ``host`` over ssh with config ``opts`` (dotted keys)."""
+    run_dir = remote_run_dir(host, run, i)
+    opts = {
+        **opts,
+        "peer.run_dir": run_dir,
+        "peer.listen": f"{host.listen_host}:{host.port}",
+    }
+    argv = [host.python, "-m", "gossipgrad.peer"]
+    for key, value in opts.items():
+        argv += [f"--{key}", value]
+    env = f"GOSSIPGRAD_DATA={shlex.quote(host.data)} " if host.data else ""
+    remote = (
+        f"mkdir -p {shlex.quote(run_dir)} && cd {shlex.quote(host.workdir)} && "
+        f"{env}OMP_NUM_THREADS=1 exec {shlex.join(argv)}"
+    )
+    return ["ssh", *ssh_options, host.address, remote]
+
+
+def stop_command(host: Host, i: int, run: str, ssh_options: list[str]) -> list[str]:
+    """argv that sends SIGTERM to peer i on ``host`` (pid from its status.json)."""
+    status = shlex.quote(str(PurePosixPath(remote_run_dir(host, run, i)) / "status.json"))
+    remote = (
+        f"pid=$({shlex.quote(host.python)} -c 'import json,sys; "
+        f'print(json.load(open(sys.argv[1]))["pid"])\' {status}) && kill -TERM "$pid"'
+    )
+    return ["ssh", *ssh_options, host.address, remote]
+
+
+def fetch_commands(
+    host: Host, i: int, run: str, local_dir: Path, ssh_options: list[str]
+) -> list[list[str]]:
+    """scp argv lists that copy peer i's result files into ``local_dir``."""
+    src = remote_run_dir(host, run, i)
+    return [
+        [
+            "scp",
+            "-q",
+            *ssh_options,
+            f"{host.address}:{shlex.quote(f'{src}/{name}')}",
+            str(local_dir / name),
+        ]
+        for name in FETCHED
+    ]
+
+
+class SshSwarm:
+    """Peers on inventory hosts; the same surface as ``LocalSwarm`` for the runner.
+
+    Peer 0 must have a fixed ``port`` in the inventory: the others bootstrap from it.
+    Results are copied back into ``out/peer{i}`` by ``fetch()`` after the run.
+    """
+
+    def __init__(
+        self,
+        out: Path,
+        n: int,
+        overrides: dict[str, str],
+        inventory: Inventory,
+        run: str,
+        ssh_options: list[str],
+    ) -> None:
+        if len(inventory.hosts) < n:
+            raise ValueError(f"inventory lists {len(inventory.hosts)} hosts for {n} peers")
+        if n > 1 and inventory.hosts[0].port == 0:
+            raise ValueError("ssh.inventory: hosts.0.port must be set (the others bootstrap)")
+        self.out, self.n, self.overrides = Path(out), n, overrides
+        self.hosts = inventory.hosts[:n]
+        self.run, self.ssh_options = run, ssh_options
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.logs: list[Any] = []
+
+    def peer_dir(self, i: int) -> Path:
+        return self.out / f"peer{i}"
+
+    def bootstrap(self) -> str:
+        h = self.hosts[0]
+        return f"{h.listen_host}:{h.port}"
+
+    def command(self, i: int, bootstrap: str | None) -> list[str]:
+        opts = {
+            "peer.id": f"peer{i}",
+            "peer.expected_peers": str(self.n),
+            "train.shard_index": str(i),
+            "train.num_shards": str(self.n),
+            "train.threads": "1",
+            **self.overrides,
+        }
+        if bootstrap:
+            opts["peer.bootstrap"] = self.bootstrap()
+        return peer_command(self.hosts[i], i, self.run, opts, self.ssh_options)
+
+    def start(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        for i in range(self.n):
+            self.peer_dir(i).mkdir(parents=True, exist_ok=True)
+            log_file = open(self.out / f"peer{i}.log", "w")  # noqa: SIM115 - closed in stop()
+            self.logs.append(log_file)
+            cmd = self.command(i, self.bootstrap() if i else None)
+            self.procs[i] = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT
+            )
+
+    def statuses(self) -> list[dict[str, Any]]:
+        return [{"id": f"peer{i}", "state": "remote"} for i in range(self.n)]
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs.values())
+
+    def failed(self) -> list[int]:
+        return [i for i, p in self.procs.items() if p.poll() not in (None, 0)]
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM each remote peer still running (it checkpoints), then end the ssh clients."""
+        for i, p in self.procs.items():
+            if p.poll() is None:
+                subprocess.run(
+                    stop_command(self.hosts[i], i, self.run, self.ssh_options),
+                    capture_output=True,
+                    timeout=30,
+                    check=False,
+                )
+        deadline = time.monotonic() + timeout
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for f in self.logs:
+            f.close()
+        self.logs.clear()
+
+    def fetch(self) -> None:
+        """Copy status.json, summary.json and params.pt of every peer back."""
+        for i in range(self.n):
+            for cmd in fetch_commands(
+                self.hosts[i], i, self.run, self.peer_dir(i), self.ssh_options
+            ):
+                subprocess.run(cmd, capture_output=True, timeout=120, check=False)
