@@ -217,9 +217,11 @@ def test_clients_without_a_swarm_certificate_fail_the_handshake(certs, server_pe
     before = server_peer.flat.data.clone()
     ca = swarm.ca.read_bytes()
     # 1. plaintext client against the TLS port.
-    with PeerClient(server_peer.address, options=FAST) as plain:
-        with pytest.raises(TransportError) as err:
-            plain.heartbeat(_heartbeat("p1"), timeout=3)
+    with (
+        PeerClient(server_peer.address, options=FAST) as plain,
+        pytest.raises(TransportError) as err,
+    ):
+        plain.heartbeat(_heartbeat("p1"), timeout=3)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     # 2. TLS client that trusts our CA but has no certificate of its own.
     assert _raw_heartbeat(server_peer.address, grpc.ssl_channel_credentials(ca)) in (
@@ -275,9 +277,11 @@ def test_valid_certificate_but_wrong_claims_is_refused_and_counted(
     header = _update(sender, fingerprint, swarm_name)
     payload = server_peer.gossip.dense_codec.encode(torch.zeros_like(before))
     count0 = rejected(server_peer, reason)
-    with PeerClient(server_peer.address, FAST, sec_of(swarm, client, token)) as c:
-        with pytest.raises(TransportError) as err:
-            c.push(header, payload, timeout=5)
+    with (
+        PeerClient(server_peer.address, FAST, sec_of(swarm, client, token)) as c,
+        pytest.raises(TransportError) as err,
+    ):
+        c.push(header, payload, timeout=5)
     assert err.value.code() == grpc.StatusCode[code], err.value
     assert err.value.reason == reason
     assert rejected(server_peer, reason) == count0 + 1
