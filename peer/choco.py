@@ -211,23 +211,22 @@ class ChocoGossip:
             # and asks for a resync. Nothing to undo here.
             log.warning("push to %s failed: %s", peer, err)
             self.on_push_failure(peer, err)
-            if isinstance(err, grpc.RpcError) and err.code() in (
-                grpc.StatusCode.INVALID_ARGUMENT,
-                grpc.StatusCode.FAILED_PRECONDITION,
-            ):
-                with edge.lock:
-                    edge.need_resync = True
-            return
-        finally:
             with edge.lock:
-                edge.busy = False
+                if isinstance(err, grpc.RpcError) and err.code() in (
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                ):
+                    edge.need_resync = True
+                edge.release()
+            return
         if self.metrics is not None:
             self.metrics.observe_push(peer, time.perf_counter() - t0)
             self.metrics.record_sent(peer, kind, wire_bytes, dense_bytes=header.dense_size)
-        if reply.status == pb.PushReply.NEED_RESYNC:
-            log.info("%s asks for a resync (%s)", peer, reply.detail)
-            with edge.lock:
+        with edge.lock:
+            if reply.status == pb.PushReply.NEED_RESYNC:
+                log.info("%s asks for a resync (%s)", peer, reply.detail)
                 edge.need_resync = True
+            edge.release()
 
     # ------------------------------------------------------------------ receiving
 
@@ -369,19 +368,24 @@ class ChocoGossip:
         ids = self._present_ids()
         neighbors = self.neighbors_at(self.round, ids)
         pushed, skipped = [], []
+        deadline = time.monotonic() + self.cfg.round_timeout
         for peer in neighbors:
             edge = self._out_edge(peer)
+            # Back-pressure: the previous push on this edge must land first (the neighbour
+            # may be waiting for this round's update). A dead or stuck link is skipped, and
+            # what it misses stays in x - x̂ for later: nothing is lost.
+            if edge.busy and self._is_alive(peer):
+                edge.idle.wait(timeout=max(0.0, deadline - time.monotonic()))
             with edge.lock:
-                if edge.busy:
+                if not edge.claim():
                     skipped.append(peer)
                     continue
-                edge.busy = True
             try:
                 with self.state_lock:
                     header, payload = self._make_update(peer, edge)
             except Exception:
                 with edge.lock:
-                    edge.busy = False
+                    edge.release()
                 raise
             self._pool.submit(self._send, peer, edge, header, payload)
             pushed.append(peer)

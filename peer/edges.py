@@ -44,8 +44,25 @@ class OutEdge:
     public: torch.Tensor
     seq: int = -1  # seq of the last update folded into `public`; -1: never synced
     need_resync: bool = True
-    busy: bool = False  # a push is in flight; the next round skips this edge
+    busy: bool = False  # a push is in flight
+    idle: threading.Event = field(default_factory=threading.Event)  # set when not busy
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+    def claim(self) -> bool:
+        """Mark a push in flight; False if one already is (caller holds `lock`)."""
+        if self.busy:
+            return False
+        self.busy = True
+        self.idle.clear()
+        return True
+
+    def release(self) -> None:
+        """The push finished, whatever its outcome (caller holds `lock`)."""
+        self.busy = False
+        self.idle.set()
 
 
 @dataclass

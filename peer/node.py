@@ -207,7 +207,7 @@ class Peer:
             log.debug("announce_leaving failed: %s", err)
         self.membership.stop()
         self.gossip.close()
-        self.server.stop(grace=2.0)
+        self.server.stop(grace=0.5)
         self.clients.close()
         self.metrics.stop()
 

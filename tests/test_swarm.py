@@ -6,10 +6,12 @@ Sized for a 2-core machine: the digits task, a few hundred steps, one torch thre
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from gossipgrad.peer.swarm import LocalSwarm, summarize
 from gossipgrad.peer.tasks import TaskContext, train_centralized
 
@@ -124,3 +126,20 @@ def test_late_joiner_downloads_state_and_catches_up(swarm_factory) -> None:
     # It trained only the remaining steps yet ends as good as the others.
     best = max(p["final"]["accuracy"] for p in result["peers"][:3])
     assert late["final"]["accuracy"] >= best - 0.05
+
+
+@pytest.mark.timeout(200)
+def test_sigterm_checkpoints_and_leaves_cleanly(swarm_factory) -> None:
+    swarm = swarm_factory(3, **{"train.steps": "100000"})
+    swarm.start()
+    wait_for(lambda: step_of(swarm, 1) >= 50, 120, "peer1 to train")
+    swarm.procs[1].send_signal(signal.SIGTERM)
+    assert swarm.procs[1].wait(timeout=30) == 0
+    summary = json.loads((swarm.peer_dir(1) / "summary.json").read_text())
+    assert summary["stopped_early"] is True
+    state = torch.load(swarm.peer_dir(1) / "checkpoint.pt", weights_only=True)
+    assert state["local_step"] == summary["steps"] >= 50
+    # The others see it leave at once (no dead_after wait) and keep training.
+    before = step_of(swarm, 0)
+    wait_for(lambda: "peer peer1 left" in (swarm.out / "peer0.log").read_text(), 10, "leave")
+    wait_for(lambda: step_of(swarm, 0) >= before + 100, 60, "peer0 to go on")

@@ -1,0 +1,60 @@
+"""Atomic checkpoints: a failed write leaves the previous checkpoint intact."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from gossipgrad.peer import checkpoint
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_round_trip_and_missing(tmp_path: Path) -> None:
+    path = tmp_path / "ck" / "checkpoint.pt"
+    assert checkpoint.load(path) is None
+    state = {"params": torch.arange(10.0), "local_step": 7}
+    checkpoint.save_atomic(path, state)
+    back = checkpoint.load(path)
+    assert back["local_step"] == 7
+    assert torch.equal(back["params"], state["params"])
+    assert [p.name for p in path.parent.iterdir()] == ["checkpoint.pt"]  # no temp file left
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_read_only_directory_keeps_old_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.pt"
+    checkpoint.save_atomic(path, {"v": 1})
+    tmp_path.chmod(0o500)
+    try:
+        with pytest.raises(OSError):
+            checkpoint.save_atomic(path, {"v": 2})
+    finally:
+        tmp_path.chmod(0o700)
+    assert checkpoint.load(path) == {"v": 1}
+
+
+def test_failed_write_keeps_old_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    """A write that dies half way (disk full) leaves the old file and no temp file."""
+    path = tmp_path / "checkpoint.pt"
+    checkpoint.save_atomic(path, {"v": 1})
+    real_fsync = os.fsync
+
+    def full_disk(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        checkpoint.save_atomic(path, {"v": 2})
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert checkpoint.load(path) == {"v": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.pt"
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="unreadable"):
+        checkpoint.load(path)
