@@ -101,11 +101,21 @@ class BaselineRun:
                     subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
                 )
 
+    def _finished(self, r: int) -> bool:
+        return (self.out / f"rank{r}.json").exists()
+
     def running(self) -> bool:
-        return any(p.poll() is None for p in self.procs)
+        """False once every rank wrote its result (or exited): the phase is over even if a
+        rank is still tearing down its process group."""
+        return any(p.poll() is None and not self._finished(r) for r, p in enumerate(self.procs))
 
     def failed(self) -> list[int]:
-        return [r for r, p in enumerate(self.procs) if p.poll() not in (None, 0)]
+        """Ranks that exited without writing their result."""
+        return [
+            r
+            for r, p in enumerate(self.procs)
+            if not self._finished(r) and p.poll() not in (None, 0)
+        ]
 
     def statuses(self) -> list[dict[str, Any]]:
         out = []

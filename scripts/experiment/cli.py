@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.dry_run:
         for line in exp.plan():
-            console.print(line, highlight=False, soft_wrap=True)
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
         return 0
     from gossipgrad.experiment.netns import NetnsError, available
 
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     except NetnsError as err:
         console.print(f"[red]error: {err}", highlight=False)
         return 2
-    console.print((out / "summary.md").read_text(), highlight=False, soft_wrap=True)
+    console.print((out / "summary.md").read_text(), markup=False, highlight=False, soft_wrap=True)
     console.print(f"report: {out / 'report.json'}")
     return 0 if report["ok"] else 1
 

@@ -269,7 +269,12 @@ class Experiment:
         if done:
             result.update(
                 metric=done[0]["metric"],
-                wall_seconds=max(p["wall_seconds"] for p in done),
+                # Training time as sampled from status.json (start-up and waiting excluded),
+                # comparable with the baselines' training-loop time.
+                wall_seconds=max(
+                    (p["history"][-1]["seconds"] for p in done if p["history"]), default=0.0
+                ),
+                peer_wall_seconds=max(p["wall_seconds"] for p in done),
                 mean_sent_bytes=sum(p["sent_bytes"] for p in done) / len(done),
                 mean_received_bytes=sum(p["received_bytes"] for p in done) / len(done),
                 mean_dense_bytes=sum(p["dense_bytes"] for p in done) / len(done),

@@ -1,0 +1,258 @@
+"""Experiment runner pieces that need no processes: spec validation, plans, command lines
+(netns shaping, ssh), the report from a synthetic run, the CLI's errors."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gossipgrad.experiment import cli, ssh
+from gossipgrad.experiment.baselines import RankPlacement, rank_command
+from gossipgrad.experiment.netns import netem_args, shaping_commands
+from gossipgrad.experiment.report import PLOTS, markdown, smooth, write_outputs
+from gossipgrad.experiment.spec import (
+    LinkProfile,
+    SpecError,
+    load_spec,
+    parse_spec,
+    rate_bits,
+    time_seconds,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECS = sorted((ROOT / "scripts" / "experiments").glob("*.toml"))
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """Width and height from a PNG's IHDR chunk (after checking the signature)."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("path", SPECS, ids=[p.stem for p in SPECS])
+def test_shipped_specs_validate(path: Path) -> None:
+    spec = load_spec(path)
+    assert spec.experiment.peers >= 1
+    assert spec.peer_config().train.steps > 0
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        ({"experiment": {"peerz": 3}}, "experiment.peerz: unknown key"),
+        ({"experiment": {"peers": 0}}, "experiment.peers"),
+        ({"experiment": {"mode": "cloud"}}, "experiment.mode"),
+        ({"train": {"stepz": 3}}, "train.stepz: unknown key"),
+        ({"gossip": {"codec": "bogus"}}, "gossip.codec"),
+        ({"train": {"seed": 3}}, "train.seed: set by experiment.seed"),
+        ({"peer": {"id": "x"}}, "peer:"),
+        ({"experiment": {"mode": "netns"}, "network": {"rate": "10mb"}}, "network.rate"),
+        ({"experiment": {"mode": "netns"}, "network": {"jitter": "1ms"}}, "jitter needs a delay"),
+        ({"network": {"rate": "10mbit"}}, "needs experiment.mode = 'netns'"),
+        (
+            {"experiment": {"mode": "netns", "peers": 2}, "network": {"sites": [{"peers": [5]}]}},
+            "network.sites.0.peers",
+        ),
+        ({"baselines": {"run": ["ddp", "allgather"]}}, "baselines.run"),
+        ({"experiment": {"mode": "ssh"}}, "ssh.inventory"),
+    ],
+)
+def test_bad_specs_name_the_key(raw: dict, key: str) -> None:
+    with pytest.raises(SpecError, match=key.replace(".", r"\.").replace("(", r"\(")):
+        parse_spec(raw)
+
+
+@pytest.mark.timeout(30)
+def test_profiles_merge_site_over_default_and_pairs() -> None:
+    spec = parse_spec(
+        {
+            "experiment": {"mode": "netns", "peers": 3},
+            "network": {
+                "rate": "100mbit",
+                "sites": [{"peers": [2], "rate": "10mbit"}],
+                "links": [{"a": 0, "b": 1, "rate": "1mbit"}],
+            },
+        }
+    )
+    assert spec.network.site(0).rate == "100mbit"
+    assert spec.network.site(2).rate == "10mbit"
+    assert spec.network.pair(1, 0) == LinkProfile(rate="1mbit")
+    assert spec.network.pair(0, 2) is None
+    assert rate_bits("10mbit") == 1e7 and time_seconds("20ms") == pytest.approx(0.02)
+
+
+@pytest.mark.timeout(30)
+def test_shaping_commands_cap_rate_and_route_pairs_by_destination() -> None:
+    site = LinkProfile(rate="10mbit", delay="20ms", jitter="5ms", loss=1.0)
+    cmds = shaping_commands("eth0", site, {"198.18.0.2": LinkProfile(rate="1mbit")})
+    text = [" ".join(c) for c in cmds]
+    assert text[0] == "tc qdisc add dev eth0 root handle 1: htb default 1"
+    assert "tc class add dev eth0 parent 1: classid 1:1 htb rate 10mbit ceil 10mbit" in text
+    assert "tc class add dev eth0 parent 1: classid 1:10 htb rate 1mbit ceil 1mbit" in text
+    netem = [t for t in text if "netem" in t]
+    # The pair inherits the site's delay/jitter/loss (both leaves get netem).
+    assert len(netem) == 2 and all("delay 20ms 5ms" in t and "loss 1.0%" in t for t in netem)
+    assert any("match ip dst 198.18.0.2/32 flowid 1:10" in t for t in text)
+    assert shaping_commands("eth0", LinkProfile()) == []
+    assert netem_args(LinkProfile(rate="1mbit")) == []
+
+
+@pytest.mark.timeout(60)
+def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gossipgrad.experiment", str(SPECS[0]), "--out", str(out),
+         "--dry-run", "--set", "experiment.peers=3", "--set", "baselines.run=['powersgd']"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("-m gossipgrad.peer") == 3
+    assert "--train.num_shards 3" in proc.stdout
+    assert "baseline powersgd: 3 ranks" in proc.stdout and "baseline ddp" not in proc.stdout
+    assert not out.exists()
+
+
+@pytest.mark.timeout(60)
+def test_cli_errors_name_the_key_and_help_works(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[experiment]\npeers = 2\n[gossip]\ngama = 0.1\n")
+    assert cli.main([str(bad), "--dry-run"]) == 2
+    assert "gossip.gama: unknown key" in capsys.readouterr().out
+    assert cli.main([str(tmp_path / "missing.toml")]) == 2
+    assert "spec file not found" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    assert "--dry-run" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(30)
+def test_rank_commands_carry_placement_and_hook(tmp_path: Path) -> None:
+    place = RankPlacement(prefix=lambda r: ["ip", "netns", "exec", f"ns{r}"], host="198.18.0.1")
+    cmd = rank_command("powersgd", 2, 3, tmp_path, place, powersgd_rank=4)
+    assert cmd[:4] == ["ip", "netns", "exec", "ns2"]
+    joined = " ".join(cmd)
+    assert "--rank 2 --world 3 --host 198.18.0.1" in joined
+    assert "--hook powersgd --psgd-rank 4" in joined
+    assert "--hook dense" in " ".join(rank_command("ddp", 0, 3, tmp_path, RankPlacement()))
+
+
+INVENTORY = """
+[[hosts]]
+address = "alice@site-a.example"
+listen = "10.1.0.5"
+python = "/opt/venv/bin/python"
+data = "/srv/data dir"
+workdir = "/srv/runs"
+port = 7070
+
+[[hosts]]
+address = "site-b.example"
+"""
+
+
+@pytest.mark.timeout(30)
+def test_ssh_commands(tmp_path: Path) -> None:
+    inv_path = tmp_path / "hosts.toml"
+    inv_path.write_text(INVENTORY)
+    spec_path = tmp_path / "spec.toml"
+    spec_path.write_text('[experiment]\nmode = "ssh"\npeers = 2\n[ssh]\ninventory = "hosts.toml"\n')
+    spec = load_spec(spec_path)
+    assert spec.ssh.inventory == inv_path
+    inv = ssh.load_inventory(inv_path)
+    swarm = ssh.SshSwarm(tmp_path / "swarm", 2, {"train.steps": "10"}, inv, "run1", ["-p", "22"])
+    first = swarm.command(0, None)
+    assert first[:4] == ["ssh", "-p", "22", "alice@site-a.example"]
+    remote = shlex.split(first[4])
+    assert remote[:3] == ["mkdir", "-p", "/srv/runs/run1/peer0"]
+    assert "GOSSIPGRAD_DATA=/srv/data dir" in remote
+    argv = remote[remote.index("exec") + 1 :]
+    assert argv[:3] == ["/opt/venv/bin/python", "-m", "gossipgrad.peer"]
+    opts = dict(zip(argv[3::2], argv[4::2], strict=True))
+    assert opts["--peer.listen"] == "10.1.0.5:7070"
+    assert opts["--peer.run_dir"] == "/srv/runs/run1/peer0"
+    assert opts["--train.steps"] == "10" and "--peer.bootstrap" not in opts
+    second = swarm.command(1, swarm.bootstrap())
+    opts = shlex.split(second[-1])
+    assert second[3] == "site-b.example"
+    assert opts[opts.index("--peer.bootstrap") + 1] == "10.1.0.5:7070"
+    assert opts[opts.index("--peer.listen") + 1] == "site-b.example:0"
+    stop = ssh.stop_command(inv.hosts[0], 0, "run1", [])
+    assert stop[1] == "alice@site-a.example" and "kill -TERM" in stop[2]
+    fetch = ssh.fetch_commands(inv.hosts[0], 0, "run1", tmp_path, [])
+    assert [c[-1] for c in fetch] == [str(tmp_path / n) for n in ssh.FETCHED]
+    assert fetch[0][2] == "alice@site-a.example:/srv/runs/run1/peer0/status.json"
+    no_port = inv_path.read_text().replace("port = 7070", "")
+    inv_path.write_text(no_port)
+    with pytest.raises(ValueError, match=r"hosts\.0\.port"):
+        ssh.SshSwarm(tmp_path, 2, {}, ssh.load_inventory(inv_path), "r", [])
+
+
+@settings(max_examples=50, deadline=None)
+@given(values=st.lists(st.text(min_size=0, max_size=20), min_size=1, max_size=4))
+@pytest.mark.timeout(60)
+def test_ssh_remote_command_round_trips_any_value(values: list[str]) -> None:
+    """Whatever a config value holds (spaces, quotes, $, ;), the remote shell sees it as one
+    argument, unchanged."""
+    host = ssh.Host(address="h", workdir="/w d", port=1)
+    opts = {f"train.k{i}": v for i, v in enumerate(values)}
+    remote = shlex.split(ssh.peer_command(host, 0, "r", opts, [])[-1])
+    argv = remote[remote.index("exec") + 1 :]
+    got = dict(zip(argv[3::2], argv[4::2], strict=True))
+    for key, value in opts.items():
+        assert got[f"--{key}"] == value
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=50), st.integers(1, 10))
+@pytest.mark.timeout(60)
+def test_smoothing_is_a_trailing_mean(values: list[float], window: int) -> None:
+    out = smooth(values, window)
+    assert len(out) == len(values)
+    for i, v in enumerate(out):
+        chunk = values[max(0, i - window + 1) : i + 1]
+        assert v == pytest.approx(sum(chunk) / len(chunk), rel=1e-6, abs=1e-3)
+
+
+def synthetic_report() -> dict:
+    hist = [{"step": s, "loss": 2.0 / s, "sent_bytes": 1000 * s, "seconds": 0.1 * s}
+            for s in range(1, 40)]  # fmt: skip
+    peer = {"id": "peer0", "final": {"accuracy": 0.9, "loss": 0.3}, "metric": "accuracy",
+            "steps": 39, "history": hist, "sent_bytes": 39000, "dense_bytes": 4e6}  # fmt: skip
+    base = {"final": {"accuracy": 0.95, "loss": 0.2}, "metric": "accuracy", "steps": 39,
+            "ranks": [{"history": hist}], "mean_sent_bytes": 4e6, "wall_seconds": 2.0,
+            "dense_bytes_per_rank": 4e6, "link_bytes": {"rank0 ring": 4e6}}  # fmt: skip
+    return {
+        "name": "synthetic", "task": "digits", "peers": 1, "mode": "local", "seed": 0,
+        "steps": 39, "batch_size": 32, "codec": "topk:0.01", "topology": "ring",
+        "swarm": {"peers": [peer], "metric": "accuracy", "mean_sent_bytes": 39000,
+                  "mean_dense_bytes": 4e6, "wall_seconds": 4.0, "consensus_distance": 1e-3,
+                  "relative_consensus_distance": 1e-5, "link_bytes": {"peer0→peer1": 39000}},
+        "baselines": {"ddp": base},
+    }  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_report_writes_valid_pngs_and_a_table(tmp_path: Path) -> None:
+    report = synthetic_report()
+    write_outputs(tmp_path, report)
+    assert json.loads((tmp_path / "report.json").read_text())["name"] == "synthetic"
+    for name in PLOTS:
+        w, h = png_size(tmp_path / name)
+        assert w >= 400 and h >= 200
+    md = markdown(report)
+    assert "| gossipgrad (topk:0.01, ring) | 0.9000 (0.9000-0.9000)" in md
+    assert "103x fewer" in md  # 4e6 / 39000 bytes
+    assert "consensus distance" in md
