@@ -2,7 +2,8 @@
 
 One round, run by the training thread every H local steps:
 
-1. For each neighbour j (skipping an edge whose last push is still in flight):
+1. For each neighbour j (after its previous push landed; a dead or stuck link is skipped and
+   loses nothing, its backlog stays in x_i − x̂_{i->j}):
    q = Q(x_i − x̂_{i->j});  x̂_{i->j} += q;  push q (or a dense RESYNC) in the background.
 2. Wait, bounded by ``round_timeout``, until every live neighbour's update of round
    r − max_staleness has arrived (0: lock-step; 1: one round of overlap between compute and
@@ -10,8 +11,10 @@ One round, run by the training thread every H local steps:
 3. x_i += γ Σ_j w_ij (x̂_{j->i} − x̂_{i->j}), Metropolis–Hastings weights over the peers present.
 
 Incoming updates are applied by the gRPC server threads as they arrive (``handle_update``),
-each edge under its own lock, in sequence order; gaps, duplicates and checksum mismatches
-are answered with NEED_RESYNC, which makes the sender push its whole public copy next.
+each edge under its own lock, in sequence order -- except those from a round ahead of this
+peer's, which are held until it gets there, so both ends of an edge mix the same copies and the
+swarm average is preserved. Gaps and checksum mismatches are answered with NEED_RESYNC, which
+makes the sender push its whole public copy next; duplicates are ignored.
 """
 
 from __future__ import annotations
