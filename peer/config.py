@@ -107,6 +107,11 @@ class TrainSection(Section):
         ge=0,
         description="torch intra-op threads (0: torch's default). 1 suits many peers per host.",
     )
+    verify_site: bool = Field(
+        False,
+        description="Under torchrun (one site, many ranks): after every gossip round, check "
+        "that all ranks hold bit-identical parameters (one tiny all-gather; for tests).",
+    )
 
     @model_validator(mode="after")
     def _shard_in_range(self) -> TrainSection:

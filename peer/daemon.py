@@ -7,6 +7,9 @@ Writes into ``peer.run_dir``:
   summary.json     final evaluation, steps, bytes, wall-clock seconds
   params.pt        the final flat parameter vector (true consensus distance across peers)
 SIGTERM or SIGINT finishes the current step, checkpoints and leaves the swarm cleanly.
+
+Under torchrun with more than one rank, the job is one site (peer/site.py): ranks all-reduce
+gradients densely, only rank 0 gossips, and ranks other than 0 write into ``run_dir/rank<N>/``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 from gossipgrad.peer import checkpoint
 from gossipgrad.peer.config import PeerConfig, TrainSection
 from gossipgrad.peer.optimizer import GossipOptimizer
+from gossipgrad.peer.site import SiteContext, SiteOptimizer, close_site, init_site
 from gossipgrad.peer.tasks import TaskContext, build_task
 
 log = logging.getLogger(__name__)
@@ -97,9 +101,17 @@ class Daemon:
         if t.threads:
             torch.set_num_threads(t.threads)
         device = resolve_device(t.device)
+        site = SiteContext.from_env()
+        shard_index, num_shards = t.shard_index, t.num_shards
+        if site is not None:
+            device = site.device(device)
+            init_site(device)
+            shard_index, num_shards = site.shard(t.shard_index, t.num_shards)
+            self.run_dir = site.run_dir(self.run_dir)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         ctx = TaskContext(
-            peer_index=t.shard_index,
-            num_peers=t.num_shards,
+            peer_index=shard_index,
+            num_peers=num_shards,
             seed=t.seed,
             partition=t.partition,
             alpha=t.alpha,
@@ -114,7 +126,10 @@ class Daemon:
             optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
         )
         self._install_signal_handlers()
-        gopt = GossipOptimizer(model, optimizer, cfg)
+        if site is None:
+            gopt = GossipOptimizer(model, optimizer, cfg)
+        else:
+            gopt = SiteOptimizer(model, optimizer, cfg, site, verify=t.verify_site)
         peer = gopt.peer
         self._write_status(
             id=peer.id,
@@ -144,18 +159,28 @@ class Daemon:
                         cfg.peer.expected_peers,
                         cfg.peer.start_timeout,
                     )
-            if not resumed and cfg.peer.bootstrap:
+            if not resumed and cfg.peer.bootstrap and peer.membership is not None:
                 # A late joiner starts from the swarm's state instead of from scratch.
                 peer.membership.beat_once()
                 if gopt.join_from_swarm():
                     self._write_status(joined_at_step=gopt.local_step)
+            if site is not None:
+                gopt.sync_site()  # all ranks take the leader's state (resumed or joined)
             for _ in range(gopt.local_step):
                 scheduler.step()
             summary = self._train(task, model, gopt, scheduler)
+            if site is not None:
+                summary["site"] = {
+                    "rank": site.rank,
+                    "world_size": site.world_size,
+                    "rounds_verified": gopt.rounds_verified,
+                }
         finally:
             if gopt.local_step > 0:
                 self._save_checkpoint(gopt)
             gopt.close()
+            if site is not None:
+                close_site()
         summary["wall_seconds"] = time.monotonic() - t_start
         write_json_atomic(self.run_dir / "summary.json", summary)
         self._write_status(state="done")

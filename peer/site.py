@@ -1,0 +1,301 @@
+"""Hierarchical training: dense all-reduce inside a site, compressed gossip across sites.
+
+A *site* is one ``torchrun`` job (one machine with N GPUs, or a small cluster). Inside it,
+torch.distributed (NCCL on GPUs, gloo on CPU) averages gradients densely over the fast local
+fabric; across sites only the site leader (global rank 0 of the job) runs a ``Peer`` and
+gossips compressed updates over gRPC, so the site counts as one peer in the mixing weights
+and puts on the wire exactly what a one-process peer would. Every local step:
+
+1. All ranks: backward on their own shard, then all-reduce (average) the flat gradient.
+2. ef-gradient only: the leader exchanges the averaged gradient with its neighbours
+   (peer/ef_gradient.py) and broadcasts the result, so every rank steps with it.
+3. All ranks: the local optimizer step (same gradient, same parameters, same result).
+4. When a gossip round is due: the leader runs it, then broadcasts the merged parameters,
+   so all ranks of a site hold identical parameters after every round.
+
+Tensors stay on the ranks' devices: the all-reduce and broadcasts work on the flat
+parameter/gradient buffers in place, with no host copies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from gossipgrad.peer.config import PeerConfig
+from gossipgrad.peer.ef_gradient import ExchangeStats
+from gossipgrad.peer.flat import FlatParameters, tensor_checksum
+from gossipgrad.peer.metrics import PeerMetrics
+from gossipgrad.peer.optimizer import GossipOptimizer, round_due
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SiteContext:
+    """Where this process sits inside its site (from torchrun's environment)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> SiteContext | None:
+        """The site of a process launched by torchrun with more than one rank, else None."""
+        env = dict(os.environ) if env is None else env
+        world = int(env.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return None
+        return cls(
+            rank=int(env["RANK"]),
+            world_size=world,
+            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+        )
+
+    def shard(self, site_index: int, num_sites: int) -> tuple[int, int]:
+        """(index, count) of this rank's data shard: each site's shard split over its ranks."""
+        return site_index * self.world_size + self.rank, num_sites * self.world_size
+
+    def device(self, base: torch.device) -> torch.device:
+        """The rank's device: its own GPU (cuda:LOCAL_RANK) when the config asks for cuda."""
+        if base.type == "cuda":
+            dev = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(dev)
+            return dev
+        return base
+
+    def run_dir(self, run_dir: Path) -> Path:
+        """The leader writes the site's files; other ranks write under rank<N>/."""
+        return run_dir if self.leader else run_dir / f"rank{self.rank}"
+
+
+def init_site(device: torch.device) -> None:
+    """Join the site's process group (torchrun's env://): NCCL on GPUs, gloo on CPU."""
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+
+
+def close_site() -> None:
+    """Leave the site's process group (end of a run)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class _FollowerPeer:
+    """What a non-leader rank shows where a leader has its Peer: no network, no membership."""
+
+    def __init__(self, site_id: str, rank: int) -> None:
+        self.id = f"{site_id or 'site'}-rank{rank}"
+        self.address = ""
+        self.metrics_port = 0
+        self.membership = None
+
+    def update_progress(self, step: int, round_: int) -> None:
+        pass
+
+
+class SiteOptimizer:
+    """GossipOptimizer for one rank of a multi-process site (see the module docstring).
+
+    Every rank of the site constructs one, with the same model and optimizer type; the
+    process group must be initialized (``init_site``). The interface is GossipOptimizer's,
+    so the daemon's loop runs unchanged on every rank.
+
+    Args:
+        model, optimizer, config: as for GossipOptimizer.
+        site: this process's place in the site.
+        verify: after every round, all-gather a checksum of the parameters and raise if the
+            ranks disagree (costs one tiny collective; for tests and debugging).
+        registry: Prometheus registry of the leader's metrics.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: PeerConfig,
+        site: SiteContext,
+        *,
+        verify: bool = False,
+        registry=None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise ValueError("SiteOptimizer needs torch.distributed initialized (init_site)")
+        self.model = model
+        self.optimizer = optimizer
+        self.config = config
+        self.site = site
+        self.verify = verify
+        self.gopt: GossipOptimizer | None = None
+        if site.leader:
+            self.gopt = GossipOptimizer(model, optimizer, config, registry=registry)
+            self.flat = self.gopt.flat
+            self.peer = self.gopt.peer
+            self.metrics = self.gopt.metrics
+        else:
+            self.flat = FlatParameters(model)
+            self.peer = _FollowerPeer(config.peer.id, site.rank)
+            self.metrics = PeerMetrics()
+        self._local_step = 0
+        self._rounds = 0
+        self.rounds_verified = 0
+        self._grad_buf = torch.zeros_like(self.flat.data)
+        # Everyone starts from the leader's parameters.
+        dist.broadcast(self.flat.data, src=0)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def local_step(self) -> int:
+        return self._local_step
+
+    @local_step.setter
+    def local_step(self, value: int) -> None:
+        self._local_step = value
+        if self.gopt is not None:
+            self.gopt.local_step = value
+
+    @property
+    def round(self) -> int:
+        return self.gopt.round if self.gopt is not None else self._rounds
+
+    @property
+    def last_round(self):
+        return self.gopt.last_round if self.gopt is not None else None
+
+    @property
+    def last_exchange(self) -> ExchangeStats | None:
+        return self.gopt.last_exchange if self.gopt is not None else None
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    # ------------------------------------------------------------------ the step
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def _average_gradients(self) -> None:
+        g = self._grad_buf
+        g.copy_(self.flat.grad())
+        dist.all_reduce(g, op=dist.ReduceOp.SUM)
+        g.div_(self.site.world_size)
+        self.flat.set_grad(g)
+
+    def step(self, closure=None):
+        """All-reduce gradients in the site, exchange across sites, step, gossip, broadcast."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._average_gradients()
+        ef = self.config.gossip.algorithm == "ef-gradient"
+        if ef:
+            if self.gopt is not None:
+                self.gopt.exchange_gradients()
+                self._grad_buf.copy_(self.flat.grad())
+            dist.broadcast(self._grad_buf, src=0)
+            self.flat.set_grad(self._grad_buf)
+        lock = self.gopt._lock if self.gopt is not None else _NO_LOCK
+        with lock:
+            out = self.optimizer.step()
+            self.local_step = self._local_step + 1
+        if round_due(self.config.gossip, self._local_step):
+            if self.gopt is not None:
+                self.gopt.gossip_round()
+            with lock:
+                dist.broadcast(self.flat.data, src=0)
+            self._rounds += 1
+            if self.verify:
+                self.check_identical()
+        self.peer.update_progress(self._local_step, self.round)
+        return loss if loss is not None else out
+
+    def check_identical(self) -> None:
+        """Raise if any rank's parameters differ from the leader's (bit for bit)."""
+        mine = torch.tensor(
+            [tensor_checksum(self.flat.data) & 0x7FFFFFFFFFFFFFFF], device=self.flat.device
+        )
+        every = [torch.zeros_like(mine) for _ in range(self.site.world_size)]
+        dist.all_gather(every, mine)
+        values = {int(t.item()) for t in every}
+        if len(values) != 1:
+            raise RuntimeError(f"site ranks diverged after round {self._rounds}: {values}")
+        self.rounds_verified += 1
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.gopt is not None:
+            return self.gopt.state_dict()
+        return {
+            "params": self.flat.data.detach().clone(),
+            "optimizer": self.optimizer.state_dict(),
+            "local_step": self._local_step,
+            "round": self._rounds,
+            "fingerprint": self.flat.fingerprint,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.gopt is not None:
+            self.gopt.load_state_dict(state)
+            self._local_step = self.gopt.local_step
+            self._rounds = self.gopt.round
+            return
+        if state.get("fingerprint") != self.flat.fingerprint:
+            raise ValueError("state is for another model")
+        with torch.no_grad():
+            self.flat.data.copy_(state["params"].to(self.flat.device))
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._local_step = int(state["local_step"])
+        self._rounds = int(state["round"])
+
+    def sync_site(self) -> None:
+        """Collective: every rank takes the leader's state (after a resume or a join)."""
+        box = [self.state_dict() if self.site.leader else None]
+        dist.broadcast_object_list(box, src=0, device=self._object_device())
+        if not self.site.leader:
+            self.load_state_dict(box[0])
+
+    def _object_device(self) -> torch.device | None:
+        return self.flat.device if self.flat.device.type == "cuda" else None
+
+    def wait_for_peers(self, count: int, timeout: float) -> bool:
+        """Leader: wait for `count` sites; other ranks have nothing to wait for."""
+        return self.gopt.wait_for_peers(count, timeout) if self.gopt is not None else True
+
+    def join_from_swarm(self, timeout: float = 60.0) -> bool:
+        """Leader: download state from the swarm (call ``sync_site`` afterwards on all ranks)."""
+        return self.gopt.join_from_swarm(timeout) if self.gopt is not None else False
+
+    def close(self) -> None:
+        if self.gopt is not None:
+            self.gopt.close()
+
+    def __enter__(self) -> SiteOptimizer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _NoLock:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+_NO_LOCK = _NoLock()
