@@ -229,11 +229,19 @@ def _read_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
             raise DecodeError("not a TensorEnvelope: varint longer than 10 bytes")
 
 
-def _scan(buf: bytes, pos: int, end: int) -> list[tuple[int, int, int, int, int]]:
+#: A valid envelope has ~15 top-level fields (unpacked shape dims at most 64 more) and 3 per
+#: section; the caps keep a hostile message of millions of tiny fields from costing seconds.
+_MAX_FIELDS = 256
+_MAX_SECTION_FIELDS = 32
+
+
+def _scan(buf: bytes, pos: int, end: int, max_fields: int) -> list[tuple[int, int, int, int, int]]:
     """Top-level fields of the message in ``buf[pos:end]`` as (field, wire type, start of the
     field, start of its value, end), checking every length against the buffer."""
-    fields = []
+    fields: list[tuple[int, int, int, int, int]] = []
     while pos < end:
+        if len(fields) >= max_fields:
+            raise DecodeError(f"not a TensorEnvelope: more than {max_fields} fields")
         start = pos
         key, pos = _read_varint(buf, pos, end)
         field, wt = key >> 3, key & 7
@@ -267,12 +275,12 @@ def _split_payloads(data: bytes) -> tuple[bytes, dict[int, memoryview]]:
     head = bytearray()
     payloads: dict[int, memoryview] = {}
     section_fields = {field for _, field in _SECTION_FIELDS}
-    for field, wt, start, value_start, end in _scan(data, 0, len(data)):
+    for field, wt, start, value_start, end in _scan(data, 0, len(data), _MAX_FIELDS):
         if wt != _LEN or field not in section_fields:
             head += view[start:end]
             continue
         inner = bytearray()
-        for f, w, s, vs, e in _scan(data, value_start, end):
+        for f, w, s, vs, e in _scan(data, value_start, end, _MAX_SECTION_FIELDS):
             if f == _SECTION_DATA_FIELD and w == _LEN:
                 payloads[field] = view[vs:e]
             else:

@@ -245,3 +245,10 @@ def test_wrong_dtype_and_codec_are_rejected() -> None:
     _raises("int8", _edit("int8", wrong_dtype), "dtype")
     with pytest.raises(DecodeError, match="expected bytes"):
         from_spec("int8").decode("not bytes")  # type: ignore[arg-type]
+
+
+def test_many_tiny_fields_are_rejected_early() -> None:
+    # 3 MB of valid 2-byte unknown varint fields (field 15): the scan stops after a few hundred
+    # fields instead of walking millions in Python.
+    data = PAYLOADS["int8"][0] + bytes([15 << 3, 1]) * 1_500_000
+    _raises("int8", data, "more than 256 fields")
