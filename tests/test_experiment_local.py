@@ -1,0 +1,93 @@
+"""End to end, local mode: the CLI runs a small swarm (digits, 3 peers, 150 steps) and both
+DDP baselines as real processes on 127.0.0.1, and writes a sane report and valid plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = ROOT / "scripts" / "experiments" / "digits-small.toml"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """Width and height from a PNG's IHDR chunk (after checking the signature)."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line contains ``text`` (our run directory)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.timeout(280)
+def test_local_experiment_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gossipgrad.experiment", str(SPEC), "--out", str(out),
+         "--no-live", "--set", "experiment.peers=3", "--set", "experiment.timeout=200"],
+        capture_output=True, text=True, timeout=270, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert processes_mentioning(str(out)) == []
+    report = json.loads((out / "report.json").read_text())
+    assert report["ok"] and report["mode"] == "local" and report["peers"] == 3
+
+    swarm = report["swarm"]
+    assert len(swarm["peers"]) == 3
+    for p in swarm["peers"]:
+        assert p["ok"] and p["steps"] == 150
+        assert 0.8 < p["final"]["accuracy"] <= 1.0 and p["final"]["loss"] > 0
+        # Compressed gossip: far fewer bytes than the same updates dense.
+        assert 0 < p["sent_bytes"] < p["dense_bytes"] / 10
+        assert p["received_bytes"] > 0 and p["wall_seconds"] > 0
+        assert len(p["history"]) >= 2 and p["history"][-1]["step"] > p["history"][0]["step"]
+        assert p["neighbours"], "per-link bytes scraped from the metrics endpoint"
+    assert 0 <= swarm["relative_consensus_distance"] < 0.05
+    assert swarm["link_bytes"] and all(v > 0 for v in swarm["link_bytes"].values())
+
+    params = swarm["peers"][0]["params"]
+    dense_ring = 2 * (3 - 1) / 3 * 4 * params * 150  # bytes per rank for 150 dense all-reduces
+    ddp, psgd = report["baselines"]["ddp"], report["baselines"]["powersgd"]
+    for b in (ddp, psgd):
+        assert b["ok"] and b["steps"] == 150 and len(b["ranks"]) == 3
+        assert b["final"]["accuracy"] > 0.8 and b["wall_seconds"] > 0
+        assert len(b["ranks"][0]["history"]) == 150
+        assert b["dense_bytes_per_rank"] == pytest.approx(dense_ring, rel=1e-6)
+    # Dense DDP moves the whole gradient every step; PowerSGD a low-rank part after warm-up.
+    assert ddp["mean_sent_bytes"] == pytest.approx(dense_ring, rel=0.01)
+    assert psgd["mean_sent_bytes"] < ddp["mean_sent_bytes"] / 3
+    assert swarm["mean_sent_bytes"] < psgd["mean_sent_bytes"]
+
+    for name in ("loss_vs_step.png", "loss_vs_bytes.png", "loss_vs_time.png",
+                 "bytes_per_link.png"):  # fmt: skip
+        path = out / name
+        assert path.read_bytes()[:8] == PNG_SIGNATURE
+        w, h = png_size(path)
+        assert w >= 400 and h >= 200 and path.stat().st_size > 5000
+    import matplotlib.image
+
+    w, h = png_size(out / "loss_vs_step.png")
+    assert matplotlib.image.imread(out / "loss_vs_step.png").shape[:2] == (h, w)
+    summary = (out / "summary.md").read_text()
+    assert "| ddp |" in summary and "powersgd (rank 2)" in summary and "gossipgrad (" in summary
