@@ -157,7 +157,8 @@ class SiteOptimizer:
 
     @property
     def local_step(self) -> int:
-        return self._local_step
+        # The leader's GossipOptimizer owns the count (a join or resume sets it there).
+        return self.gopt.local_step if self.gopt is not None else self._local_step
 
     @local_step.setter
     def local_step(self, value: int) -> None:
@@ -210,8 +211,8 @@ class SiteOptimizer:
         lock = self.gopt._lock if self.gopt is not None else _NO_LOCK
         with lock:
             out = self.optimizer.step()
-            self.local_step = self._local_step + 1
-        if round_due(self.config.gossip, self._local_step):
+            self.local_step = self.local_step + 1
+        if round_due(self.config.gossip, self.local_step):
             if self.gopt is not None:
                 self.gopt.gossip_round()
             with lock:
@@ -219,7 +220,7 @@ class SiteOptimizer:
             self._rounds += 1
             if self.verify:
                 self.check_identical()
-        self.peer.update_progress(self._local_step, self.round)
+        self.peer.update_progress(self.local_step, self.round)
         return loss if loss is not None else out
 
     def check_identical(self) -> None:
@@ -242,7 +243,7 @@ class SiteOptimizer:
         return {
             "params": self.flat.data.detach().clone(),
             "optimizer": self.optimizer.state_dict(),
-            "local_step": self._local_step,
+            "local_step": self.local_step,
             "round": self._rounds,
             "fingerprint": self.flat.fingerprint,
         }
