@@ -4,40 +4,15 @@ DDP baselines as real processes on 127.0.0.1, and writes a sane report and valid
 from __future__ import annotations
 
 import json
-import os
-import struct
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests_helpers_experiment import PNG_SIGNATURE, png_size, processes_mentioning
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "scripts" / "experiments" / "digits-small.toml"
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-def png_size(path: Path) -> tuple[int, int]:
-    """Width and height from a PNG's IHDR chunk (after checking the signature)."""
-    data = path.read_bytes()
-    assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
-    assert data[12:16] == b"IHDR"
-    return struct.unpack(">II", data[16:24])
-
-
-def processes_mentioning(text: str) -> list[int]:
-    """Live processes whose command line contains ``text`` (our run directory)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if text in cmdline:
-            pids.append(int(entry.name))
-    return pids
 
 
 @pytest.mark.timeout(280)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -25,18 +24,10 @@ from gossipgrad.experiment.spec import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests_helpers_experiment import png_size
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = sorted((ROOT / "scripts" / "experiments").glob("*.toml"))
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-def png_size(path: Path) -> tuple[int, int]:
-    """Width and height from a PNG's IHDR chunk (after checking the signature)."""
-    data = path.read_bytes()
-    assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
-    assert data[12:16] == b"IHDR"
-    return struct.unpack(">II", data[16:24])
 
 
 @pytest.mark.timeout(30)

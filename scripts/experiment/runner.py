@@ -27,6 +27,7 @@ from gossipgrad.experiment.baselines import BaselineRun, RankPlacement
 from gossipgrad.experiment.live import LiveView
 from gossipgrad.experiment.report import write_outputs
 from gossipgrad.experiment.spec import Spec
+from gossipgrad.peer.config import PeerConfig
 from gossipgrad.peer.swarm import LocalSwarm, consensus_distance
 from rich.console import Console
 
@@ -109,9 +110,14 @@ class Experiment:
         return self.lab.exec_prefix if self.lab else None
 
     def _peer_overrides(self, i: int) -> dict[str, str]:
-        if self.lab:
-            return {"peer.listen": f"{self.lab.address(i)}:0"}
-        return {}
+        if not self.lab:
+            return {}
+        opts = {"peer.listen": f"{self.lab.address(i)}:0"}
+        # The namespaces form a private network with no route out of this host, so plaintext
+        # gRPC is fine there unless the spec configures [security] itself.
+        if "security" in PeerConfig.model_fields and "security" not in self.spec.peer_raw:
+            opts["security.insecure"] = "true"
+        return opts
 
     def _placement(self) -> RankPlacement:
         if self.lab:

@@ -6,7 +6,7 @@ Sections:
                  per-link overrides
   [baselines]    which baselines run in the same conditions (ddp, powersgd) and their knobs
   [ssh]          inventory file for ssh mode
-  [train], [gossip], [membership], [checkpoint], [metrics], [transport]
+  [train], [gossip], [membership], [checkpoint], [metrics], [transport], ...
                  peer daemon config (docs/config.md), passed to every peer and validated by
                  the daemon's own config model, so a typo fails before anything starts.
 
@@ -28,7 +28,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-PEER_SECTIONS = ("train", "gossip", "membership", "checkpoint", "metrics", "transport")
+# Daemon config sections a spec may set (all but [peer], which the runner fills per peer).
+PEER_SECTIONS = tuple(name for name in PeerConfig.model_fields if name != "peer")
 # Keys the runner sets per peer; a spec may not set them.
 RUNNER_KEYS = {
     "peer.id",

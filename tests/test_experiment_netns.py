@@ -1,0 +1,192 @@
+"""netns mode: real namespaces, veth links and qdiscs (root and iproute2, else skipped).
+
+Shows the shaping is real (a transfer over a 10 mbit link takes the time the rate implies),
+runs a 3-peer swarm and the DDP baseline over shaped links, and checks that no namespace or
+process survives a run, a SIGTERM, or a runner that died.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from gossipgrad.experiment import netns
+from gossipgrad.experiment.spec import NetworkSection
+from tests_helpers_experiment import processes_mentioning
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = ROOT / "scripts" / "experiments" / "digits-small.toml"
+
+pytestmark = pytest.mark.skipif(
+    netns.available() is not None, reason=f"netns mode unavailable: {netns.available()}"
+)
+
+RECEIVER = """
+import socket, sys, time
+srv = socket.socket()
+srv.bind((sys.argv[1], 0))
+srv.listen(1)
+print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept()
+n, t0 = 0, None
+while True:
+    b = conn.recv(1 << 16)
+    if t0 is None:
+        t0 = time.monotonic()
+    if not b:
+        break
+    n += len(b)
+print(n, time.monotonic() - t0, flush=True)
+"""
+SENDER = """
+import socket, sys
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+s.sendall(b"x" * int(sys.argv[3]))
+s.close()
+"""
+
+
+def ours(prefix: str) -> list[str]:
+    return [ns for ns in netns.list_namespaces() if ns.startswith(prefix)]
+
+
+def transfer_seconds(lab: netns.NetnsLab, nbytes: int) -> float:
+    """Seconds site 1 takes to receive ``nbytes`` sent by site 0 over TCP."""
+    rx = subprocess.Popen(
+        [*lab.exec_prefix(1), sys.executable, "-c", RECEIVER, lab.address(1)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        port = rx.stdout.readline().strip()
+        subprocess.run(
+            [*lab.exec_prefix(0), sys.executable, "-c", SENDER, lab.address(1), port, str(nbytes)],
+            check=True, timeout=60,
+        )  # fmt: skip
+        got, seconds = rx.stdout.readline().split()
+        assert int(got) == nbytes
+        return float(seconds)
+    finally:
+        rx.kill()
+        rx.wait()
+
+
+@pytest.mark.timeout(120)
+def test_shaped_link_takes_the_time_the_rate_implies() -> None:
+    nbytes = 1_250_000  # 10 Mbit: one second at 10 mbit/s
+    with netns.NetnsLab(2, NetworkSection(rate="10mbit")) as lab:
+        prefix = lab.prefix
+        assert len(ours(prefix)) == 3
+        shaped = transfer_seconds(lab, nbytes)
+    assert ours(prefix) == []
+    with netns.NetnsLab(2) as lab:
+        unshaped = transfer_seconds(lab, nbytes)
+    print(f"1.25 MB: {shaped:.3f}s over 10 mbit, {unshaped:.3f}s unshaped")
+    assert shaped >= 0.9 * nbytes * 8 / 10e6
+    assert shaped < 3.0  # and the link does carry it at about that rate
+    assert unshaped < shaped / 3
+
+
+@pytest.mark.timeout(120)
+def test_delay_needs_netem_or_fails_cleanly() -> None:
+    lab = netns.NetnsLab(2, NetworkSection(delay="50ms"))
+    try:
+        lab.up()
+    except netns.NetnsError as err:
+        assert "netem" in str(err)
+        assert ours(lab.prefix) == []
+        pytest.skip(f"kernel without netem; failed cleanly: {err}")
+    try:
+        t0 = time.monotonic()
+        transfer_seconds(lab, 1000)  # handshake + data: several one-way delays
+        assert time.monotonic() - t0 >= 0.1
+    finally:
+        lab.down()
+    assert ours(lab.prefix) == []
+
+
+@pytest.mark.timeout(60)
+def test_stale_namespaces_of_dead_runners_are_removed() -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = f"gg{dead.pid}xbeef-p0"
+    live = netns.NetnsLab(1)  # our own pid: alive, must survive
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    subprocess.run(["ip", "netns", "add", live.ns(0)], check=True)
+    try:
+        removed = netns.cleanup_stale()
+        assert stale in removed and live.ns(0) not in removed
+        assert stale not in netns.list_namespaces()
+        assert live.ns(0) in netns.list_namespaces()
+    finally:
+        netns.delete_namespace(stale)
+        netns.delete_namespace(live.ns(0))
+
+
+def run_cli(out: Path, *sets: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "gossipgrad.experiment", str(SPEC), "--out", str(out)]
+    cmd += ["--no-live", "--set", "experiment.mode=netns", "--set", "experiment.peers=3"]
+    for s in sets:
+        cmd += ["--set", s]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.timeout(280)
+def test_netns_experiment_three_peers_over_shaped_links(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run_cli(
+        out,
+        "network.rate=50mbit",
+        'network.links=[{a = 0, b = 1, rate = "5mbit"}]',
+        "train.steps=100",
+        "baselines.run=['ddp']",
+        "experiment.timeout=200",
+    )
+    output, _ = proc.communicate(timeout=270)
+    assert proc.returncode == 0, output[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["mode"] == "netns" and report["ok"]
+    assert ours(report["namespaces"]) == []
+    assert processes_mentioning(str(out)) == []
+    swarm = report["swarm"]
+    for i, p in enumerate(swarm["peers"]):
+        assert p["ok"] and p["steps"] == 100 and p["final"]["accuracy"] > 0.7
+        status = json.loads((out / "swarm" / f"peer{i}" / "status.json").read_text())
+        assert status["address"].startswith(f"198.18.0.{i + 1}:")
+    # The kernel saw the gossip on every site's access link: at least what peers counted.
+    links = swarm["link_bytes"]
+    for i, p in enumerate(swarm["peers"]):
+        assert links[f"peer{i} up"] >= 0.9 * p["sent_bytes"] > 0
+    ddp = report["baselines"]["ddp"]
+    assert ddp["ok"] and ddp["steps"] == 100 and ddp["final"]["accuracy"] > 0.7
+    # The all-reduces crossed the shaped links too (kernel counters, headers included).
+    assert all(ddp["link_bytes"][f"peer{i} up"] > 0.5 * ddp["mean_sent_bytes"] for i in range(3))
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_stops_everything_and_removes_namespaces(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run_cli(out, "train.steps=100000", "network.rate=100mbit")
+    try:
+        deadline = time.monotonic() + 150
+        status = out / "swarm" / "peer2" / "status.json"
+        while not (status.exists() and json.loads(status.read_text()).get("step", 0) > 0):
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "peers did not start training"
+            time.sleep(0.5)
+        prefix = f"gg{proc.pid}x"
+        assert len(ours(prefix)) == 4  # hub + 3 sites
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, output[-3000:]
+    assert "namespaces removed" in output
+    assert ours(prefix) == []
+    assert processes_mentioning(str(out)) == []
