@@ -20,6 +20,7 @@ makes the sender push its whole public copy next; duplicates are ignored.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -53,6 +54,18 @@ class RoundStats:
     waited_s: float
     consensus_distance: float
     residual_norm: float
+
+
+def _clipped(diff: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``diff`` scaled down in place to L2 norm ``max_norm`` if longer (ClippedGossip,
+    He, Karimireddy, Jaggi 2022): one neighbour moves us at most gamma * w * max_norm per
+    round, whatever it sends. A non-finite pull is dropped entirely."""
+    norm = float(torch.linalg.vector_norm(diff))
+    if not math.isfinite(norm):
+        return diff.zero_()
+    if norm > max_norm:
+        diff.mul_(max_norm / norm)
+    return diff
 
 
 class ChocoGossip:
@@ -413,7 +426,11 @@ class ChocoGossip:
                     if not inn.valid or out.seq < 0:
                         continue
                     w = weights.get(peer, 0.0)
-                    direction.add_(inn.mirror, alpha=w).sub_(out.public, alpha=w)
+                    clip = self.cfg.robust_clip
+                    if clip > 0:
+                        direction.add_(_clipped(inn.mirror - out.public, clip), alpha=w)
+                    else:
+                        direction.add_(inn.mirror, alpha=w).sub_(out.public, alpha=w)
                     pulled.add_(inn.mirror - x, alpha=w)
                     residual_sq += float(torch.linalg.vector_norm(x - out.public)) ** 2
                 mixed.append(peer)

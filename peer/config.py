@@ -176,6 +176,14 @@ class GossipSection(Section):
     round_timeout: float = Field(
         10.0, gt=0, description="Seconds to wait for a lagging neighbour before suspecting it."
     )
+    robust_clip: float = Field(
+        0.0,
+        ge=0,
+        description="Robust merging against a faulty or malicious neighbour: clip each "
+        "neighbour's pull xhat_j - xhat_i to this L2 norm before mixing (self-centred "
+        "clipping, He, Karimireddy, Jaggi 2022, ClippedGossip). 0: off (plain CHOCO). Set it "
+        "to a few times the usual gossipgrad_consensus_distance; see SECURITY.md.",
+    )
 
     @field_validator("codec")
     @classmethod
