@@ -28,10 +28,11 @@ from torch import nn
 
 
 def digits(shard: int, num_shards: int) -> tuple[torch.Tensor, ...]:
-    """This peer's training shard and the shared held-out set (the last 360 images)."""
+    """This peer's training shard and the shared held-out set (360 images, same on all)."""
     x, y = load_digits(return_X_y=True)
-    x = torch.tensor(x / 16.0, dtype=torch.float32)
-    y = torch.tensor(y, dtype=torch.long)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    x = torch.tensor(x / 16.0, dtype=torch.float32)[order]
+    y = torch.tensor(y, dtype=torch.long)[order]
     train_x, train_y, test_x, test_y = x[:-360], y[:-360], x[-360:], y[-360:]
     return train_x[shard::num_shards], train_y[shard::num_shards], test_x, test_y
 

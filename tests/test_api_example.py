@@ -75,9 +75,10 @@ def test_example_runs_as_two_peers(tmp_path: Path, algorithm: str) -> None:
         assert r["steps"] == s["local_step"] == 200
         assert r["rounds"] > 0
         assert r["accuracy"] > 0.9
-    # The two peers trained different shards yet hold nearly the same model.
+    # The two peers trained different shards yet hold nearly the same model (the bound of
+    # the swarm test: squared distance under 2% of the squared norm).
     a, b = states[0]["params"], states[1]["params"]
-    assert float((a - b).norm()) < 0.05 * float(a.norm())
+    assert float((a - b).norm() ** 2) < 0.02 * float(a.norm() ** 2)
 
 
 def lone_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> GossipOptimizer:
