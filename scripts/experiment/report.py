@@ -122,9 +122,16 @@ def _fmt_mb(n: float | None) -> str:
     return "-" if n is None else f"{n / 1e6:,.3f}"
 
 
+def kernel_up_bytes(links: dict[str, int]) -> float | None:
+    """Mean bytes a site uploaded as the kernel counted them (netns mode), else None."""
+    ups = [v for k, v in links.items() if k.endswith(" up")]
+    return sum(ups) / len(ups) if ups else None
+
+
 def summary_rows(report: dict[str, Any]) -> list[dict[str, str]]:
     """One row per system: the swarm (mean over peers) and each baseline."""
     rows = []
+    netns = report.get("mode") == "netns"
     swarm = report["swarm"]
     ddp_sent = report.get("baselines", {}).get("ddp", {}).get("mean_sent_bytes")
     metric = swarm.get("metric", "accuracy")
@@ -144,6 +151,8 @@ def summary_rows(report: dict[str, Any]) -> list[dict[str, str]]:
                 "train s": f"{swarm.get('wall_seconds', 0):.1f}",
             }
         )
+        if netns:
+            rows[-1]["kernel MB up/site"] = _fmt_mb(kernel_up_bytes(swarm.get("link_bytes", {})))
     for name, b in report.get("baselines", {}).items():
         if not b.get("final"):
             rows.append({"system": name, metric: "failed"})
@@ -161,6 +170,8 @@ def summary_rows(report: dict[str, Any]) -> list[dict[str, str]]:
                 "train s": f"{b['wall_seconds']:.1f}",
             }
         )
+        if netns:
+            rows[-1]["kernel MB up/site"] = _fmt_mb(kernel_up_bytes(b.get("link_bytes", {})))
     return rows
 
 
@@ -189,7 +200,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         "Bytes: swarm = what each peer's gossip put on the wire (its counters); baselines = "
-        "ring all-reduce traffic per rank, 2(n−1)/n × each all-reduce payload. "
+        "ring all-reduce traffic per rank, 2(n−1)/n × each all-reduce payload. Kernel MB "
+        "(netns): what each site's link carried, headers, acks and framing included. "
         "Train s: wall-clock of the training loop (start-up excluded).",
         "",
         *[f"![{p}]({p})" for p in PLOTS],
