@@ -117,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     except NetnsError as err:
         console.print(f"[red]error: {err}", highlight=False)
         return 2
+    except (RuntimeError, OSError) as err:
+        # A phase could not start (e.g. peer0 exited early); its logs are in the output dir.
+        console.print(f"[red]error: {err}", highlight=False)
+        return 1
     console.print((out / "summary.md").read_text(), markup=False, highlight=False, soft_wrap=True)
     console.print(f"report: {out / 'report.json'}")
     return 0 if report["ok"] else 1

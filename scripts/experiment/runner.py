@@ -16,9 +16,10 @@ import contextlib
 import json
 import logging
 import re
+import signal
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,18 @@ def scrape_edge_bytes(port: int, timeout: float = 1.0) -> dict[str, dict[str, in
         entry = out.setdefault(nb, {"sent": 0, "received": 0})
         entry[m.group(1)] += int(float(m.group(3)))
     return out
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM/SIGHUP while cleaning up, so a second Ctrl-C cannot cut the
+    cleanup short; a signal that arrived meanwhile is delivered afterwards."""
+    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -239,7 +252,8 @@ class Experiment:
             swarm.start()
             ok = self._watch(view, "swarm", swarm.running, swarm.statuses, on_sample)
         finally:
-            swarm.stop()
+            with signals_deferred():
+                swarm.stop()
         elapsed = time.monotonic() - t0
         link_bytes = _delta(self.lab.counters(), before) if self.lab else {}
         if isinstance(swarm, ssh.SshSwarm):
@@ -311,7 +325,8 @@ class Experiment:
             run.start()
             ok = self._watch(view, name, run.running, run.statuses)
         finally:
-            run.stop()
+            with signals_deferred():
+                run.stop()
         result = run.collect()
         result["ok"] = result["ok"] and ok
         if self.lab:
@@ -359,7 +374,8 @@ class Experiment:
                     view.finish(self._line(name, report["baselines"][name]))
         finally:
             if self.lab is not None:
-                self.lab.down()
+                with signals_deferred():
+                    self.lab.down()
                 self.lab = None
         report["finished"] = time.time()
         report["ok"] = report["swarm"]["ok"] and all(b["ok"] for b in report["baselines"].values())
