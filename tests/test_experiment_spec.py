@@ -247,3 +247,28 @@ def test_report_writes_valid_pngs_and_a_table(tmp_path: Path) -> None:
     assert "| gossipgrad (topk:0.01, ring) | 0.9000 (0.9000-0.9000)" in md
     assert "103x fewer" in md  # 4e6 / 39000 bytes
     assert "consensus distance" in md
+
+
+@pytest.mark.timeout(30)
+def test_live_view_shows_every_process() -> None:
+    import io
+
+    from gossipgrad.experiment.live import LiveView
+    from rich.console import Console
+
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=True, width=120)
+    statuses = [
+        {"id": "peer0", "state": "training", "step": 42, "loss": 0.5, "sent_bytes": 2_500_000},
+        {"id": "peer1", "state": "starting"},
+    ]
+    with LiveView(console, live=True) as view:
+        view.finish("swarm: accuracy 0.9")
+        view.update("ddp", statuses, 150)
+    text = buf.getvalue()
+    assert "42/150" in text and "0.5000" in text and "2.50" in text and "peer1" in text
+    assert "swarm: accuracy 0.9" in text
+    plain = io.StringIO()
+    with LiveView(Console(file=plain), live=True) as view:  # not a terminal: plain lines
+        view.update("swarm", statuses, 150)
+    assert "swarm step/loss peer0:42/0.500 peer1:0" in plain.getvalue()
