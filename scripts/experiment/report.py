@@ -215,5 +215,8 @@ def write_outputs(out: Path, report: dict[str, Any]) -> None:
     out = Path(out)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "summary.md").write_text(markdown(report))
-    plot_all(report, out)
+    try:
+        plot_all(report, out)
+    except ImportError as err:
+        log.warning("no plots: %s (pip install 'gossipgrad[plots]')", err)
     log.info("report written to %s", out)
