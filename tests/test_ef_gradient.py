@@ -247,3 +247,46 @@ def test_four_peer_swarm_ef_gradient_matches_centralized(tmp_path: Path) -> None
     for p in result["peers"]:
         assert p["steps"] == SWARM_STEPS
         assert p["dense_bytes"] > 20 * p["sent_update_bytes"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_gradient_routing_and_rejections_over_grpc() -> None:
+    """GRADIENT goes to the exchange; a choco peer and a bad payload refuse it."""
+    from gossipgrad.compression import from_spec
+    from gossipgrad.peer.transport import PeerClient
+    from gossipgrad.proto import gossip_pb2 as pb
+
+    ef = start_optimizers(1, codec="int8")[0]
+    torch.manual_seed(7)
+    model = small_model()
+    cfg = build_config({}, {"peer.id": "c", "metrics.enabled": False})
+    choco = GossipOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
+    codec = from_spec("int8")
+    payload = codec.encode(torch.ones(ef.flat.numel))
+    try:
+        for target, expect in ((ef, None), (choco, "ef-gradient")):
+            header = pb.UpdateHeader(
+                swarm=cfg.peer.swarm,
+                sender="x",
+                receiver=target.peer.id,
+                kind=pb.GRADIENT,
+                model_fingerprint=ef.flat.fingerprint,
+                dense_size=ef.flat.nbytes,
+            )
+            client = PeerClient(target.peer.address)
+            try:
+                if expect is None:
+                    reply = client.push_detailed(header, payload, timeout=10).reply
+                    assert reply.status == pb.PushReply.ACCEPTED
+                    # A payload of the wrong size is refused before anything is queued.
+                    with pytest.raises(Exception, match=r"decode|fit|shape"):
+                        client.push_detailed(header, codec.encode(torch.ones(3)), timeout=10)
+                else:
+                    with pytest.raises(Exception, match=expect):
+                        client.push_detailed(header, payload, timeout=10)
+            finally:
+                client.close()
+        assert len(ef.exchange._inbox["x"]) == 1
+    finally:
+        ef.close()
+        choco.close()
