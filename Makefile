@@ -15,7 +15,7 @@ test:
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) scripts/gen_proto.py --check
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
 lint:
 	$(PY) -m ruff check --fix .
