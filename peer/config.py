@@ -76,6 +76,13 @@ class PeerSection(Section):
         gt=0,
         description="Seconds to wait for expected_peers before training anyway.",
     )
+    join_after_steps: int = Field(
+        20,
+        ge=0,
+        description="A fresh peer (no checkpoint) downloads model and optimizer state from "
+        "the most advanced peer when that one is at least this many steps in; peers started "
+        "together begin from the same seeded initialisation instead.",
+    )
 
 
 class TrainSection(Section):

@@ -230,8 +230,10 @@ class Peer:
         )
         return result.reply, result.wire_bytes
 
-    def download_state(self, timeout: float = 60.0) -> tuple[pb.StateHeader, bytes] | None:
-        """Fetch the state of the most advanced live peer, or None if nobody has trained."""
+    def download_state(
+        self, timeout: float = 60.0, min_step: int = 1
+    ) -> tuple[pb.StateHeader, bytes] | None:
+        """Fetch the state of the most advanced live peer, or None if none is at `min_step`."""
         best = None
         for pid in self.membership.present_ids():
             rec = self.membership.record(pid)
@@ -241,7 +243,7 @@ class Peer:
                 and (best is None or rec.info.step > best.step)
             ):
                 best = rec.info
-        if best is None:
+        if best is None or best.step < min_step:
             return None
         log.info("downloading state from %s (step %d)", best.id, best.step)
         header, blob = self.clients.get(best.address).download_state(

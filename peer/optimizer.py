@@ -200,8 +200,11 @@ class GossipOptimizer:
         return state["local_step"], state["round"], buf.getvalue()
 
     def join_from_swarm(self, timeout: float = 60.0) -> bool:
-        """Download model and optimizer state from the most advanced live peer, if any."""
-        got = self.peer.download_state(timeout=timeout)
+        """Download model and optimizer state from the most advanced live peer, if it is at
+        least ``peer.join_after_steps`` steps in (peers started together skip this)."""
+        got = self.peer.download_state(
+            timeout=timeout, min_step=max(1, self.config.peer.join_after_steps)
+        )
         if got is None:
             return False
         _, blob = got
