@@ -90,13 +90,20 @@ def _link_plot(report: dict[str, Any], path: Path) -> None:
     systems = [(n, links) for n, links in systems if links]
     if not systems:
         systems = [("swarm", {})]
-    fig, axes = plt.subplots(len(systems), 1, figsize=(8, 2.6 * len(systems)), squeeze=False)
+    # One log axis shared by all systems, from a decade under the smallest bar: differences
+    # between systems read as orders of magnitude, not exaggerated by per-panel limits.
+    fig, axes = plt.subplots(
+        len(systems), 1, figsize=(8, 2.6 * len(systems)), squeeze=False, sharey=True
+    )
+    values = [v for _, links in systems for v in links.values() if v > 0]
     for ax, (name, links) in zip(axes[:, 0], systems, strict=True):
         labels = list(links)
         ax.bar(range(len(labels)), [max(links[k], 1) for k in labels],
                color=COLORS.get(name, "tab:blue"))  # fmt: skip
         ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=7)
         ax.set_yscale("log")
+        if values:
+            ax.set_ylim(bottom=min(values) / 10, top=max(values) * 2)
         ax.set_ylabel("bytes")
         ax.set_title(f"{name}: bytes per link", fontsize=9)
         ax.grid(alpha=0.3, axis="y")
