@@ -27,3 +27,8 @@ proto:
 
 setup:
 	@bash scripts/setup.sh --test
+
+## Rerun the quick benchmark subset (digits: IID, Dirichlet 0.5, 8 peers; ~10 minutes on
+## 2 cores) and print its table; the full grid: scripts/bench_suite.py (BENCHMARKS.md).
+bench:
+	$(PY) scripts/bench_suite.py --quick $(ARGS)

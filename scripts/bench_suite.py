@@ -1,0 +1,279 @@
+"""Run the issue-6 benchmark grid with gossipgrad-experiment and tabulate it.
+
+Each entry is one experiment spec from scripts/experiments/ plus ``--set`` overrides. Entries
+that run no baselines of their own are compared with the baselines of their group's reference
+entry: same task, seed, shards, peer count and sample budget, and the baselines are
+deterministic, so re-running them per ablation would only cost CPU time.
+
+    python scripts/bench_suite.py --quick            # the `make bench` subset
+    python scripts/bench_suite.py --only digits-gamma0.05,digits-h2
+    python scripts/bench_suite.py --table            # re-tabulate existing runs, run nothing
+
+Outputs go under --out (default runs/bench/<entry>); a markdown table per group is printed
+and written to OUT/tables.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("bench_suite")
+
+SPECS = Path(__file__).resolve().parent / "experiments"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One experiment: a spec, overrides, and the entry whose baselines it is compared with."""
+
+    name: str
+    spec: str
+    sets: tuple[str, ...] = ()
+    reference: str | None = None  # None: runs its own baselines
+    quick: bool = False
+    tags: tuple[str, ...] = field(default=())
+
+
+def _no_baselines(*sets: str) -> tuple[str, ...]:
+    return (*sets, "baselines.run=[]")
+
+
+DIGITS = "bench_digits.toml"
+FMNIST = "bench_fmnist_mlp.toml"
+WAN = "bench_digits_wan.toml"
+
+ENTRIES: list[Entry] = [
+    # digits, IID, 4 peers: reference with DDP and PowerSGD, then ablations of one knob each
+    Entry("digits", DIGITS, quick=True, tags=("ablation", "codec")),
+    Entry(
+        "digits-gamma0.05", DIGITS, _no_baselines("gossip.gamma=0.05"), "digits", tags=("ablation",)
+    ),
+    Entry(
+        "digits-gamma0.2", DIGITS, _no_baselines("gossip.gamma=0.2"), "digits", tags=("ablation",)
+    ),
+    Entry(
+        "digits-gamma0.5", DIGITS, _no_baselines("gossip.gamma=0.5"), "digits", tags=("ablation",)
+    ),
+    Entry("digits-h2", DIGITS, _no_baselines("gossip.local_steps=2"), "digits", tags=("ablation",)),
+    Entry("digits-h4", DIGITS, _no_baselines("gossip.local_steps=4"), "digits", tags=("ablation",)),
+    Entry(
+        "digits-exact-topk",
+        DIGITS,
+        _no_baselines('gossip.codec="topk:0.01:exact+int8"'),
+        "digits",
+        tags=("ablation",),
+    ),
+    Entry(
+        "digits-topk0.001",
+        DIGITS,
+        _no_baselines('gossip.codec="topk:0.001+int8"'),
+        "digits",
+        tags=("codec",),
+    ),
+    Entry(
+        "digits-int4",
+        DIGITS,
+        _no_baselines('gossip.codec="int4"', "gossip.gamma=0.5"),
+        "digits",
+        tags=("codec",),
+    ),
+    Entry(
+        "digits-sign",
+        DIGITS,
+        _no_baselines('gossip.codec="sign"', "gossip.gamma=0.1"),
+        "digits",
+        tags=("codec",),
+    ),
+    # non-IID: the baselines must train the same Dirichlet shards, so they run again
+    Entry(
+        "digits-dirichlet0.5",
+        DIGITS,
+        ('train.partition="dirichlet"', "train.alpha=0.5"),
+        quick=True,
+        tags=("noniid",),
+    ),
+    # scaling: 8 peers (DDP's ring all-reduce bytes per rank grow with 2(n-1)/n)
+    Entry("digits-8", DIGITS, ("experiment.peers=8",), quick=True, tags=("scaling",)),
+    # Fashion-MNIST MLP, IID, 4 peers
+    Entry("fmnist", FMNIST, tags=("codec",)),
+    Entry(
+        "fmnist-int4",
+        FMNIST,
+        _no_baselines('gossip.codec="int4"', "gossip.gamma=0.5"),
+        "fmnist",
+        tags=("codec",),
+    ),
+    Entry(
+        "fmnist-topk0.001",
+        FMNIST,
+        _no_baselines('gossip.codec="topk:0.001+int8"'),
+        "fmnist",
+        tags=("codec",),
+    ),
+    Entry(
+        "fmnist-dirichlet0.5",
+        FMNIST,
+        ('train.partition="dirichlet"', "train.alpha=0.5"),
+        tags=("noniid",),
+    ),
+    # emulated WAN (netns; root and iproute2)
+    Entry("digits-wan", WAN, tags=("wan",)),
+]
+
+
+def run_entry(entry: Entry, out: Path, python: str) -> int:
+    """Run one entry with gossipgrad-experiment; return its exit status."""
+    cmd = [
+        python,
+        "-m",
+        "gossipgrad.experiment",
+        str(SPECS / entry.spec),
+        "--out",
+        str(out),
+        "--no-live",
+    ]
+    for s in entry.sets:
+        cmd += ["--set", s]
+    logger.info("%s: %s", entry.name, " ".join(cmd))
+    t0 = time.monotonic()
+    with open(out.with_suffix(".log"), "w") as log:
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
+    logger.info("%s: exit %s after %.0f s", entry.name, rc, time.monotonic() - t0)
+    return rc
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((path / "report.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def row(entry: Entry, report: dict[str, Any], ref: dict[str, Any] | None) -> dict[str, str]:
+    """One table row: the swarm against the DDP and PowerSGD of its reference run."""
+    swarm = report["swarm"]
+    metric = swarm.get("metric", "accuracy")
+    finals = [p["final"][metric] for p in swarm["peers"] if p.get("final")]
+    base = (ref or report).get("baselines", {})
+    ddp, psgd = base.get("ddp", {}), base.get("powersgd", {})
+    mean = sum(finals) / len(finals) if finals else float("nan")
+    lo, hi = min(finals, default=mean), max(finals, default=mean)
+    sent = swarm.get("mean_sent_bytes") or 0
+    steps = max((p.get("steps", 0) for p in swarm["peers"]), default=0) or 1
+    out = {
+        "run": entry.name,
+        "codec": str(report.get("codec")),
+        "gamma": str(report.get("gamma")),
+        "H": str(report.get("local_steps")),
+        "peers": str(report.get("peers")),
+        f"swarm {metric} (min-max)": f"{mean:.4f} ({lo:.4f}-{hi:.4f})",
+        "DDP": "-",
+        "gap to DDP (pt)": "-",
+        "PowerSGD": "-",
+        "swarm KB/peer/step": f"{sent / steps / 1e3:.2f}",
+        "DDP/swarm bytes": "-",
+        "PowerSGD/swarm bytes": "-",
+        "rel. consensus dist.": f"{swarm.get('relative_consensus_distance', float('nan')):.2e}",
+        "swarm train s": f"{swarm.get('wall_seconds', 0):.1f}",
+        "DDP train s": "-",
+    }
+    if ddp.get("final"):
+        d = ddp["final"][ddp["metric"]]
+        out["DDP"] = f"{d:.4f}"
+        out["gap to DDP (pt)"] = f"{100 * (mean - d):+.2f}"
+        out["DDP train s"] = f"{ddp.get('wall_seconds', 0):.1f}"
+        if sent:
+            out["DDP/swarm bytes"] = f"{ddp['mean_sent_bytes'] / sent:,.0f}x"
+    if psgd.get("final"):
+        out["PowerSGD"] = f"{psgd['final'][psgd['metric']]:.4f}"
+        if sent:
+            out["PowerSGD/swarm bytes"] = f"{psgd['mean_sent_bytes'] / sent:,.1f}x"
+    return out
+
+
+def tables(entries: list[Entry], root: Path) -> str:
+    """Markdown: one table of every entry that has a report, in grid order."""
+    rows = []
+    for e in entries:
+        rep = _load(root / e.name)
+        if rep is None or not rep.get("swarm", {}).get("peers"):
+            continue
+        ref = _load(root / e.reference) if e.reference else None
+        rows.append(row(e, rep, ref))
+    if not rows:
+        return "(no reports)\n"
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(r[c] for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the selected entries (reference entries first), then print and save the table."""
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--out", type=Path, default=Path("runs/bench"), help="root of the run directories"
+    )
+    ap.add_argument("--quick", action="store_true", help="only the quick subset (make bench)")
+    ap.add_argument("--only", default="", help="comma-separated entry names")
+    ap.add_argument(
+        "--tag",
+        default="",
+        help="only entries with this tag (ablation, codec, noniid, scaling, wan)",
+    )
+    ap.add_argument("--table", action="store_true", help="tabulate existing runs, run nothing")
+    ap.add_argument(
+        "--skip-done", action="store_true", help="skip entries that already have a report"
+    )
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+
+    by_name = {e.name: e for e in ENTRIES}
+    if args.only:
+        unknown = [n for n in args.only.split(",") if n not in by_name]
+        if unknown:
+            ap.error(f"unknown entries {unknown}; known: {sorted(by_name)}")
+        chosen = [by_name[n] for n in args.only.split(",")]
+    elif args.quick:
+        chosen = [e for e in ENTRIES if e.quick]
+    else:
+        chosen = list(ENTRIES)
+    if args.tag:
+        chosen = [e for e in chosen if args.tag in e.tags]
+
+    failed = []
+    if not args.table:
+        args.out.mkdir(parents=True, exist_ok=True)
+        for e in chosen:
+            if args.skip_done and _load(args.out / e.name):
+                continue
+            if e.reference and _load(args.out / e.reference) is None:
+                logger.warning(
+                    "%s: reference run %s has no report yet; its row has no baselines",
+                    e.name,
+                    e.reference,
+                )
+            if run_entry(e, args.out / e.name, sys.executable) != 0:
+                failed.append(e.name)
+    text = tables(chosen, args.out)
+    sys.stdout.write(text)
+    if args.out.is_dir():
+        (args.out / "tables.md").write_text(text)
+    if failed:
+        logger.error("failed: %s (logs: %s/<name>.log)", ", ".join(failed), args.out)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
