@@ -119,6 +119,20 @@ ENTRIES: list[Entry] = [
         tags=("codec",),
     ),
     Entry(
+        "fmnist-gamma0.2",
+        FMNIST,
+        _no_baselines("gossip.gamma=0.2"),
+        "fmnist",
+        tags=("ablation",),
+    ),
+    Entry(
+        "fmnist-exponential",
+        FMNIST,
+        _no_baselines('gossip.topology="exponential"'),
+        "fmnist",
+        tags=("ablation",),
+    ),
+    Entry(
         "fmnist-dirichlet0.5",
         FMNIST,
         ('train.partition="dirichlet"', "train.alpha=0.5"),
@@ -157,7 +171,43 @@ def _load(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def row(entry: Entry, report: dict[str, Any], ref: dict[str, Any] | None) -> dict[str, str]:
+def mean_model_metric(report: dict[str, Any], run_dir: Path) -> float | None:
+    """Held-out metric of the peers' average model x̄ (from their final params.pt).
+
+    Separates what gossip loses to disagreement between peers (per-peer metric below x̄'s)
+    from what it loses in optimization (x̄ itself below DDP). Cached in mean_model.json.
+    """
+    cache = run_dir / "mean_model.json"
+    if cache.exists():
+        return json.loads(cache.read_text()).get("metric")
+    import torch
+    from gossipgrad.peer.tasks import TaskContext, build_task
+
+    files = sorted((run_dir / "swarm").glob("peer*/params.pt"))
+    if not files:
+        return None
+    train = report["spec"]["peer_raw"]["train"]
+    ctx = TaskContext(
+        peer_index=0,
+        num_peers=int(report["peers"]),
+        seed=int(report["seed"]),
+        partition=str(train.get("partition", "iid")),
+        alpha=float(train.get("alpha", 0.5)),
+        batch_size=int(report["batch_size"]),
+        device=torch.device("cpu"),
+    )
+    task = build_task(str(report["task"]), ctx)
+    mean = torch.stack([torch.load(f, map_location="cpu") for f in files]).mean(0)
+    params = [p for p in task.model.parameters() if p.requires_grad]
+    torch.nn.utils.vector_to_parameters(mean, params)
+    value = float(task.evaluate(task.model)[task.metric])
+    cache.write_text(json.dumps({"metric": value, "peers": len(files)}))
+    return value
+
+
+def row(
+    entry: Entry, report: dict[str, Any], ref: dict[str, Any] | None, run_dir: Path
+) -> dict[str, str]:
     """One table row: the swarm against the DDP and PowerSGD of its reference run."""
     swarm = report["swarm"]
     metric = swarm.get("metric", "accuracy")
@@ -175,6 +225,7 @@ def row(entry: Entry, report: dict[str, Any], ref: dict[str, Any] | None) -> dic
         "H": str(report.get("local_steps")),
         "peers": str(report.get("peers")),
         f"swarm {metric} (min-max)": f"{mean:.4f} ({lo:.4f}-{hi:.4f})",
+        "x̄ " + metric: "-",
         "DDP": "-",
         "gap to DDP (pt)": "-",
         "PowerSGD": "-",
@@ -185,6 +236,9 @@ def row(entry: Entry, report: dict[str, Any], ref: dict[str, Any] | None) -> dic
         "swarm train s": f"{swarm.get('wall_seconds', 0):.1f}",
         "DDP train s": "-",
     }
+    xbar = mean_model_metric(report, run_dir)
+    if xbar is not None:
+        out["x̄ " + metric] = f"{xbar:.4f}"
     if ddp.get("final"):
         d = ddp["final"][ddp["metric"]]
         out["DDP"] = f"{d:.4f}"
@@ -207,13 +261,62 @@ def tables(entries: list[Entry], root: Path) -> str:
         if rep is None or not rep.get("swarm", {}).get("peers"):
             continue
         ref = _load(root / e.reference) if e.reference else None
-        rows.append(row(e, rep, ref))
+        rows.append(row(e, rep, ref, root / e.name))
     if not rows:
         return "(no reports)\n"
     cols = list(rows[0])
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(r[c] for c in cols) + " |" for r in rows]
     return "\n".join(lines) + "\n"
+
+
+def plot(entries: list[Entry], root: Path, out: Path) -> list[Path]:
+    """Per task: final metric against MB sent per process, every swarm run plus baselines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[str, list[tuple[str, dict[str, Any], Path]]] = {}
+    for e in entries:
+        rep = _load(root / e.name)
+        if rep is not None and rep.get("mode") == "local" and rep["swarm"].get("peers"):
+            groups.setdefault(str(rep["task"]), []).append((e.name, rep, root / e.name))
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for task, runs in groups.items():
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        seen: set[str] = set()
+        for name, rep, run_dir in runs:
+            swarm = rep["swarm"]
+            metric = swarm.get("metric", "accuracy")
+            finals = [p["final"][metric] for p in swarm["peers"] if p.get("final")]
+            if not finals:
+                continue
+            x = swarm["mean_sent_bytes"] / 1e6
+            ax.scatter(x, sum(finals) / len(finals), color="tab:blue")
+            ax.annotate(name, (x, sum(finals) / len(finals)), fontsize=7)
+            xbar = mean_model_metric(rep, run_dir)
+            if xbar is not None:
+                ax.scatter(x, xbar, color="tab:blue", marker="x")
+            for bname, b in rep.get("baselines", {}).items():
+                key = f"{bname} ({rep['peers']} peers, {name})"
+                if b.get("final") and key not in seen:
+                    seen.add(key)
+                    bx, by = b["mean_sent_bytes"] / 1e6, b["final"][b["metric"]]
+                    ax.scatter(bx, by, color="tab:red" if bname == "ddp" else "tab:orange")
+                    ax.annotate(key, (bx, by), fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xlabel("MB sent per process (log)")
+        ax.set_ylabel("final held-out metric (o: mean over peers, x: average model)")
+        ax.set_title(f"{task}: final metric vs bytes")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out / f"{task}_metric_vs_bytes.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--skip-done", action="store_true", help="skip entries that already have a report"
     )
+    ap.add_argument("--plots", type=Path, help="also write metric-vs-bytes PNGs here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
 
@@ -269,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(text)
     if args.out.is_dir():
         (args.out / "tables.md").write_text(text)
+    if args.plots:
+        for path in plot(chosen, args.out, args.plots):
+            logger.info("wrote %s", path)
     if failed:
         logger.error("failed: %s (logs: %s/<name>.log)", ", ".join(failed), args.out)
         return 1
