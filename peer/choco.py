@@ -161,8 +161,9 @@ class ChocoGossip:
                 )
             return e
 
-    def reset_peer(self, peer: str) -> None:
-        """Forget both edges with a peer (it restarted, or came back): they resync."""
+    def reset_peer(self, peer: str, restarted: bool = False) -> None:
+        """Both edges with a peer resync. ``restarted``: the peer is a new incarnation whose
+        sequence numbers start again at 0 (else its old seqs stay the replay floor)."""
         with self._edges_lock:
             out = self.out_edges.get(peer)
             inn = self.in_edges.get(peer)
@@ -172,6 +173,8 @@ class ChocoGossip:
         if inn is not None:
             with inn.lock:
                 inn.invalidate()
+                if restarted:
+                    inn.expected_seq = 0
 
     def prune(self) -> None:
         """Drop edges to peers no longer present (frees their public copies)."""

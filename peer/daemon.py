@@ -182,7 +182,10 @@ class Daemon:
             if site is not None:
                 close_site()
         summary["wall_seconds"] = time.monotonic() - t_start
-        write_json_atomic(self.run_dir / "summary.json", summary)
+        try:
+            write_json_atomic(self.run_dir / "summary.json", summary)
+        except OSError as err:  # disk full or read-only: the run itself succeeded
+            log.error("summary.json not written: %s", err)
         self._write_status(state="done")
         return summary
 
@@ -220,7 +223,10 @@ class Daemon:
         final = task.evaluate(model)
         metrics.set_eval(final)
         stats = gopt.last_round
-        torch.save(gopt.flat.data.detach().cpu(), self.run_dir / "params.pt")
+        try:
+            torch.save(gopt.flat.data.detach().cpu(), self.run_dir / "params.pt")
+        except OSError as err:
+            log.error("final parameters not written to params.pt: %s", err)
         summary = {
             "id": gopt.peer.id,
             "task": t.task,

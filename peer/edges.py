@@ -83,11 +83,14 @@ class InEdge:
     def admit(self, resync: bool, seq: int) -> Verdict | None:
         """Sequence check on arrival: None to go ahead, or the verdict to answer with.
 
-        A RESYNC is admitted unless it is a replay of one already taken; a delta must be the
+        A RESYNC is admitted unless its seq is below one already taken; a delta must be the
         next seq of a synced edge. Pending (held) updates count as taken.
         """
         if resync:
-            if self.synced and seq < self.expected_seq:
+            # Never below what was already taken, synced or not: a replayed old RESYNC
+            # would roll the mirror back to a stale copy. (A restarted sender's seqs start
+            # again at 0; membership resets the floor when it sees the new incarnation.)
+            if seq < self.expected_seq:
                 return Verdict.DUPLICATE
             self.pending.clear()  # a resync supersedes whatever was held before it
             return None

@@ -330,7 +330,7 @@ class Peer:
                 continue
             edge = self.gossip.in_edges.get(pid)
             if edge is not None and edge.incarnation != rec.info.incarnation:
-                self.gossip.reset_peer(pid)
+                self.gossip.reset_peer(pid, restarted=True)
                 edge.incarnation = rec.info.incarnation
         self.gossip.prune()
 
