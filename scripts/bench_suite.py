@@ -143,6 +143,21 @@ ENTRIES: list[Entry] = [
 ]
 
 
+def _reseeded(seed: int) -> list[Entry]:
+    """The digits ablation entries again with another seed (data, init and sampling)."""
+    out = []
+    for e in ENTRIES:
+        if e.spec == DIGITS and "ablation" in e.tags:
+            ref = f"{e.reference}-s{seed}" if e.reference else None
+            tags = (*(t for t in e.tags if t != "ablation"), "seeds")
+            sets = (*e.sets, f"experiment.seed={seed}")
+            out.append(Entry(f"{e.name}-s{seed}", e.spec, sets, ref, tags=tags))
+    return out
+
+
+ENTRIES += _reseeded(1) + _reseeded(2)
+
+
 def run_entry(entry: Entry, out: Path, python: str) -> int:
     """Run one entry with gossipgrad-experiment; return its exit status."""
     cmd = [
@@ -231,6 +246,7 @@ def row(
         "PowerSGD": "-",
         "swarm KB/peer/step": f"{sent / steps / 1e3:.2f}",
         "DDP/swarm bytes": "-",
+        "DDP/swarm update bytes": "-",
         "PowerSGD/swarm bytes": "-",
         "rel. consensus dist.": f"{swarm.get('relative_consensus_distance', float('nan')):.2e}",
         "swarm train s": f"{swarm.get('wall_seconds', 0):.1f}",
@@ -246,6 +262,9 @@ def row(
         out["DDP train s"] = f"{ddp.get('wall_seconds', 0):.1f}"
         if sent:
             out["DDP/swarm bytes"] = f"{ddp['mean_sent_bytes'] / sent:,.0f}x"
+        upd = [p.get("sent_update_bytes", 0) for p in swarm["peers"]]
+        if upd and sum(upd):
+            out["DDP/swarm update bytes"] = f"{ddp['mean_sent_bytes'] * len(upd) / sum(upd):,.0f}x"
     if psgd.get("final"):
         out["PowerSGD"] = f"{psgd['final'][psgd['metric']]:.4f}"
         if sent:
