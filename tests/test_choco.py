@@ -8,72 +8,22 @@ reordered and corrupted updates, which must be detected and healed by a resync.
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 
 import pytest
 import torch
-from gossipgrad.peer.config import build_config
-from gossipgrad.peer.flat import FlatParameters
 from gossipgrad.peer.node import Peer
 from gossipgrad.proto import gossip_pb2 as pb
-from torch import nn
+from peer_harness import close_all, quiesce, run_rounds
+from peer_harness import start_peers as harness_start
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def start_peers(n: int, **gossip: str) -> list[Peer]:
-    peers: list[Peer] = []
-    for i in range(n):
-        torch.manual_seed(100 + i)  # different parameters per peer
-        flat = FlatParameters(nn.Sequential(nn.Linear(40, 30), nn.Tanh(), nn.Linear(30, 5)))
-        overrides = {
-            "peer.id": f"p{i}",
-            "peer.bootstrap": [peers[0].address] if peers else [],
-            "metrics.enabled": False,
-            "membership.heartbeat_interval": 0.1,
-            "membership.suspect_after": 5.0,
-            "membership.dead_after": 10.0,
-            "gossip.round_timeout": 10.0,
-            "gossip.max_staleness": 0,
-            **{f"gossip.{k}": v for k, v in gossip.items()},
-        }
-        peer = Peer(build_config({}, overrides), flat)
-        peer.start()
-        peers.append(peer)
-    deadline = time.monotonic() + 20
-    while any(len(p.membership.present_ids()) < n for p in peers):
-        assert time.monotonic() < deadline, "peers did not discover each other"
-        time.sleep(0.05)
-    return peers
-
-
-def run_rounds(peers: list[Peer], rounds: int) -> None:
-    errors: list[BaseException] = []
-
-    def work(p: Peer) -> None:
-        try:
-            for _ in range(rounds):
-                p.gossip.step_round()
-        except BaseException as err:
-            errors.append(err)
-
-    threads = [threading.Thread(target=work, args=(p,)) for p in peers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=100)
-    assert not errors, errors
-
-
-def quiesce(peers: list[Peer], timeout: float = 10.0) -> None:
-    """Wait until no push is in flight."""
-    deadline = time.monotonic() + timeout
-    while any(e.busy for p in peers for e in p.gossip.out_edges.values()):
-        assert time.monotonic() < deadline, "pushes still in flight"
-        time.sleep(0.02)
-    time.sleep(0.1)
+    """n peers with different parameters, gossip keys as given, lock-step rounds."""
+    overrides = {"gossip.round_timeout": 10.0, **{f"gossip.{k}": v for k, v in gossip.items()}}
+    return harness_start(n, overrides)
 
 
 def distance(peers: list[Peer]) -> float:
@@ -93,11 +43,6 @@ def assert_mirrors_exact(peers: list[Peer]) -> int:
             assert torch.equal(inn.mirror, out.public), f"edge {p.id}->{peer_id} diverged"
             checked += 1
     return checked
-
-
-def close_all(peers: list[Peer]) -> None:
-    for p in peers:
-        p.close()
 
 
 @pytest.mark.parametrize(

@@ -17,21 +17,19 @@ every example:
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 
 import grpc
 import pytest
 import torch
 from gossipgrad.peer.chunking import data_prefix
-from gossipgrad.peer.config import build_config
-from gossipgrad.peer.flat import FlatParameters, tensor_checksum
+from gossipgrad.peer.flat import tensor_checksum
 from gossipgrad.peer.node import Peer
 from gossipgrad.peer.transport import PeerClient
 from gossipgrad.proto import gossip_pb2 as pb
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch import nn
+from peer_harness import quiesce, run_rounds, start_peer
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -45,50 +43,22 @@ ALLOWED = {
 U64 = st.integers(min_value=0, max_value=2**64 - 1)
 
 
+FUZZ_OVERRIDES = {
+    "membership.suspect_after": 20.0,
+    "membership.dead_after": 60.0,
+    "gossip.codec": "topk:0.3+int8",
+    "gossip.gamma": 0.3,
+    "transport.max_payload_bytes": 1 << 16,
+}
+
+
 def _peer(pid: str, bootstrap: list[str], seed: int) -> Peer:
-    torch.manual_seed(seed)
-    flat = FlatParameters(nn.Sequential(nn.Linear(16, 12), nn.Tanh(), nn.Linear(12, 4)))
-    cfg = build_config(
-        {},
-        {
-            "peer.id": pid,
-            "peer.bootstrap": bootstrap,
-            "metrics.enabled": False,
-            "membership.heartbeat_interval": 0.1,
-            "membership.suspect_after": 20.0,
-            "membership.dead_after": 60.0,
-            "gossip.codec": "topk:0.3+int8",
-            "gossip.gamma": 0.3,
-            "gossip.max_staleness": 0,
-            "gossip.round_timeout": 3.0,
-            "transport.max_payload_bytes": 1 << 16,
-        },
-    )
-    peer = Peer(cfg, flat)
-    peer.start()
-    return peer
+    return start_peer(pid, bootstrap, seed, FUZZ_OVERRIDES, widths=(16, 12, 4))
 
 
 def _rounds(peers: list[Peer], n: int) -> None:
-    errors: list[BaseException] = []
-
-    def work(p: Peer) -> None:
-        try:
-            for _ in range(n):
-                p.gossip.step_round()
-        except BaseException as err:
-            errors.append(err)
-
-    threads = [threading.Thread(target=work, args=(p,)) for p in peers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    deadline = time.monotonic() + 10
-    while any(e.busy for p in peers for e in p.gossip.out_edges.values()):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    run_rounds(peers, n, timeout=60)
+    quiesce(peers)
 
 
 @pytest.fixture(scope="module")

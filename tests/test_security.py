@@ -33,6 +33,7 @@ from gossipgrad.peer.security import (
 )
 from gossipgrad.peer.transport import PeerClient, TransportError, TransportOptions
 from gossipgrad.proto import gossip_pb2 as pb
+from peer_harness import rejected, start_peer
 from torch import nn
 
 pytestmark = pytest.mark.timeout(120)
@@ -53,32 +54,15 @@ def sec_of(paths, pid: str, token: str = "") -> TransportSecurity:
 
 
 def make_peer(pid: str, paths, bootstrap: list[str], seed: int, **extra) -> Peer:
-    torch.manual_seed(seed)
-    flat = FlatParameters(nn.Sequential(nn.Linear(20, 10), nn.Tanh(), nn.Linear(10, 3)))
     overrides = {
-        "peer.id": pid,
-        "peer.bootstrap": bootstrap,
-        "metrics.enabled": False,
-        "membership.heartbeat_interval": 0.1,
         "gossip.codec": "int8",
         "gossip.gamma": 0.5,
-        "gossip.max_staleness": 0,
-        "gossip.round_timeout": 3.0,
         "security.ca": str(paths.ca),
         "security.cert": str(paths.certs[pid]),
         "security.key": str(paths.keys[pid]),
         **extra,
     }
-    peer = Peer(build_config({}, overrides), flat)
-    peer.start()
-    return peer
-
-
-def rejected(peer: Peer, reason: str) -> float:
-    value = peer.metrics.registry.get_sample_value(
-        "gossipgrad_rejected_updates_total", {"reason": reason}
-    )
-    return value or 0.0
+    return start_peer(pid, bootstrap, seed, overrides, widths=(20, 10, 3))
 
 
 def all_rejected(peer: Peer) -> float:

@@ -9,14 +9,11 @@ most gamma * w * clip per round (w = 1/2 on a two-peer ring) and stays finite.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
-from gossipgrad.peer.config import build_config
-from gossipgrad.peer.flat import FlatParameters
 from gossipgrad.peer.node import Peer
-from torch import nn
+from peer_harness import start_peers
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -25,32 +22,9 @@ ROUNDS = 8
 
 
 def _pair(clip: float) -> tuple[Peer, Peer]:
-    peers: list[Peer] = []
-    for i in range(2):
-        torch.manual_seed(10 + i)
-        flat = FlatParameters(nn.Sequential(nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 3)))
-        cfg = build_config(
-            {},
-            {
-                "peer.id": f"p{i}",
-                "peer.bootstrap": [peers[0].address] if peers else [],
-                "metrics.enabled": False,
-                "membership.heartbeat_interval": 0.1,
-                "gossip.codec": "fp16",
-                "gossip.gamma": GAMMA,
-                "gossip.max_staleness": 0,
-                "gossip.round_timeout": 3.0,
-                "gossip.robust_clip": clip,
-            },
-        )
-        peer = Peer(cfg, flat)
-        peer.start()
-        peers.append(peer)
-    deadline = time.monotonic() + 20
-    while any(len(p.membership.present_ids()) < 2 for p in peers):
-        assert time.monotonic() < deadline, "peers did not meet"
-        time.sleep(0.05)
-    return peers[0], peers[1]
+    overrides = {"gossip.codec": "fp16", "gossip.gamma": GAMMA, "gossip.robust_clip": clip}
+    p0, p1 = start_peers(2, overrides, seed=10, widths=(12, 8, 3))
+    return p0, p1
 
 
 def _attack(clip: float) -> list[float]:

@@ -1,0 +1,106 @@
+"""In-process peers for tests: real Peer objects, real gRPC servers on 127.0.0.1:0.
+
+Shared by the gossip, security and fuzz tests so each says only what it varies.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+from gossipgrad.peer.config import build_config
+from gossipgrad.peer.flat import FlatParameters
+from gossipgrad.peer.node import Peer
+from torch import nn
+
+FAST_MEMBERSHIP = {
+    "metrics.enabled": False,
+    "membership.heartbeat_interval": 0.1,
+    "gossip.max_staleness": 0,
+    "gossip.round_timeout": 3.0,
+}
+
+
+def start_peer(
+    pid: str,
+    bootstrap: list[str],
+    seed: int,
+    overrides: dict[str, Any] | None = None,
+    widths: tuple[int, int, int] = (40, 30, 5),
+) -> Peer:
+    """Start one peer whose small MLP is initialised from `seed` (peers differ by seed)."""
+    torch.manual_seed(seed)
+    a, b, c = widths
+    flat = FlatParameters(nn.Sequential(nn.Linear(a, b), nn.Tanh(), nn.Linear(b, c)))
+    cfg = build_config(
+        {},
+        {"peer.id": pid, "peer.bootstrap": bootstrap, **FAST_MEMBERSHIP, **(overrides or {})},
+    )
+    peer = Peer(cfg, flat)
+    peer.start()
+    return peer
+
+
+def wait_until_met(peers: list[Peer], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(len(p.membership.present_ids()) < len(peers) for p in peers):
+        assert time.monotonic() < deadline, "peers did not discover each other"
+        time.sleep(0.05)
+
+
+def start_peers(
+    n: int,
+    overrides: dict[str, Any] | None = None,
+    seed: int = 100,
+    widths: tuple[int, int, int] = (40, 30, 5),
+) -> list[Peer]:
+    """Peers p0..p{n-1}, all bootstrapping from p0, once they all know each other."""
+    peers: list[Peer] = []
+    for i in range(n):
+        bootstrap = [peers[0].address] if peers else []
+        peers.append(start_peer(f"p{i}", bootstrap, seed + i, overrides, widths))
+    wait_until_met(peers)
+    return peers
+
+
+def run_rounds(peers: list[Peer], rounds: int, timeout: float = 100.0) -> None:
+    """Every peer runs `rounds` gossip rounds on its own thread, as training threads would."""
+    errors: list[BaseException] = []
+
+    def work(p: Peer) -> None:
+        try:
+            for _ in range(rounds):
+                p.gossip.step_round()
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(p,)) for p in peers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert not errors, errors
+
+
+def quiesce(peers: list[Peer], timeout: float = 10.0) -> None:
+    """Wait until no push is in flight."""
+    deadline = time.monotonic() + timeout
+    while any(e.busy for p in peers for e in p.gossip.out_edges.values()):
+        assert time.monotonic() < deadline, "pushes still in flight"
+        time.sleep(0.02)
+    time.sleep(0.1)
+
+
+def close_all(peers: list[Peer]) -> None:
+    for p in peers:
+        p.close()
+
+
+def rejected(peer: Peer, reason: str) -> float:
+    """gossipgrad_rejected_updates_total{reason} of a peer."""
+    value = peer.metrics.registry.get_sample_value(
+        "gossipgrad_rejected_updates_total", {"reason": reason}
+    )
+    return value or 0.0
