@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -162,15 +162,20 @@ class LocalSwarm:
         for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        reap(self.procs.values(), timeout)
         for log in self.logs:
             log.close()
+
+
+def reap(procs: Iterable[subprocess.Popen], timeout: float) -> None:
+    """Wait for processes already told to stop; SIGKILL those still running at the deadline."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def progress_table(statuses: list[dict[str, Any]], steps: int) -> Table:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gossipgrad.peer.config import TrainSection
+from gossipgrad.peer.swarm import reap
 
 log = logging.getLogger(__name__)
 
@@ -131,13 +132,7 @@ class BaselineRun:
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        reap(self.procs, timeout)
         for f in self.logs:
             f.close()
         self.logs.clear()

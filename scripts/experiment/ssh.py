@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import shlex
 import subprocess
-import time
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from gossipgrad.experiment.spec import SpecError, tomllib
+from gossipgrad.peer.swarm import reap
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 FETCHED = ("status.json", "summary.json", "params.pt")
@@ -197,13 +197,7 @@ class SshSwarm:
                     timeout=30,
                     check=False,
                 )
-        deadline = time.monotonic() + timeout
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        reap(self.procs.values(), timeout)
         for f in self.logs:
             f.close()
         self.logs.clear()
