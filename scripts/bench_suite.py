@@ -140,6 +140,7 @@ ENTRIES: list[Entry] = [
     ),
     # emulated WAN (netns; root and iproute2)
     Entry("digits-wan", WAN, tags=("wan",)),
+    Entry("fmnist-wan", "bench_fmnist_wan.toml", tags=("wan",)),
 ]
 
 
