@@ -290,6 +290,43 @@ def tables(entries: list[Entry], root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def seed_summary(root: Path) -> str:
+    """Markdown: each digits ablation over seeds 0, 1, 2 (mean and range of the gap to DDP)."""
+    lines = [
+        "| run | seeds | swarm acc. mean | gap to DDP (pt) mean [min, max] | x̄ − DDP (pt) mean |"
+        " KB/peer/step | rel. CD mean |",
+        "|---|---:|---:|---|---:|---:|---:|",
+    ]
+    for e in ENTRIES:
+        if e.spec != DIGITS or "ablation" not in e.tags:
+            continue
+        gaps, xgaps, accs, kbs, cds = [], [], [], [], []
+        for name, ref in [(e.name, e.reference or e.name)] + [
+            (f"{e.name}-s{k}", f"{e.reference or e.name}-s{k}") for k in (1, 2)
+        ]:
+            rep, base = _load(root / name), _load(root / ref)
+            if rep is None or base is None or not base.get("baselines", {}).get("ddp"):
+                continue
+            ddp = base["baselines"]["ddp"]["final"]["accuracy"]
+            peers = [p for p in rep["swarm"]["peers"] if p.get("final")]
+            acc = sum(p["final"]["accuracy"] for p in peers) / len(peers)
+            xbar = mean_model_metric(rep, root / name)
+            accs.append(acc)
+            gaps.append(100 * (acc - ddp))
+            xgaps.append(100 * ((xbar if xbar is not None else float("nan")) - ddp))
+            kbs.append(rep["swarm"]["mean_sent_bytes"] / rep["steps"] / 1e3)
+            cds.append(rep["swarm"].get("relative_consensus_distance", float("nan")))
+        if not gaps:
+            continue
+        n = len(gaps)
+        lines.append(
+            f"| {e.name} | {n} | {sum(accs) / n:.4f} | {sum(gaps) / n:+.2f} "
+            f"[{min(gaps):+.2f}, {max(gaps):+.2f}] | {sum(xgaps) / n:+.2f} | "
+            f"{sum(kbs) / n:.2f} | {sum(cds) / n:.1e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def plot(entries: list[Entry], root: Path, out: Path) -> list[Path]:
     """Per task: final metric against MB sent per process, every swarm run plus baselines."""
     import matplotlib
@@ -358,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--skip-done", action="store_true", help="skip entries that already have a report"
     )
+    ap.add_argument(
+        "--seed-summary", action="store_true", help="also print the digits ablations over seeds"
+    )
     ap.add_argument("--plots", type=Path, help="also write metric-vs-bytes PNGs here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -390,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
             if run_entry(e, args.out / e.name, sys.executable) != 0:
                 failed.append(e.name)
     text = tables(chosen, args.out)
+    if args.seed_summary:
+        text += "\n" + seed_summary(args.out)
     sys.stdout.write(text)
     if args.out.is_dir():
         (args.out / "tables.md").write_text(text)
