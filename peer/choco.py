@@ -40,6 +40,10 @@ from gossipgrad.proto import gossip_pb2 as pb
 log = logging.getLogger(__name__)
 
 DENSE_SPEC = "none"
+# A sender's seq can run ahead of what we took (pushes that failed still advance it), but not
+# by billions; rounds likewise. Larger values are malformed, not progress.
+MAX_SEQ_JUMP = 1 << 31
+MAX_ROUND = 1 << 48
 
 
 @dataclass
@@ -269,6 +273,14 @@ class ChocoGossip:
             )
         edge = self._in_edge(header.sender)
         with edge.lock:
+            if header.seq > edge.expected_seq + MAX_SEQ_JUMP or header.round > MAX_ROUND:
+                # Implausible counters would set a floor no genuine update can pass.
+                raise UpdateRejected(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "malformed",
+                    f"implausible seq {header.seq} / round {header.round} "
+                    f"(expected seq {edge.expected_seq})",
+                )
             before = (edge.synced, edge.expected_seq)
             edge.heard_round = max(edge.heard_round, header.round)
             try:
