@@ -43,6 +43,9 @@ DENSE_SPEC = "none"
 # A sender's seq can run ahead of what we took (pushes that failed still advance it), but not
 # by billions; rounds likewise. Larger values are malformed, not progress.
 MAX_SEQ_JUMP = 1 << 31
+# Edges opened before this round start from the shared initial model (INIT, no payload);
+# later ones (a late joiner, a rewired topology) from a dense copy of the current model.
+INIT_ROUNDS = 50
 MAX_ROUND = 1 << 48
 
 
@@ -194,7 +197,15 @@ class ChocoGossip:
         """Compress x - x̂ for one edge (or its whole x̂ for a resync) and advance x̂."""
         x = self.flat.data
         with edge.lock:
-            if edge.need_resync:
+            if edge.need_resync and edge.seq < 0 and self.round < INIT_ROUNDS:
+                # A fresh edge early in the run starts from the shared seeded initial model:
+                # nothing to send but its checksum; q's then carry x - x0, compressed.
+                edge.public.copy_(self.flat.initial)
+                payload = b""
+                kind = pb.INIT
+                edge.seq += 1
+                edge.need_resync = False
+            elif edge.need_resync:
                 edge.public.copy_(x)
                 payload = self.dense_codec.encode(edge.public)
                 kind = pb.RESYNC
@@ -225,7 +236,7 @@ class ChocoGossip:
         return header, payload
 
     def _send(self, peer: str, edge: OutEdge, header: pb.UpdateHeader, payload: bytes) -> None:
-        kind = "resync" if header.kind == pb.RESYNC else "update"
+        kind = "update" if header.kind == pb.DELTA else "resync"
         t0 = time.perf_counter()
         try:
             reply, wire_bytes = self._push(peer, header, payload)
@@ -267,7 +278,9 @@ class ChocoGossip:
                 "malformed",
                 f"update addressed to {header.receiver!r}, this is {self.me!r}",
             )
-        if header.kind not in (pb.DELTA, pb.RESYNC):
+        if header.kind not in (pb.DELTA, pb.RESYNC, pb.INIT) or (
+            header.kind == pb.INIT and len(payload) != 0
+        ):
             raise UpdateRejected(
                 grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"unknown kind {header.kind}"
             )
@@ -284,7 +297,7 @@ class ChocoGossip:
             before = (edge.synced, edge.expected_seq)
             edge.heard_round = max(edge.heard_round, header.round)
             try:
-                verdict = edge.admit(header.kind == pb.RESYNC, header.seq)
+                verdict = edge.admit(header.kind != pb.DELTA, header.seq)
                 if verdict is None:
                     # An update from a round ahead of ours waits, so that this round's
                     # mixing sees the sender's copy as of this round (symmetric exchange).
@@ -304,7 +317,7 @@ class ChocoGossip:
                 "edge %s->%s needs a resync: got %s seq %d (round %d), edge synced=%s expected %d",
                 header.sender,
                 self.me,
-                "RESYNC" if header.kind == pb.RESYNC else "DELTA",
+                pb.UpdateKind.Name(header.kind),
                 header.seq,
                 header.round,
                 *before,
@@ -320,6 +333,9 @@ class ChocoGossip:
 
     def _apply(self, edge: InEdge, header: pb.UpdateHeader, payload) -> Verdict:
         """Fold one admitted update into the edge's mirror (edge lock held)."""
+        if header.kind == pb.INIT:
+            # Our own initial model; a different one fails the checksum -> NEED_RESYNC.
+            return edge.apply_resync(header.seq, header.round, self.flat.initial, header.checksum)
         if header.kind == pb.RESYNC:
             dense = self.dense_codec.decode(payload, max_numel=self.flat.numel)
             return edge.apply_resync(header.seq, header.round, dense, header.checksum)

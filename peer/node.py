@@ -286,7 +286,7 @@ class Peer:
         except UpdateRejected as err:
             self.metrics.record_rejected(err.reason)
             raise
-        kind = "resync" if header.kind == pb.RESYNC else "update"
+        kind = "update" if header.kind in (pb.DELTA, pb.GRADIENT) else "resync"
         self.metrics.record_received(header.sender, kind, header.ByteSize() + len(payload))
         return reply
 

@@ -21,6 +21,7 @@ class UpdateKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DELTA: _ClassVar[UpdateKind]
     RESYNC: _ClassVar[UpdateKind]
     GRADIENT: _ClassVar[UpdateKind]
+    INIT: _ClassVar[UpdateKind]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -30,6 +31,7 @@ UPDATE_KIND_UNSPECIFIED: UpdateKind
 DELTA: UpdateKind
 RESYNC: UpdateKind
 GRADIENT: UpdateKind
+INIT: UpdateKind
 
 class TensorEnvelope(_message.Message):
     __slots__ = ("format_version", "shape", "dtype", "codec_spec", "crc32", "seed", "count", "index_bits", "indices", "values", "scales")

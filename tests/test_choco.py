@@ -215,3 +215,31 @@ def test_every_codec_keeps_edges_exact(codec: str) -> None:
         assert resyncs(peers[0], "p1") == 1.0  # only the opening one
     finally:
         close_all(peers)
+
+
+def test_peers_seeded_alike_open_edges_without_sending_the_model() -> None:
+    """Same seeded initial model on both sides: the INIT opening carries no payload."""
+    from peer_harness import start_peer, wait_until_met
+
+    overrides = {"gossip.codec": "topk:0.2+int8", "gossip.gamma": 0.3}
+    p0 = start_peer("p0", [], seed=7, overrides=overrides)
+    p1 = start_peer("p1", [p0.address], seed=7, overrides=overrides)
+    peers = [p0, p1]
+    try:
+        wait_until_met(peers)
+        with torch.no_grad():  # as if each had trained a little on its own data
+            p0.flat.data.add_(torch.randn_like(p0.flat.data), alpha=0.1)
+            p1.flat.data.add_(torch.randn_like(p1.flat.data), alpha=0.1)
+        d0 = distance(peers)
+        run_rounds(peers, 15)
+        quiesce(peers)
+        assert assert_mirrors_exact(peers) == 2
+        assert distance(peers) < d0
+        for p, other in ((p0, "p1"), (p1, "p0")):
+            assert resyncs(p, other) == 0.0
+            sent = p.metrics.registry.get_sample_value(
+                "gossipgrad_sent_bytes_total", {"neighbor": other, "kind": "resync"}
+            )
+            assert 0 < sent < 1000  # a header, not 4 bytes per parameter
+    finally:
+        close_all(peers)
