@@ -54,6 +54,9 @@ ENTRIES: list[Entry] = [
     # digits, IID, 4 peers: reference with DDP and PowerSGD, then ablations of one knob each
     Entry("digits", DIGITS, quick=True, tags=("ablation", "codec")),
     Entry(
+        "digits-gamma0.03", DIGITS, _no_baselines("gossip.gamma=0.03"), "digits", tags=("ablation",)
+    ),
+    Entry(
         "digits-gamma0.05", DIGITS, _no_baselines("gossip.gamma=0.05"), "digits", tags=("ablation",)
     ),
     Entry(
@@ -117,6 +120,13 @@ ENTRIES: list[Entry] = [
         _no_baselines('gossip.codec="topk:0.001+int8"'),
         "fmnist",
         tags=("codec",),
+    ),
+    Entry(
+        "fmnist-gamma0.03",
+        FMNIST,
+        _no_baselines("gossip.gamma=0.03"),
+        "fmnist",
+        tags=("ablation",),
     ),
     Entry(
         "fmnist-gamma0.2",
