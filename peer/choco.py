@@ -140,6 +140,14 @@ class ChocoGossip:
         i = ids.index(self.me)
         return [ids[j] for j in self.topology.neighbors(i, n, round_)]
 
+    def all_neighbors(self) -> set[str]:
+        """Every peer this one gossips with in some round (for time-varying topologies)."""
+        ids = self._present_ids()
+        if len(ids) < 2:
+            return set()
+        i = ids.index(self.me)
+        return {ids[j] for j in self.topology.all_neighbors(i, len(ids))}
+
     def weights_at(self, round_: int, ids: list[str]) -> dict[str, float]:
         """Metropolis–Hastings weights w_ij for this round (self excluded)."""
         n = len(ids)

@@ -221,6 +221,12 @@ class MembershipSection(Section):
     dead_after: float = Field(
         10.0, gt=0, description="Seconds of silence before a peer is dropped from the topology."
     )
+    far_every: int = Field(
+        4,
+        ge=1,
+        description="Heartbeat peers that are not gossip neighbours only every N intervals "
+        "(neighbours every interval), so heartbeat bytes per peer grow slowly with the swarm.",
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> MembershipSection:
@@ -228,6 +234,11 @@ class MembershipSection(Section):
             raise ValueError(
                 "membership: need heartbeat_interval < suspect_after <= dead_after, got "
                 f"{self.heartbeat_interval} / {self.suspect_after} / {self.dead_after}"
+            )
+        if self.far_every * self.heartbeat_interval >= self.dead_after:
+            raise ValueError(
+                "membership: far_every * heartbeat_interval must stay below dead_after, got "
+                f"{self.far_every} * {self.heartbeat_interval} >= {self.dead_after}"
             )
         return self
 

@@ -63,6 +63,8 @@ class Membership:
         self.bootstrap = [a for a in bootstrap if a != me.address]
         self._heartbeat = heartbeat
         self._on_change = on_change
+        # Set by the owner: ids of this peer's gossip neighbours (heartbeated every interval).
+        self.near: Callable[[], set[str]] = set
         self._peers: dict[str, PeerRecord] = {}
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -176,13 +178,16 @@ class Membership:
             self.observe(info, direct=False)
 
     def beat_once(self) -> None:
-        """One heartbeat round: every live peer, dead ones now and then, bootstrap if alone."""
+        """One heartbeat round: neighbours every time, other live peers every ``far_every``
+        rounds, dead ones now and then (to notice a return), bootstrap while alone."""
         self._tick += 1
+        near = self.near()
+        far_due = self._tick % self.cfg.far_every == 0
         with self._lock:
             targets = [
                 r.info.address
-                for r in self._peers.values()
-                if r.state != DEAD or self._tick % 5 == 0
+                for pid, r in self._peers.items()
+                if (r.state != DEAD and (far_due or pid in near)) or self._tick % 5 == 0
             ]
             alone = not any(r.state != DEAD for r in self._peers.values())
         if alone:

@@ -192,6 +192,7 @@ class Peer:
             state_lock=self._state_lock,
         )
         self.gossip.incarnation_of = self._incarnation_of
+        self.membership.near = self.gossip.all_neighbors
         self.membership.start()
         self._started = True
         log.info("peer %s serving gossip on %s", self.id, self.address)
