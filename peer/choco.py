@@ -125,7 +125,6 @@ class ChocoGossip:
         self.state_lock = state_lock if state_lock is not None else threading.RLock()
         self._direction = torch.zeros_like(flat.data)
         self._pulled = torch.zeros_like(flat.data)
-        self.on_push_failure: Callable[[str, Exception], None] = lambda peer, err: None
         # Set by the owner: the incarnation membership knows for a peer (0: unknown).
         self.incarnation_of: Callable[[str], int] = lambda peer: 0
 
@@ -252,7 +251,6 @@ class ChocoGossip:
             # The receiver may or may not have applied it; if not, it sees a gap next time
             # and asks for a resync. Nothing to undo here.
             log.warning("push to %s failed: %s", peer, err)
-            self.on_push_failure(peer, err)
             with edge.lock:
                 if isinstance(err, grpc.RpcError) and err.code() in (
                     grpc.StatusCode.INVALID_ARGUMENT,
