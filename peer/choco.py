@@ -378,16 +378,16 @@ class ChocoGossip:
         """Block until lagging-free neighbours' due updates arrived, at most round_timeout."""
         t0 = time.monotonic()
         deadline = t0 + self.cfg.round_timeout
+        # The round due from each neighbour does not change while we wait: compute it once.
+        targets = {p: self._wait_target(p, ids) for p in neighbors}
+        due = {p: t for p, t in targets.items() if t is not None}
 
         def missing() -> list[str]:
             out = []
-            for peer in neighbors:
+            for peer, target in due.items():
                 if peer in self._lagging or not self._is_alive(peer):
                     continue
-                target = self._wait_target(peer, ids)
                 edge = self.in_edges.get(peer)
-                if target is None:
-                    continue
                 # Heard counts, applied or not: a refused update means the sender resyncs
                 # next round, and waiting for that would deadlock the pair.
                 if edge is None or edge.heard_round < target:

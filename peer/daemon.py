@@ -223,6 +223,7 @@ class Daemon:
         final = task.evaluate(model)
         metrics.set_eval(final)
         stats = gopt.last_round
+        traffic = self._traffic(gopt)
         try:
             torch.save(gopt.flat.data.detach().cpu(), self.run_dir / "params.pt")
         except OSError as err:
@@ -239,11 +240,9 @@ class Daemon:
             "consensus_distance_estimate": stats.consensus_distance if stats else None,
             "evals": evals,
             "params": gopt.flat.numel,
-            **self._traffic(gopt),
+            **traffic,
         }
-        self._write_status(
-            step=gopt.local_step, loss=loss_value, final=final, **self._traffic(gopt)
-        )
+        self._write_status(step=gopt.local_step, loss=loss_value, final=final, **traffic)
         return summary
 
     @staticmethod

@@ -26,7 +26,8 @@ from rich.table import Table
 ADDRESS_TIMEOUT_S = 60.0
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON file, or None while it is missing or half-written."""
     try:
         return json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
@@ -123,7 +124,7 @@ class LocalSwarm:
         deadline = time.monotonic() + ADDRESS_TIMEOUT_S
         address = None
         while address is None:
-            status = _read_json(self.peer_dir(0) / "status.json")
+            status = read_json(self.peer_dir(0) / "status.json")
             address = status.get("address") if status else None
             if self.procs[0].poll() is not None:
                 raise RuntimeError(f"peer0 exited early; see {self.out / 'peer0.log'}")
@@ -140,7 +141,7 @@ class LocalSwarm:
         self.procs[i].wait()
 
     def statuses(self) -> list[dict[str, Any]]:
-        return [_read_json(self.peer_dir(i) / "status.json") or {} for i in range(self.n)]
+        return [read_json(self.peer_dir(i) / "status.json") or {} for i in range(self.n)]
 
     def running(self) -> bool:
         return any(p.poll() is None for p in self.procs.values())
@@ -212,7 +213,7 @@ def consensus_distance(param_files: list[Path]) -> tuple[float, float] | None:
 
 def summarize(swarm: LocalSwarm) -> dict[str, Any]:
     """Collect summary.json of every peer plus swarm-level figures into DIR/swarm.json."""
-    peers = [_read_json(swarm.peer_dir(i) / "summary.json") for i in range(swarm.n)]
+    peers = [read_json(swarm.peer_dir(i) / "summary.json") for i in range(swarm.n)]
     done = [p for p in peers if p]
     result: dict[str, Any] = {"peers": peers, "num_peers": swarm.n}
     if done:

@@ -29,7 +29,7 @@ from gossipgrad.experiment.live import LiveView
 from gossipgrad.experiment.report import write_outputs
 from gossipgrad.experiment.spec import Spec
 from gossipgrad.peer.config import PeerConfig
-from gossipgrad.peer.swarm import LocalSwarm, consensus_distance
+from gossipgrad.peer.swarm import LocalSwarm, consensus_distance, read_json
 from rich.console import Console
 
 log = logging.getLogger(__name__)
@@ -67,13 +67,6 @@ def signals_deferred() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
 
 
 def _delta(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]]) -> dict[str, int]:
@@ -265,7 +258,7 @@ class Experiment:
         failed = swarm.failed()
         t_start = min((h[0]["time"] for h in history if h), default=0.0)
         for i in range(self.n):
-            summary = _read_json(swarm.peer_dir(i) / "summary.json")
+            summary = read_json(swarm.peer_dir(i) / "summary.json")
             entry: dict[str, Any] = {"id": f"peer{i}", "ok": bool(summary) and i not in failed}
             if summary:
                 keep = ("id", "final", "metric", "steps", "rounds", "train_loss", "evals",
