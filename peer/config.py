@@ -107,6 +107,17 @@ class TrainSection(Section):
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum (sgd only).")
     weight_decay: float = Field(0.0, ge=0, description="Weight decay.")
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    schedule: Literal["constant", "cosine"] = Field(
+        "constant",
+        description="Learning rate after warm-up: constant, or cosine decay from lr to "
+        "min_lr_ratio x lr at the last step (narrows the peers' disagreement at the end).",
+    )
+    min_lr_ratio: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Final learning rate of the cosine schedule, as a fraction of lr.",
+    )
     eval_every: int = Field(100, ge=0, description="Evaluate every N steps (0: only at the end).")
     device: str = Field("auto", description="torch device: auto (cuda if available), cpu, cuda:N.")
     threads: int = Field(

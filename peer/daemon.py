@@ -28,6 +28,7 @@ import torch
 from gossipgrad.peer import checkpoint
 from gossipgrad.peer.config import PeerConfig, TrainSection
 from gossipgrad.peer.optimizer import GossipOptimizer
+from gossipgrad.peer.schedule import make_scheduler
 from gossipgrad.peer.site import SiteContext, SiteOptimizer, close_site, init_site
 from gossipgrad.peer.tasks import TaskContext, build_task
 
@@ -121,10 +122,7 @@ class Daemon:
         task = build_task(t.task, ctx)
         model = task.model.to(device)
         optimizer = make_optimizer(model.parameters(), t)
-        warmup = t.warmup_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
-        )
+        scheduler = make_scheduler(optimizer, t)
         self._install_signal_handlers()
         if site is None:
             gopt = GossipOptimizer(model, optimizer, cfg)

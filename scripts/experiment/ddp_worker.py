@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from gossipgrad.peer.config import TrainSection
 from gossipgrad.peer.daemon import make_optimizer, write_json_atomic
+from gossipgrad.peer.schedule import make_scheduler
 from gossipgrad.peer.tasks import TaskContext, build_task
 
 log = logging.getLogger(__name__)
@@ -111,10 +112,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
         model.register_comm_hook(None, default_hooks.allreduce_hook)
     optimizer = make_optimizer(model.parameters(), cfg)
-    warmup = cfg.warmup_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
-    )
+    scheduler = make_scheduler(optimizer, cfg)
     params = sum(p.numel() for p in model.parameters())
     batches = task.batches()
     history: list[dict[str, float]] = []
