@@ -108,9 +108,10 @@ class TrainSection(Section):
     weight_decay: float = Field(0.0, ge=0, description="Weight decay.")
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
     schedule: Literal["constant", "cosine"] = Field(
-        "constant",
-        description="Learning rate after warm-up: constant, or cosine decay from lr to "
-        "min_lr_ratio x lr at the last step (narrows the peers' disagreement at the end).",
+        "cosine",
+        description="Learning rate after warm-up: cosine decay from lr to min_lr_ratio x lr "
+        "at the last step (default: the peers' disagreement shrinks with the step size, so "
+        "they end close together; see BENCHMARKS.md), or constant.",
     )
     min_lr_ratio: float = Field(
         0.0,
@@ -188,6 +189,16 @@ class GossipSection(Section):
         description="ef-gradient: DGC momentum correction (Lin et al. 2018), the momentum "
         "folded into the compressed gradient; use it with a momentum-free local optimizer "
         "(0: off).",
+    )
+    error_feedback: bool = Field(
+        True,
+        description="Keep what the codec drops and send it later (error feedback). false is "
+        "the ablation without it, where dropped information is lost for good. choco: each "
+        "edge sends q = Q(x - b), b being x at the previous send on that edge (DCD-PSGD "
+        "difference compression without memory, Tang et al. 2018) instead of "
+        "Q(x - xhat), so xhat drifts away from x; costs one more model-sized copy per "
+        "out-edge. ef-gradient: c = Q(g) with no residual, and its choco consensus rounds "
+        "drop error feedback as above. Both ends of an edge stay identical either way.",
     )
     max_staleness: int = Field(
         1,

@@ -24,9 +24,12 @@ def lrs(cfg: TrainSection) -> list[float]:
     return out
 
 
-def test_constant_is_the_default_and_warmup_is_linear() -> None:
-    cfg = TrainSection(steps=10, lr=0.1, warmup_steps=4)
-    assert cfg.schedule == "constant"
+def test_cosine_is_the_default() -> None:
+    assert TrainSection().schedule == "cosine"
+
+
+def test_constant_after_a_linear_warmup() -> None:
+    cfg = TrainSection(steps=10, lr=0.1, warmup_steps=4, schedule="constant")
     assert lrs(cfg) == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1])
 
 
