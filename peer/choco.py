@@ -5,6 +5,9 @@ One round, run by the training thread every H local steps:
 1. For each neighbour j (after its previous push landed; a dead or stuck link is skipped and
    loses nothing, its backlog stays in x_i − x̂_{i->j}):
    q = Q(x_i − x̂_{i->j});  x̂_{i->j} += q;  push q (or a dense RESYNC) in the background.
+   With ``gossip.error_feedback = false`` (an ablation) q = Q(x_i − b_{i->j}) instead, b
+   being x_i at the previous send on that edge (DCD-PSGD, Tang et al., NeurIPS 2018): what Q
+   drops is lost for good.
 2. Wait, bounded by ``round_timeout``, until every live neighbour's update of round
    r − max_staleness has arrived (0: lock-step; 1: one round of overlap between compute and
    communication).
@@ -208,12 +211,16 @@ class ChocoGossip:
                 # A fresh edge early in the run starts from the shared seeded initial model:
                 # nothing to send but its checksum; q's then carry x - x0, compressed.
                 edge.public.copy_(self.flat.initial)
+                if not self.cfg.error_feedback:
+                    edge.mark_sent(edge.public)
                 payload = b""
                 kind = pb.INIT
                 edge.seq += 1
                 edge.need_resync = False
             elif edge.need_resync:
                 edge.public.copy_(x)
+                if not self.cfg.error_feedback:
+                    edge.mark_sent(x)
                 payload = self.dense_codec.encode(edge.public)
                 kind = pb.RESYNC
                 edge.seq += 1
@@ -222,7 +229,15 @@ class ChocoGossip:
                     self.metrics.record_resync(peer)
             else:
                 t0 = time.perf_counter()
-                payload = self.codec.encode(x - edge.public, seed=edge.seq + 1)
+                if self.cfg.error_feedback:
+                    # CHOCO: what Q dropped stays in x - x̂ and is sent later.
+                    payload = self.codec.encode(x - edge.public, seed=edge.seq + 1)
+                else:
+                    # Ablation without error feedback (DCD-PSGD, Tang et al., NeurIPS 2018):
+                    # compress the change of x since the last send; what Q drops is lost,
+                    # and x̂ drifts away from x. The receiver's side is unchanged.
+                    payload = self.codec.encode(x - edge.last_sent, seed=edge.seq + 1)
+                    edge.mark_sent(x)
                 self.codec.decode_add_(payload, edge.public)
                 if self.metrics is not None:
                     self.metrics.observe_compress(time.perf_counter() - t0)

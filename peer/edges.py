@@ -42,6 +42,9 @@ class OutEdge:
     """Sender side of edge i -> j: the public copy the neighbour mirrors."""
 
     public: torch.Tensor
+    # Error feedback off only (gossip.error_feedback = false): x as of the last send on this
+    # edge, the base the next difference is taken from. None (no memory) in the default path.
+    last_sent: torch.Tensor | None = None
     seq: int = -1  # seq of the last update folded into `public`; -1: never synced
     need_resync: bool = True
     busy: bool = False  # a push is in flight
@@ -50,6 +53,13 @@ class OutEdge:
 
     def __post_init__(self) -> None:
         self.idle.set()
+
+    def mark_sent(self, x: torch.Tensor) -> None:
+        """Remember x as the base of the next difference (error feedback off; lock held)."""
+        if self.last_sent is None:
+            self.last_sent = x.clone()
+        else:
+            self.last_sent.copy_(x)
 
     def claim(self) -> bool:
         """Mark a push in flight; False if one already is (caller holds `lock`)."""

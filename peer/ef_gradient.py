@@ -5,6 +5,7 @@ As in Deep Gradient Compression (Lin et al., ICLR 2018) and EF-SGD (Karimireddy 
 
 1. (optional, DGC momentum correction) u_i = m·u_i + g_i, and u_i takes the place of g_i.
 2. e_i += g_i;  c_i = Q(e_i);  e_i -= decode(c_i)     (the residual keeps what Q dropped)
+   With ``gossip.error_feedback = false`` (an ablation): c_i = Q(g_i), and e_i stays zero.
 3. c_i goes to every neighbour of this step's topology (one encoding for all of them).
 4. Wait, at most ``round_timeout``, for one c_j from each live neighbour, then set the
    gradient to the Metropolis–Hastings average of decode(c_i) and the c_j that arrived
@@ -91,6 +92,7 @@ class EFGradientExchange:
         self.swarm = swarm
         self.codec = from_spec(cfg.codec)
         self.momentum = cfg.ef_momentum
+        self.error_feedback = cfg.error_feedback
         # collaborators
         self._neighbors_at = neighbors_at
         self._weights_at = weights_at
@@ -98,8 +100,9 @@ class EFGradientExchange:
         self._is_alive = is_alive
         self._push = push
         self.metrics = metrics
-        # state: the error-feedback residual (Q is biased, what it drops must be sent later)
-        # and the DGC momentum buffer; both live on the parameters' device.
+        # state: the error-feedback residual (Q is biased, what it drops must be sent later;
+        # it stays zero with gossip.error_feedback = false) and the DGC momentum buffer; both
+        # live on the parameters' device.
         self.residual = torch.zeros_like(flat.data)
         self.velocity = torch.zeros_like(flat.data) if self.momentum > 0 else None
         self._mine = torch.zeros_like(flat.data)
@@ -135,10 +138,15 @@ class EFGradientExchange:
             # DGC momentum correction: accumulate velocity, not the raw gradient.
             g = self.velocity.mul_(self.momentum).add_(g)
         t0 = time.perf_counter()
-        self.residual.add_(g)
-        payload = self.codec.encode(self.residual, seed=self.step + 1)
-        self.codec.decode(payload, out=self._mine)
-        self.residual.sub_(self._mine)
+        if self.error_feedback:
+            self.residual.add_(g)
+            payload = self.codec.encode(self.residual, seed=self.step + 1)
+            self.codec.decode(payload, out=self._mine)
+            self.residual.sub_(self._mine)
+        else:
+            # Ablation: c = Q(g), what Q drops is lost (the residual stays zero).
+            payload = self.codec.encode(g, seed=self.step + 1)
+            self.codec.decode(payload, out=self._mine)
         if self.velocity is not None:
             # DGC momentum factor masking: coordinates that were sent restart their velocity.
             self.velocity.masked_fill_(self._mine != 0, 0.0)

@@ -67,6 +67,14 @@ ENTRIES: list[Entry] = [
     ),
     Entry("digits-h2", DIGITS, _no_baselines("gossip.local_steps=2"), "digits", tags=("ablation",)),
     Entry("digits-h4", DIGITS, _no_baselines("gossip.local_steps=4"), "digits", tags=("ablation",)),
+    # error feedback off: CHOCO's x - xhat memory replaced by difference compression (DCD)
+    Entry(
+        "digits-ef-off",
+        DIGITS,
+        _no_baselines("gossip.error_feedback=false"),
+        "digits",
+        tags=("ablation",),
+    ),
     Entry(
         "digits-exact-topk",
         DIGITS,
@@ -139,6 +147,13 @@ ENTRIES: list[Entry] = [
         "fmnist-exponential",
         FMNIST,
         _no_baselines('gossip.topology="exponential"'),
+        "fmnist",
+        tags=("ablation",),
+    ),
+    Entry(
+        "fmnist-ef-off",
+        FMNIST,
+        _no_baselines("gossip.error_feedback=false"),
         "fmnist",
         tags=("ablation",),
     ),
