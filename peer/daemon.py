@@ -4,7 +4,10 @@ Writes into ``peer.run_dir``:
   status.json      progress, rewritten atomically every few steps (read by gossipgrad-swarm
                    and the experiment runner)
   checkpoint.pt    every ``checkpoint.every`` steps and at exit (atomic)
-  summary.json     final evaluation, steps, bytes, wall-clock seconds
+  summary.json     final evaluation, steps, bytes, wall-clock seconds; ``evals`` (every
+                   ``train.eval_every`` steps) and ``final_seconds`` carry ``seconds``: training
+                   time since the loop started, evaluation time excluded (comparable with the
+                   DDP baselines' clock)
   params.pt        the final flat parameter vector (true consensus distance across peers)
 SIGTERM or SIGINT finishes the current step, checkpoints and leaves the swarm cleanly.
 
@@ -14,6 +17,7 @@ gradients densely, only rank 0 gossips, and ranks other than 0 write into ``run_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -21,6 +25,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +200,7 @@ class Daemon:
         loss_value = math.nan
         evals: list[dict[str, float]] = []
         self._write_status(state="training")
+        clock = TrainClock()
         while gopt.local_step < t.steps and not self.stop_requested.is_set():
             batch = next(batches)
             gopt.zero_grad()
@@ -208,16 +214,21 @@ class Daemon:
             metrics.record_step(loss_value, t.batch_size)
             step = gopt.local_step
             if t.eval_every and step % t.eval_every == 0:
-                ev = task.evaluate(model)
+                seconds = clock.seconds()
+                with clock.paused():
+                    ev = task.evaluate(model)
                 metrics.set_eval(ev)
-                evals.append({"step": step, **ev})
+                evals.append({"step": step, "seconds": seconds, **ev})
                 log.info("step %d loss %.4f %s", step, loss_value, _fmt(ev))
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                 self._save_checkpoint(gopt)
             now = time.monotonic()
             if now - last_status > STATUS_EVERY_S:
                 last_status = now
-                self._write_status(step=step, loss=loss_value, **self._traffic(gopt))
+                self._write_status(
+                    step=step, loss=loss_value, **self._traffic(gopt), **_consensus(gopt)
+                )
+        final_seconds = clock.seconds()
         final = task.evaluate(model)
         metrics.set_eval(final)
         stats = gopt.last_round
@@ -233,20 +244,53 @@ class Daemon:
             "rounds": gopt.round,
             "stopped_early": self.stop_requested.is_set(),
             "final": final,
+            "final_seconds": final_seconds,
             "metric": task.metric,
+            "higher_is_better": task.higher_is_better,
             "train_loss": loss_value,
             "consensus_distance_estimate": stats.consensus_distance if stats else None,
             "evals": evals,
             "params": gopt.flat.numel,
             **traffic,
         }
-        self._write_status(step=gopt.local_step, loss=loss_value, final=final, **traffic)
+        self._write_status(
+            step=gopt.local_step, loss=loss_value, final=final, **traffic, **_consensus(gopt)
+        )
         return summary
 
     @staticmethod
     def _traffic(gopt: GossipOptimizer) -> dict[str, int]:
         """Bytes this peer put on the wire so far, by kind, plus the dense equivalent."""
         return traffic_totals(gopt.metrics.registry)
+
+
+class TrainClock:
+    """Seconds since training started with evaluation time left out, so that a peer's
+    evaluation points line up with the DDP baselines' (which evaluate on the same clock)."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.excluded = 0.0
+
+    def seconds(self) -> float:
+        return time.monotonic() - self.start - self.excluded
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside the block does not count."""
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.excluded += time.monotonic() - t0
+
+
+def _consensus(gopt: GossipOptimizer) -> dict[str, float]:
+    """The last round's consensus-distance estimate for status.json (empty before one)."""
+    stats = gopt.last_round
+    if stats is None or not math.isfinite(stats.consensus_distance):
+        return {}
+    return {"consensus_distance": float(stats.consensus_distance)}
 
 
 def traffic_totals(registry) -> dict[str, int]:

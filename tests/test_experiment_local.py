@@ -1,5 +1,6 @@
 """End to end, local mode: the CLI runs a small swarm (digits, 3 peers, 150 steps) and both
-DDP baselines as real processes on 127.0.0.1, and writes a sane report and valid plots."""
+DDP baselines as real processes on 127.0.0.1, and writes a sane report and valid plots, with
+timed evaluations, the time to DDP's final accuracy and the consensus distance over time."""
 
 from __future__ import annotations
 
@@ -38,6 +39,14 @@ def test_local_experiment_end_to_end(tmp_path: Path) -> None:
         assert p["received_bytes"] > 0 and p["wall_seconds"] > 0
         assert len(p["history"]) >= 2 and p["history"][-1]["step"] > p["history"][0]["step"]
         assert p["neighbours"], "per-link bytes scraped from the metrics endpoint"
+        # Evaluations every 50 steps on the training clock (evaluation excluded).
+        assert [e["step"] for e in p["evals"]] == [50, 100, 150]
+        secs = [e["seconds"] for e in p["evals"]]
+        assert 0 < secs[0] < secs[1] < secs[2] <= p["final_seconds"] < p["wall_seconds"]
+    # status.json carries the consensus-distance estimate; the samples keep it.
+    estimates = [h["consensus_distance"] for p in swarm["peers"] for h in p["history"]
+                 if "consensus_distance" in h]  # fmt: skip
+    assert estimates and all(c >= 0 for c in estimates)
     assert 0 <= swarm["relative_consensus_distance"] < 0.05
     assert swarm["link_bytes"] and all(v > 0 for v in swarm["link_bytes"].values())
 
@@ -49,13 +58,30 @@ def test_local_experiment_end_to_end(tmp_path: Path) -> None:
         assert b["final"]["accuracy"] > 0.8 and b["wall_seconds"] > 0
         assert len(b["ranks"][0]["history"]) == 150
         assert b["dense_bytes_per_rank"] == pytest.approx(dense_ring, rel=1e-6)
+        assert [e["step"] for e in b["evals"]] == [50, 100]  # step 150's is "final"
+        secs = [e["seconds"] for e in b["evals"]]
+        assert 0 < secs[0] < secs[1] < b["final_seconds"] <= b["wall_seconds"]
+        assert all(0 <= e["accuracy"] <= 1 for e in b["evals"])
     # Dense DDP moves the whole gradient every step; PowerSGD a low-rank part after warm-up.
     assert ddp["mean_sent_bytes"] == pytest.approx(dense_ring, rel=0.01)
     assert psgd["mean_sent_bytes"] < ddp["mean_sent_bytes"] / 3
     assert swarm["mean_sent_bytes"] < psgd["mean_sent_bytes"]
 
+    ttt = report["time_to_target"]
+    assert ttt["target"] == ddp["final"]["accuracy"] and ttt["higher_is_better"]
+    assert ttt["loose_target"] == pytest.approx(ttt["target"] - 0.01)
+    # DDP reaches its own final accuracy by its final evaluation at the latest.
+    assert 0 < ttt["systems"]["ddp"]["seconds"] <= ddp["final_seconds"]
+    assert set(ttt["systems"]) == {"swarm", "ddp", "powersgd"}
+    swarm_t = ttt["systems"]["swarm"]
+    if swarm_t["seconds"] is not None:
+        assert swarm_t["step"] in (50, 100, 150)
+        assert ttt["speedup"]["ddp"] == pytest.approx(
+            ttt["systems"]["ddp"]["seconds"] / swarm_t["seconds"]
+        )
+
     for name in ("loss_vs_step.png", "loss_vs_bytes.png", "loss_vs_time.png",
-                 "bytes_per_link.png"):  # fmt: skip
+                 "bytes_per_link.png", "metric_vs_time.png", "consensus_vs_step.png"):  # fmt: skip
         path = out / name
         assert path.read_bytes()[:8] == PNG_SIGNATURE
         w, h = png_size(path)
@@ -66,3 +92,4 @@ def test_local_experiment_end_to_end(tmp_path: Path) -> None:
     assert matplotlib.image.imread(out / "loss_vs_step.png").shape[:2] == (h, w)
     summary = (out / "summary.md").read_text()
     assert "| ddp |" in summary and "powersgd (rank 2)" in summary and "gossipgrad (" in summary
+    assert "## Time to DDP's final accuracy" in summary

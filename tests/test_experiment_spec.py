@@ -218,13 +218,16 @@ def test_smoothing_is_a_trailing_mean(values: list[float], window: int) -> None:
 
 
 def synthetic_report() -> dict:
-    hist = [{"step": s, "loss": 2.0 / s, "sent_bytes": 1000 * s, "seconds": 0.1 * s}
-            for s in range(1, 40)]  # fmt: skip
+    hist = [{"step": s, "loss": 2.0 / s, "sent_bytes": 1000 * s, "seconds": 0.1 * s,
+             "consensus_distance": 1.0 / s} for s in range(1, 40)]  # fmt: skip
+    evals = [{"step": 20, "seconds": 1.9, "accuracy": 0.8, "loss": 0.5}]
     peer = {"id": "peer0", "final": {"accuracy": 0.9, "loss": 0.3}, "metric": "accuracy",
-            "steps": 39, "history": hist, "sent_bytes": 39000, "dense_bytes": 4e6}  # fmt: skip
+            "steps": 39, "history": hist, "sent_bytes": 39000, "dense_bytes": 4e6,
+            "evals": evals, "final_seconds": 3.8}  # fmt: skip
     base = {"final": {"accuracy": 0.95, "loss": 0.2}, "metric": "accuracy", "steps": 39,
             "ranks": [{"history": hist}], "mean_sent_bytes": 4e6, "wall_seconds": 2.0,
-            "dense_bytes_per_rank": 4e6, "link_bytes": {"rank0 ring": 4e6}}  # fmt: skip
+            "dense_bytes_per_rank": 4e6, "link_bytes": {"rank0 ring": 4e6},
+            "evals": evals, "final_seconds": 2.0}  # fmt: skip
     return {
         "name": "synthetic", "task": "digits", "peers": 1, "mode": "local", "seed": 0,
         "steps": 39, "batch_size": 32, "codec": "topk:0.01", "topology": "ring",
@@ -247,6 +250,8 @@ def test_report_writes_valid_pngs_and_a_table(tmp_path: Path) -> None:
     assert "| gossipgrad (topk:0.01, ring) | 0.9000 (0.9000-0.9000)" in md
     assert "103x fewer" in md  # 4e6 / 39000 bytes
     assert "consensus distance" in md
+    assert "## Time to DDP's final accuracy" in md and "| swarm | never |" in md
+    assert all(f"![{name}]({name})" in md for name in PLOTS)
 
 
 @pytest.mark.timeout(30)

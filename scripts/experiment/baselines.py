@@ -138,8 +138,9 @@ class BaselineRun:
         self.logs.clear()
 
     def collect(self) -> dict[str, Any]:
-        """Per-rank results and the baseline's headline figures (rank 0's evaluation: DDP
-        keeps every rank's model identical)."""
+        """Per-rank results and the baseline's headline figures (the first finished rank's
+        evaluations, ``final`` and periodic ``evals``: DDP keeps every rank's model
+        identical)."""
         ranks = []
         for r in range(self.world):
             try:
@@ -159,7 +160,10 @@ class BaselineRun:
             first = done[0]
             result.update(
                 final=first["final"],
+                final_seconds=first.get("final_seconds"),
+                evals=first.get("evals", []),
                 metric=first["metric"],
+                higher_is_better=first.get("higher_is_better"),
                 steps=first["steps"],
                 params=first["params"],
                 wall_seconds=max(x["wall_seconds"] for x in done),

@@ -11,6 +11,11 @@ the bytes a ring all-reduce moves per rank: 2 (n-1)/n x payload bytes sent and a
 received. Not counted: DDP's initial parameter broadcast (the swarm starts from the same seed
 without one) and gloo's own framing.
 
+Every ``eval_every`` steps each rank evaluates its model (DDP keeps the ranks' models
+identical; evaluating on all of them keeps them in step) into ``evals``. Their ``seconds``, the
+history's and ``wall_seconds`` are training time with evaluation time left out, the same clock
+as the swarm's peers (``gossipgrad.peer.daemon.TrainClock``).
+
 Rendezvous is race-free: rank 0 opens a TCPStore on port 0 and publishes the bound port in a
 file; the other ranks read it and connect.
 """
@@ -31,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from gossipgrad.peer.config import TrainSection
-from gossipgrad.peer.daemon import make_optimizer, write_json_atomic
+from gossipgrad.peer.daemon import TrainClock, make_optimizer, write_json_atomic
 from gossipgrad.peer.schedule import make_scheduler
 from gossipgrad.peer.tasks import TaskContext, build_task
 
@@ -116,8 +121,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     params = sum(p.numel() for p in model.parameters())
     batches = task.batches()
     history: list[dict[str, float]] = []
+    evals: list[dict[str, float]] = []
     status_path = out / f"rank{args.rank}.status.json"
-    t0 = time.monotonic()
+    clock = TrainClock()
     last = 0.0
     loss_value = math.nan
     for step in range(1, cfg.steps + 1):
@@ -127,16 +133,21 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         optimizer.step()
         scheduler.step()
         loss_value = float(loss.detach())
-        now = time.monotonic()
+        seconds = clock.seconds()
         history.append({"step": step, "loss": loss_value, "sent_bytes": counter.sent,
-                        "seconds": now - t0})  # fmt: skip
+                        "seconds": seconds})  # fmt: skip
+        # The last step's evaluation is ``final`` (at ``final_seconds``), as in the daemon.
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+            with clock.paused():
+                evals.append({"step": step, "seconds": seconds, **task.evaluate(model.module)})
+        now = time.monotonic()
         if now - last > STATUS_EVERY_S or step == cfg.steps:
             last = now
             write_json_atomic(status_path, {"id": f"rank{args.rank}", "state": "training",
                                             "step": step, "steps": cfg.steps,
                                             "loss": loss_value,
                                             "sent_bytes": int(counter.sent)})  # fmt: skip
-    wall = time.monotonic() - t0
+    wall = clock.seconds()
     dist.barrier()
     final = task.evaluate(model.module)
     dist.destroy_process_group()
@@ -146,9 +157,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "steps": cfg.steps,
         "params": params,
         "final": final,
+        "final_seconds": wall,
         "metric": task.metric,
+        "higher_is_better": task.higher_is_better,
         "train_loss": loss_value,
         "wall_seconds": wall,
+        "evals": evals,
         # Ring all-reduce is symmetric: each rank receives what it sends.
         "sent_bytes": int(counter.sent),
         "received_bytes": int(counter.sent),

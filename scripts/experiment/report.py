@@ -6,6 +6,15 @@ Plots (matplotlib, Agg backend, no display needed):
   loss_vs_time.png     the same against wall-clock seconds since training started
   bytes_per_link.png   bytes per link: swarm per neighbour edge (local) or per site access
                        link as the kernel counted it (netns); baselines per rank
+  metric_vs_time.png   evaluation metric against training seconds (evaluation time excluded):
+                       each peer, the peers' mean, each baseline, and DDP's final as a line
+                       (only when the report has timed evaluations)
+  consensus_vs_step.png  each peer's consensus-distance estimate over its steps (log y; only
+                       when the swarm's samples carry it)
+
+``time_to_target(report)`` is when each system first reached DDP's final metric (and a looser
+target, within 1 point of it); ``write_outputs`` stores it as ``report["time_to_target"]`` and
+summarises it in summary.md.
 
 ``write_outputs(out, report)`` is what the runner calls; ``gossipgrad-experiment --report DIR``
 redraws them from an existing report.json.
@@ -20,8 +29,11 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-PLOTS = ("loss_vs_step.png", "loss_vs_bytes.png", "loss_vs_time.png", "bytes_per_link.png")
+PLOTS = ("loss_vs_step.png", "loss_vs_bytes.png", "loss_vs_time.png", "bytes_per_link.png",
+         "metric_vs_time.png", "consensus_vs_step.png")  # fmt: skip
 COLORS = {"ddp": "tab:red", "powersgd": "tab:purple"}
+LOOSE_POINTS = 0.01  # "within 1 point" of an accuracy-type metric reported as a fraction
+LOOSE_FACTOR = 1.02  # the same for a loss-type metric: within 2% of it
 
 
 def smooth(values: list[float], window: int) -> list[float]:
@@ -112,17 +124,261 @@ def _link_plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _metric_plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    metric = report_metric(report)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    label: str | None = "swarm peers"
+    for p in _done_peers(report):
+        pts = eval_points(p, metric)
+        if pts:
+            ax.plot([t for _, t, _ in pts], [v for _, _, v in pts], color="tab:blue", lw=0.8,
+                    alpha=0.5, marker=".", label=label)  # fmt: skip
+            label = None
+    mean = swarm_points(report, metric)
+    if mean:
+        ax.plot([t for _, t, _ in mean], [v for _, _, v in mean], color="tab:blue", lw=2.4,
+                marker="o", label="swarm mean")  # fmt: skip
+    for name, b in report.get("baselines", {}).items():
+        pts = eval_points(b, metric)
+        if pts:
+            ax.plot([t for _, t, _ in pts], [v for _, _, v in pts],
+                    color=COLORS.get(name, "tab:gray"), lw=1.6, marker="o", label=name)  # fmt: skip
+    ddp_final = (report.get("baselines", {}).get("ddp", {}).get("final") or {}).get(metric)
+    if ddp_final is not None:
+        ax.axhline(ddp_final, color=COLORS["ddp"], ls="--", lw=1, label="DDP final")
+    ax.set_xlabel("training seconds (evaluation excluded)")
+    ax.set_ylabel(f"eval {metric}")
+    ax.set_title(f"{report['name']}: {report['task']}, {report['peers']} peers ({report['mode']})")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _consensus_series(report: dict[str, Any]) -> list[tuple[str, list[int], list[float]]]:
+    """(peer id, steps, estimate) per peer whose samples carry a positive estimate."""
+    out = []
+    for p in report["swarm"]["peers"]:
+        pts = [(h["step"], h["consensus_distance"]) for h in p.get("history", [])
+               if (h.get("consensus_distance") or 0) > 0]  # fmt: skip
+        if pts:
+            out.append((p["id"], [s for s, _ in pts], [c for _, c in pts]))
+    return out
+
+
+def _consensus_plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    cmap = plt.get_cmap("tab10")
+    for i, (pid, steps, values) in enumerate(_consensus_series(report)):
+        ax.plot(steps, values, color=cmap(i % 10), lw=1.0, label=pid)
+    ax.set_yscale("log")
+    ax.set_xlabel("local step")
+    ax.set_ylabel("consensus distance estimate")
+    ax.set_title(f"{report['name']}: each peer's consensus-distance estimate")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def available_plots(report: dict[str, Any]) -> list[str]:
+    """The names in ``PLOTS`` this report has data for (older reports lack the last two)."""
+    metric = report_metric(report)
+    timed = any(eval_points(p, metric) for p in _done_peers(report)) or any(
+        eval_points(b, metric) for b in report.get("baselines", {}).values()
+    )
+    skip = set()
+    if not timed:
+        skip.add("metric_vs_time.png")
+    if not _consensus_series(report):
+        skip.add("consensus_vs_step.png")
+    return [name for name in PLOTS if name not in skip]
+
+
 def plot_all(report: dict[str, Any], out: Path) -> list[Path]:
-    """Write the four PNG plots into ``out``; returns their paths."""
+    """Write the PNG plots this report has data for into ``out``; returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
-    paths = [out / name for name in PLOTS]
-    _loss_plot(report, "step", "local step", paths[0], logx=False)
-    _loss_plot(report, "sent_bytes", "bytes sent per process", paths[1], logx=True)
-    _loss_plot(report, "seconds", "wall-clock seconds since training started", paths[2], False)
-    _link_plot(report, paths[3])
+    draw = {
+        "loss_vs_step.png": lambda p: _loss_plot(report, "step", "local step", p, logx=False),
+        "loss_vs_bytes.png": lambda p: _loss_plot(
+            report, "sent_bytes", "bytes sent per process", p, logx=True
+        ),
+        "loss_vs_time.png": lambda p: _loss_plot(
+            report, "seconds", "wall-clock seconds since training started", p, logx=False
+        ),
+        "bytes_per_link.png": lambda p: _link_plot(report, p),
+        "metric_vs_time.png": lambda p: _metric_plot(report, p),
+        "consensus_vs_step.png": lambda p: _consensus_plot(report, p),
+    }
+    paths = []
+    for name in available_plots(report):
+        draw[name](out / name)
+        paths.append(out / name)
     return paths
+
+
+# -- time to target --------------------------------------------------------------------------
+
+
+def report_metric(report: dict[str, Any]) -> str:
+    """The headline metric's name (the swarm's, else DDP's, else accuracy)."""
+    swarm_metric = report.get("swarm", {}).get("metric")
+    return swarm_metric or report.get("baselines", {}).get("ddp", {}).get("metric") or "accuracy"
+
+
+def higher_is_better(report: dict[str, Any], metric: str) -> bool:
+    """The metric's direction as a process recorded it (``Task.higher_is_better``); for older
+    reports, the same rule by name: loss, perplexity, error and bpc are lower-is-better."""
+    recorded = [b.get("higher_is_better") for b in report.get("baselines", {}).values()]
+    recorded += [p.get("higher_is_better") for p in report.get("swarm", {}).get("peers", [])]
+    for value in recorded:
+        if value is not None:
+            return bool(value)
+    return not any(word in metric.lower() for word in ("loss", "perplexity", "error", "bpc"))
+
+
+def _done_peers(report: dict[str, Any]) -> list[dict[str, Any]]:
+    return [p for p in report.get("swarm", {}).get("peers", []) if p.get("final")]
+
+
+def _timed_evals(proc: dict[str, Any], metric: str) -> list[tuple[int, float, float]]:
+    return [(int(e["step"]), float(e["seconds"]), float(e[metric]))
+            for e in proc.get("evals") or [] if "seconds" in e and metric in e]  # fmt: skip
+
+
+def _final_point(proc: dict[str, Any], metric: str) -> tuple[int, float, float] | None:
+    final, seconds = proc.get("final") or {}, proc.get("final_seconds")
+    if metric not in final or seconds is None:
+        return None
+    return int(proc.get("steps") or 0), float(seconds), float(final[metric])
+
+
+def eval_points(proc: dict[str, Any], metric: str) -> list[tuple[int, float, float]]:
+    """(step, seconds, value) of one process's timed evaluations, its final one last; empty
+    when it recorded no times (reports from before evaluations were timed)."""
+    pts, last = _timed_evals(proc, metric), _final_point(proc, metric)
+    if last is None:
+        return pts
+    return [pt for pt in pts if pt[0] < last[0]] + [last]
+
+
+def swarm_points(report: dict[str, Any], metric: str) -> list[tuple[int, float, float]]:
+    """(step, seconds, mean value) of the swarm: at each step every finished peer evaluated,
+    the mean over peers, timed when the slowest of them got there; finals as the last point."""
+    peers = _done_peers(report)
+    if not peers:
+        return []
+    finals = [_final_point(p, metric) for p in peers]
+    end = max((f[0] for f in finals if f), default=None)
+    by_step = [
+        {step: (t, v) for step, t, v in _timed_evals(p, metric) if end is None or step < end}
+        for p in peers
+    ]
+    out = []
+    for step in sorted(set.intersection(*(set(d) for d in by_step))):
+        at = [d[step] for d in by_step]
+        out.append((step, max(t for t, _ in at), sum(v for _, v in at) / len(at)))
+    if all(finals):
+        done = [f for f in finals if f]
+        out.append((max(f[0] for f in done), max(f[1] for f in done),
+                    sum(f[2] for f in done) / len(done)))  # fmt: skip
+    return out
+
+
+def first_reaching(
+    points: list[tuple[int, float, float]], target: float, higher: bool
+) -> tuple[int, float] | None:
+    """(step, seconds) of the first point at or past ``target``; None if none is."""
+    for step, seconds, value in points:
+        if (value >= target) if higher else (value <= target):
+            return step, seconds
+    return None
+
+
+def time_to_target(report: dict[str, Any]) -> dict[str, Any] | None:
+    """When each system first reached DDP's final metric, and a looser target (1 point under
+    it for accuracy-type metrics, 2% over it for loss-type ones); None without a DDP result.
+
+    The swarm is judged on the mean over its peers at each evaluation step; times are training
+    seconds with evaluation excluded, the same clock for the swarm and the baselines.
+    """
+    metric = report_metric(report)
+    ddp = report.get("baselines", {}).get("ddp") or {}
+    if metric not in (ddp.get("final") or {}):
+        return None
+    higher = higher_is_better(report, metric)
+    target = float(ddp["final"][metric])
+    point = LOOSE_POINTS if abs(target) <= 1 else 1.0  # of a fraction, or of a percentage
+    loose = target - point if higher else target * LOOSE_FACTOR
+    series = {"swarm": swarm_points(report, metric)}
+    for name, b in report.get("baselines", {}).items():
+        series[name] = eval_points(b, metric)
+    systems: dict[str, dict[str, Any]] = {}
+    for name, pts in series.items():
+        hit, loose_hit = first_reaching(pts, target, higher), first_reaching(pts, loose, higher)
+        systems[name] = {
+            "seconds": hit[1] if hit else None,
+            "step": hit[0] if hit else None,
+            "loose_seconds": loose_hit[1] if loose_hit else None,
+            "loose_step": loose_hit[0] if loose_hit else None,
+        }
+    ours = systems["swarm"]
+
+    def ratio(name: str, key: str) -> float | None:
+        a, b = systems[name][key], ours[key]
+        return a / b if a is not None and b else None
+
+    baselines = [n for n in systems if n != "swarm"]
+    return {
+        "metric": metric,
+        "higher_is_better": higher,
+        "target": target,
+        "loose_target": loose,
+        "systems": systems,
+        # How many times sooner the swarm got there than each baseline.
+        "speedup": {n: ratio(n, "seconds") for n in baselines},
+        "loose_speedup": {n: ratio(n, "loose_seconds") for n in baselines},
+    }
+
+
+def _ttt_lines(ttt: dict[str, Any]) -> list[str]:
+    """The summary.md section for ``time_to_target``."""
+
+    def fmt(seconds: float | None, step: int | None) -> str:
+        return "never" if seconds is None else f"{seconds:.1f} s (step {step})"
+
+    def fmt_x(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}x"
+
+    metric, target, loose = ttt["metric"], ttt["target"], ttt["loose_target"]
+    lines = [
+        "",
+        f"## Time to DDP's final {metric}",
+        "",
+        f"Target: DDP's final {metric} {target:.4f}; loose target {loose:.4f} (within "
+        + ("1 point)." if ttt["higher_is_better"] else "2%)."),
+        "Training seconds with evaluation time excluded; the swarm counts when the mean over "
+        "its peers first reaches the target (time of the slowest peer at that evaluation). "
+        "Speed-up: baseline's time / swarm's time. never = not reached in this run.",
+        "",
+        "| system | to target | to loose target | swarm speed-up | swarm speed-up (loose) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, s in ttt["systems"].items():
+        lines.append(
+            f"| {name} | {fmt(s['seconds'], s['step'])} | "
+            f"{fmt(s['loose_seconds'], s['loose_step'])} | "
+            f"{fmt_x(ttt['speedup'].get(name))} | {fmt_x(ttt['loose_speedup'].get(name))} |"
+        )
+    return lines
 
 
 def _fmt_mb(n: float | None) -> str:
@@ -210,16 +466,20 @@ def markdown(report: dict[str, Any]) -> str:
         "ring all-reduce traffic per rank, 2(n−1)/n × each all-reduce payload. Kernel MB "
         "(netns): what each site's link carried, headers, acks and framing included. "
         "Train s: wall-clock of the training loop (start-up excluded).",
-        "",
-        *[f"![{p}]({p})" for p in PLOTS],
-        "",
     ]
+    ttt = report.get("time_to_target")
+    if ttt is None and "time_to_target" not in report:
+        ttt = time_to_target(report)
+    if ttt:
+        lines += _ttt_lines(ttt)
+    lines += ["", *[f"![{p}]({p})" for p in available_plots(report)], ""]
     return "\n".join(lines)
 
 
 def write_outputs(out: Path, report: dict[str, Any]) -> None:
     """report.json, summary.md and the PNG plots into ``out``."""
     out = Path(out)
+    report["time_to_target"] = time_to_target(report)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "summary.md").write_text(markdown(report))
     try:

@@ -230,6 +230,8 @@ class Experiment:
                                 "time": s["time"],
                             }
                         )
+                        if s.get("consensus_distance") is not None:
+                            h[-1]["consensus_distance"] = s["consensus_distance"]
             now = time.monotonic()
             if self.spec.experiment.mode == "local" and now - last_scrape[0] > SCRAPE_EVERY_S:
                 last_scrape[0] = now
@@ -261,8 +263,9 @@ class Experiment:
             summary = read_json(swarm.peer_dir(i) / "summary.json")
             entry: dict[str, Any] = {"id": f"peer{i}", "ok": bool(summary) and i not in failed}
             if summary:
-                keep = ("id", "final", "metric", "steps", "rounds", "train_loss", "evals",
-                        "params", "wall_seconds", "consensus_distance_estimate")  # fmt: skip
+                keep = ("id", "final", "final_seconds", "metric", "higher_is_better", "steps",
+                        "rounds", "train_loss", "evals", "params", "wall_seconds",
+                        "consensus_distance_estimate")  # fmt: skip
                 entry.update({k: summary.get(k) for k in keep})
                 for key in ("sent_bytes", "received_bytes", "dense_bytes", "sent_update_bytes"):
                     entry[key] = summary.get(key, 0)
