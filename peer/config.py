@@ -200,6 +200,13 @@ class GossipSection(Section):
         "out-edge. ef-gradient: c = Q(g) with no residual, and its choco consensus rounds "
         "drop error feedback as above. Both ends of an edge stay identical either way.",
     )
+    final_rounds: int = Field(
+        0,
+        ge=0,
+        description="Gossip-only rounds after the last training step (no gradients, the "
+        "same codec): the peers' models move towards their average, so each site ends "
+        "closer to the swarm's consensus. Every peer of a swarm must use the same value.",
+    )
     max_staleness: int = Field(
         1,
         ge=0,

@@ -228,6 +228,21 @@ class Daemon:
                 self._write_status(
                     step=step, loss=loss_value, **self._traffic(gopt), **_consensus(gopt)
                 )
+        before_rounds = None
+        if cfg.gossip.final_rounds and not self.stop_requested.is_set():
+            with clock.paused():
+                before_rounds = task.evaluate(model)
+            for _ in range(cfg.gossip.final_rounds):
+                if self.stop_requested.is_set():
+                    break
+                gopt.gossip_round()
+                gopt.peer.update_progress(gopt.local_step, gopt.round)
+                now = time.monotonic()
+                if now - last_status > STATUS_EVERY_S:
+                    last_status = now
+                    self._write_status(
+                        state="final-rounds", **self._traffic(gopt), **_consensus(gopt)
+                    )
         final_seconds = clock.seconds()
         final = task.evaluate(model)
         metrics.set_eval(final)
@@ -245,6 +260,7 @@ class Daemon:
             "stopped_early": self.stop_requested.is_set(),
             "final": final,
             "final_seconds": final_seconds,
+            "final_before_final_rounds": before_rounds,
             "metric": task.metric,
             "higher_is_better": task.higher_is_better,
             "train_loss": loss_value,

@@ -213,15 +213,19 @@ class SiteOptimizer:
             out = self.optimizer.step()
             self.local_step = self.local_step + 1
         if round_due(self.config.gossip, self.local_step):
-            if self.gopt is not None:
-                self.gopt.gossip_round()
-            with lock:
-                dist.broadcast(self.flat.data, src=0)
-            self._rounds += 1
-            if self.verify:
-                self.check_identical()
+            self.gossip_round()
         self.peer.update_progress(self.local_step, self.round)
         return loss if loss is not None else out
+
+    def gossip_round(self) -> None:
+        """One model-gossip round across sites: the leader gossips, every rank takes x."""
+        if self.gopt is not None:
+            self.gopt.gossip_round()
+        with self.gopt._lock if self.gopt is not None else _NO_LOCK:
+            dist.broadcast(self.flat.data, src=0)
+        self._rounds += 1
+        if self.verify:
+            self.check_identical()
 
     def check_identical(self) -> None:
         """Raise if any rank's parameters differ from the leader's (bit for bit)."""

@@ -143,3 +143,26 @@ def test_sigterm_checkpoints_and_leaves_cleanly(swarm_factory) -> None:
     before = step_of(swarm, 0)
     wait_for(lambda: "peer peer1 left" in (swarm.out / "peer0.log").read_text(), 10, "leave")
     wait_for(lambda: step_of(swarm, 0) >= before + 100, 60, "peer0 to go on")
+
+
+@pytest.mark.timeout(300)
+def test_final_rounds_bring_the_peers_together(swarm_factory) -> None:
+    """gossip.final_rounds: gossip-only rounds after the last step shrink the disagreement."""
+    short = {"train.steps": "40", "train.schedule": "constant", "train.lr": "0.1"}
+    results = {}
+    for rounds in (0, 60):
+        swarm = swarm_factory(3, **short, **{"gossip.final_rounds": str(rounds)})
+        swarm.start()
+        assert swarm.wait(150), "swarm did not finish"
+        assert swarm.failed() == []
+        results[rounds] = summarize(swarm)
+    plain, merged = results[0], results[60]
+    print(
+        f"relative consensus distance {plain['relative_consensus_distance']:.2e} without, "
+        f"{merged['relative_consensus_distance']:.2e} after 60 final rounds"
+    )
+    assert merged["relative_consensus_distance"] < plain["relative_consensus_distance"] / 4
+    for p in merged["peers"]:
+        assert p["steps"] == 40 and p["rounds"] == 100
+        assert p["final_before_final_rounds"]["accuracy"] > 0.5  # evaluated before the rounds
+    assert all(p["final_before_final_rounds"] is None for p in plain["peers"])

@@ -35,6 +35,8 @@ from rich.console import Console
 log = logging.getLogger(__name__)
 
 SCRAPE_EVERY_S = 2.0
+# Daemon states in which a peer is working (training, or gossip-only final rounds).
+ACTIVE_STATES = ("training", "final-rounds")
 _SAMPLE = re.compile(r"^gossipgrad_(sent|received)_bytes_total\{([^}]*)\}\s+([0-9.eE+]+)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
@@ -218,9 +220,9 @@ class Experiment:
 
         def on_sample(statuses: list[dict[str, Any]]) -> None:
             for i, s in enumerate(statuses):
-                if s.get("state") == "training" and "loss" in s and "time" in s:
+                if s.get("state") in ACTIVE_STATES and "loss" in s and "time" in s:
                     h = history[i]
-                    if not h or h[-1]["step"] != s["step"]:
+                    if not h or h[-1]["time"] != s["time"]:
                         h.append(
                             {
                                 "step": s["step"],
@@ -236,7 +238,7 @@ class Experiment:
             if self.spec.experiment.mode == "local" and now - last_scrape[0] > SCRAPE_EVERY_S:
                 last_scrape[0] = now
                 for i, s in enumerate(statuses):
-                    if s.get("metrics_port") and s.get("state") == "training":
+                    if s.get("metrics_port") and s.get("state") in ACTIVE_STATES:
                         with contextlib.suppress(OSError):
                             edges[i] = scrape_edge_bytes(int(s["metrics_port"]))
 
