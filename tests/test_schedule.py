@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -39,7 +40,7 @@ def test_cosine_decays_from_lr_to_the_floor() -> None:
     assert seen[0] == pytest.approx(0.2)
     assert seen[50] == pytest.approx(0.2 * (0.1 + 0.9 * 0.5))  # half way: the midpoint
     assert seen[100] == pytest.approx(0.02)
-    assert all(a >= b for a, b in zip(seen, seen[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(seen))
 
 
 def test_cosine_starts_after_warmup_and_stays_at_floor_past_the_end() -> None:
