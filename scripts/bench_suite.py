@@ -204,6 +204,13 @@ ENTRIES: list[Entry] = [
     Entry("digits-wan", WAN, tags=("wan",)),
     Entry("fmnist-wan", "bench_fmnist_wan.toml", tags=("wan",)),
     Entry("fmnist-wan8", "bench_fmnist_wan.toml", ("experiment.peers=8",), tags=("wan",)),
+    # a race to DDP's final accuracy: the swarm may take twice DDP's steps (time_to_target)
+    Entry(
+        "fmnist-wan-race",
+        "bench_fmnist_wan.toml",
+        ("train.steps=300", "baselines.steps=150"),
+        tags=("wan",),
+    ),
 ]
 
 

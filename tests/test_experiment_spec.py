@@ -277,3 +277,19 @@ def test_live_view_shows_every_process() -> None:
     with LiveView(Console(file=plain), live=True) as view:  # not a terminal: plain lines
         view.update("swarm", statuses, 150)
     assert "swarm step/loss peer0:42/0.500 peer1:0" in plain.getvalue()
+
+
+@pytest.mark.timeout(30)
+def test_baselines_train_the_swarm_budget_unless_baselines_steps_says_otherwise(
+    tmp_path: Path,
+) -> None:
+    from gossipgrad.experiment.runner import Experiment
+
+    raw = {"experiment": {"seed": 7}, "train": {"steps": 120, "lr": 0.03}}
+    same = Experiment(parse_spec(raw), tmp_path / "a").baseline_train()
+    assert (same.steps, same.seed, same.lr) == (120, 7, 0.03)
+    raced = Experiment(parse_spec({**raw, "baselines": {"steps": 60}}), tmp_path / "b")
+    assert raced.baseline_train().steps == 60
+    assert raced.cfg.train.steps == 120  # the swarm keeps its own budget
+    with pytest.raises(SpecError, match=r"baselines\.steps"):
+        parse_spec({**raw, "baselines": {"steps": -1}})

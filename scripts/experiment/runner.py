@@ -28,7 +28,7 @@ from gossipgrad.experiment.baselines import BaselineRun, RankPlacement
 from gossipgrad.experiment.live import LiveView
 from gossipgrad.experiment.report import write_outputs
 from gossipgrad.experiment.spec import Spec
-from gossipgrad.peer.config import PeerConfig
+from gossipgrad.peer.config import PeerConfig, TrainSection
 from gossipgrad.peer.swarm import LocalSwarm, consensus_distance, read_json
 from rich.console import Console
 
@@ -310,9 +310,15 @@ class Experiment:
             }
         return result
 
+    def baseline_train(self) -> TrainSection:
+        """The [train] section every baseline rank runs: the swarm's, with the run's seed and
+        ``baselines.steps`` when set."""
+        steps = self.spec.baselines.steps or self.cfg.train.steps
+        return self.cfg.train.model_copy(update={"seed": self.spec.experiment.seed, "steps": steps})
+
     def run_baseline(self, name: str, view: LiveView) -> dict[str, Any]:
         b = self.spec.baselines
-        train = self.cfg.train.model_copy(update={"seed": self.spec.experiment.seed})
+        train = self.baseline_train()
         run = BaselineRun(
             name, self.n, train, self.out / "baselines" / name, self._placement(),
             b.powersgd_rank, b.powersgd_start_iter,

@@ -188,6 +188,10 @@ class BaselinesSection(_Model):
     """matrix_approximation_rank of the PowerSGD hook."""
     powersgd_start_iter: int = Field(10, ge=1)
     """Iterations of dense all-reduce before PowerSGD starts (start_powerSGD_iter)."""
+    steps: int = Field(0, ge=0)
+    """Steps of every baseline rank; 0: train.steps, the same sample budget as each peer.
+    Another value turns the comparison into a race to an accuracy (report time_to_target),
+    e.g. a swarm allowed twice the steps of DDP on a slow WAN."""
 
     @field_validator("run")
     @classmethod
