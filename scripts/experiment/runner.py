@@ -267,7 +267,7 @@ class Experiment:
             if summary:
                 keep = ("id", "final", "final_seconds", "metric", "higher_is_better", "steps",
                         "rounds", "train_loss", "evals", "params", "wall_seconds",
-                        "consensus_distance_estimate")  # fmt: skip
+                        "consensus_distance_estimate", "final_before_final_rounds")  # fmt: skip
                 entry.update({k: summary.get(k) for k in keep})
                 for key in ("sent_bytes", "received_bytes", "dense_bytes", "sent_update_bytes"):
                     entry[key] = summary.get(key, 0)
