@@ -227,6 +227,21 @@ def _reseeded(seed: int) -> list[Entry]:
 
 
 ENTRIES += _reseeded(1) + _reseeded(2)
+# Fashion-MNIST headline rows again with seeds 1 and 2 (IID; Dirichlet with and without
+# final rounds), each seed with its own baselines.
+for _seed in (1, 2):
+    _dirichlet = ('train.partition="dirichlet"', "train.alpha=0.5", f"experiment.seed={_seed}")
+    ENTRIES += [
+        Entry(f"fmnist-s{_seed}", FMNIST, (f"experiment.seed={_seed}",), tags=("fmnist-seeds",)),
+        Entry(f"fmnist-dirichlet0.5-s{_seed}", FMNIST, _dirichlet, tags=("fmnist-seeds",)),
+        Entry(
+            f"fmnist-dirichlet0.5-final100-s{_seed}",
+            FMNIST,
+            _no_baselines(*_dirichlet, "gossip.final_rounds=100"),
+            f"fmnist-dirichlet0.5-s{_seed}",
+            tags=("fmnist-seeds",),
+        ),
+    ]
 
 
 def run_entry(entry: Entry, out: Path, python: str) -> int:
