@@ -479,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--tag",
         default="",
-        help="only entries with this tag (ablation, codec, noniid, scaling, wan)",
+        help="only entries with this tag (ablation, codec, noniid, scaling, wan, cnn8, charlm8, "
+        "fmnist-seeds)",
     )
     ap.add_argument("--table", action="store_true", help="tabulate existing runs, run nothing")
     ap.add_argument(
