@@ -198,6 +198,14 @@ ENTRIES: list[Entry] = [
         tags=("cnn8",),
     ),
     Entry("charlm8", "bench_shakespeare8.toml", tags=("charlm8",)),
+    # diagnosis: the same swarm gossiping dense models (no compression, plain D-PSGD mixing)
+    Entry(
+        "charlm8-dense",
+        "bench_shakespeare8.toml",
+        _no_baselines('gossip.codec="none"', "gossip.gamma=1.0"),
+        "charlm8",
+        tags=("charlm8",),
+    ),
     # scaling: 16 peers (16 processes per phase on the 2-core host)
     Entry("digits-16", DIGITS, ("experiment.peers=16",), tags=("scaling",)),
     # emulated WAN (netns; root and iproute2)
@@ -374,9 +382,9 @@ def tables(entries: list[Entry], root: Path) -> str:
         rows.append(row(e, rep, ref, root / e.name))
     if not rows:
         return "(no reports)\n"
-    cols = list(rows[0])
+    cols = list(dict.fromkeys(c for r in rows for c in r))  # rows of other metrics add theirs
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(r[c] for c in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join(r.get(c, "-") for c in cols) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
