@@ -7,15 +7,21 @@
 # torch: a GPU site keeps whatever torch is already importable in the venv. With none, a
 # machine without an NVIDIA GPU gets $GOSSIPGRAD_TORCH (default torch==2.13.0, the CPU wheel
 # on our build machines); a machine with one gets the registry's default (CUDA) build.
+#
+# --hivemind: also create .venv-hivemind for the experiment runner's hivemind baseline
+# (hivemind pins its own protobuf and p2p daemon): the same Python, torch as above, then
+# hivemind==$GOSSIPGRAD_HIVEMIND (default 1.1.12), then gossipgrad (editable) with its tasks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 want_test=0
+want_hivemind=0
 for arg in "$@"; do
   case "$arg" in
     --test) want_test=1 ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
-    *) echo "setup.sh: unknown argument '$arg' (valid: --test)" >&2; exit 2 ;;
+    --hivemind) want_hivemind=1 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    *) echo "setup.sh: unknown argument '$arg' (valid: --test, --hivemind)" >&2; exit 2 ;;
   esac
 done
 
@@ -64,5 +70,34 @@ if [ "$want_test" = 1 ]; then
       log "not root: tests needing ${missing[*]} will be skipped"
     fi
   fi
+fi
+if [ "$want_hivemind" = 1 ]; then
+  hm=.venv-hivemind
+  if [ ! -x "$hm/bin/python" ]; then
+    # The interpreter the main venv was made from, so both run the same Python.
+    base=$("$venv/bin/python" -c "import sys; print(sys._base_executable)")
+    log "creating $hm with $base"
+    "$base" -m venv "$hm"
+    "$hm/bin/python" -m pip install -q --upgrade pip
+  fi
+  hpip=("$hm/bin/python" -m pip install -q)
+  if ! "$hm/bin/python" -c "import torch" 2>/dev/null; then
+    # torch first, so that hivemind's own torch requirement never pulls another build.
+    spec=${GOSSIPGRAD_TORCH:-torch==2.13.0}
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then spec=torch; fi
+    log "installing $spec into $hm"
+    "${hpip[@]}" "$spec"
+  fi
+  if ! "$hm/bin/python" -c "import hivemind" 2>/dev/null; then
+    log "installing hivemind into $hm"
+    "${hpip[@]}" "hivemind==${GOSSIPGRAD_HIVEMIND:-1.1.12}"
+  fi
+  hstamp="$hm/.gossipgrad-installed"
+  if [ ! -f "$hstamp" ] || [ pyproject.toml -nt "$hstamp" ]; then
+    log "installing gossipgrad (editable) into $hm"
+    "${hpip[@]}" -e ".[tasks]"
+    touch "$hstamp"
+  fi
+  "$hm/bin/python" -c "import hivemind, gossipgrad.peer.tasks; print('hivemind', hivemind.__version__)"
 fi
 log "ready: $venv"

@@ -1,6 +1,8 @@
-"""Data-parallel baselines in the same run: DDP dense all-reduce and DDP + PowerSGD (gloo).
+"""Data-parallel baselines in the same run: DDP dense all-reduce and DDP + PowerSGD (gloo),
+and hivemind's collaborative optimizer.
 
-Each baseline starts ``n`` rank processes (``gossipgrad.experiment.ddp_worker``) where the
+Each baseline starts ``n`` rank processes (``gossipgrad.experiment.ddp_worker``, or
+``gossipgrad.experiment.hivemind_worker`` in the ``.venv-hivemind`` environment) where the
 swarm's peers ran -- as plain processes on 127.0.0.1, inside the same shaped namespaces in
 netns mode -- on the same task, seed, shards, batch size, optimizer and step count, and
 collects what they measured into one summary per baseline.
@@ -26,6 +28,26 @@ from gossipgrad.peer.swarm import reap
 log = logging.getLogger(__name__)
 
 HOOKS = {"ddp": "dense", "powersgd": "powersgd"}
+BASELINES = (*HOOKS, "hivemind")
+HIVEMIND_VENV = Path(__file__).resolve().parents[2] / ".venv-hivemind"
+"""hivemind pins its own protobuf and p2p daemon, so it lives in a venv of its own."""
+
+
+def hivemind_python() -> str:
+    """The interpreter of the hivemind venv (``$GOSSIPGRAD_HIVEMIND_PYTHON`` overrides it).
+
+    Raises:
+        SpecError: when it is missing, naming the setup command.
+    """
+    from gossipgrad.experiment.spec import SpecError
+
+    python = os.environ.get("GOSSIPGRAD_HIVEMIND_PYTHON") or str(HIVEMIND_VENV / "bin" / "python")
+    if not os.access(python, os.X_OK):
+        raise SpecError(
+            f"baselines.run: 'hivemind' needs its own environment, and {python} does not "
+            "exist; create it with: scripts/setup.sh --hivemind"
+        )
+    return python
 
 
 @dataclass
@@ -47,7 +69,15 @@ def rank_command(
     powersgd_rank: int = 2,
     powersgd_start: int = 10,
 ) -> list[str]:
-    """argv of one rank of baseline ``name`` ('ddp' or 'powersgd')."""
+    """argv of one rank of baseline ``name`` ('ddp', 'powersgd' or 'hivemind')."""
+    if name == "hivemind":
+        worker = "gossipgrad.experiment.hivemind_worker"
+        cmd = [*place.prefix(rank), hivemind_python(), "-m", worker]
+        cmd += ["--rank", str(rank), "--world", str(world), "--host", place.host]
+        # Loopback in local mode; in netns mode each rank listens in its own namespace.
+        listen = place.host if place.host.startswith("127.") else "0.0.0.0"
+        cmd += ["--listen", listen, "--out", str(out), "--train-json", str(out / "train.json")]
+        return cmd
     cmd = [*place.prefix(rank), place.python, "-m", "gossipgrad.experiment.ddp_worker"]
     cmd += ["--rank", str(rank), "--world", str(world), "--host", place.host]
     cmd += ["--out", str(out), "--train-json", str(out / "train.json"), "--hook", HOOKS[name]]
@@ -69,8 +99,8 @@ class BaselineRun:
         powersgd_rank: int = 2,
         powersgd_start: int = 10,
     ) -> None:
-        if name not in HOOKS:
-            raise ValueError(f"unknown baseline {name!r}; valid: {', '.join(HOOKS)}")
+        if name not in BASELINES:
+            raise ValueError(f"unknown baseline {name!r}; valid: {', '.join(BASELINES)}")
         self.name, self.world, self.train, self.out, self.place = name, world, train, out, place
         self.psgd = (powersgd_rank, powersgd_start)
         self.procs: list[subprocess.Popen] = []
@@ -79,8 +109,9 @@ class BaselineRun:
 
     def start(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        for stale in self.out.glob("*.json"):
-            stale.unlink()
+        for pattern in ("*.json", "*.ready", "*.trained"):  # the hivemind ranks' barriers too
+            for stale in self.out.glob(pattern):
+                stale.unlink()
         # Ranks train one process each like the peers: one thread, deterministic per seed.
         (self.out / "train.json").write_text(
             self.train.model_copy(update={"threads": 1}).model_dump_json()
@@ -156,6 +187,11 @@ class BaselineRun:
         }
         if self.name == "powersgd":
             result["powersgd_rank"], result["powersgd_start_iter"] = self.psgd
+        if self.name == "hivemind" and done:
+            # hivemind's epochs are global steps; these say what they cost each rank.
+            for key in ("local_batches", "samples", "grad_averaging_rounds"):
+                result[key] = [x.get(key) for x in done]
+            result["bytes_counted"] = done[0].get("bytes_counted")
         if done:
             first = done[0]
             result.update(
@@ -167,10 +203,18 @@ class BaselineRun:
                 steps=first["steps"],
                 params=first["params"],
                 wall_seconds=max(x["wall_seconds"] for x in done),
-                mean_sent_bytes=sum(x["sent_bytes"] for x in done) / len(done),
-                mean_received_bytes=sum(x["received_bytes"] for x in done) / len(done),
+                mean_sent_bytes=_mean([x["sent_bytes"] for x in done]),
+                mean_received_bytes=_mean([x["received_bytes"] for x in done]),
                 dense_bytes_per_rank=first["dense_bytes"],
             )
         if not result["ok"]:
             log.error("baseline %s failed; see %s", self.name, self.out / "rank0.log")
         return result
+
+
+def _mean(values: list[float | None]) -> float:
+    """Mean over the ranks; NaN when a rank could not count its bytes (hivemind without
+    ``ss``): unknown, not zero."""
+    if any(v is None for v in values):
+        return float("nan")
+    return sum(values) / len(values)  # type: ignore[arg-type]

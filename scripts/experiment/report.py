@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 PLOTS = ("loss_vs_step.png", "loss_vs_bytes.png", "loss_vs_time.png", "bytes_per_link.png",
          "metric_vs_time.png", "consensus_vs_step.png")  # fmt: skip
-COLORS = {"ddp": "tab:red", "powersgd": "tab:purple"}
+COLORS = {"ddp": "tab:red", "powersgd": "tab:purple", "hivemind": "tab:olive"}
 LOOSE_POINTS = 0.01  # "within 1 point" of an accuracy-type metric reported as a fraction
 LOOSE_FACTOR = 1.02  # the same for a loss-type metric: within 2% of it
 

@@ -182,8 +182,11 @@ class ExperimentSection(_Model):
 class BaselinesSection(_Model):
     """Baselines run after the swarm on the same task, seed, shards and sample budget."""
 
-    run: list[Literal["ddp", "powersgd"]] = Field(default_factory=lambda: ["ddp", "powersgd"])
-    """ddp: dense DDP all-reduce over gloo; powersgd: DDP with PyTorch's PowerSGD hook."""
+    run: list[Literal["ddp", "powersgd", "hivemind"]] = Field(
+        default_factory=lambda: ["ddp", "powersgd"]
+    )
+    """ddp: dense DDP all-reduce over gloo; powersgd: DDP with PyTorch's PowerSGD hook;
+    hivemind: hivemind.Optimizer's gradient all-reduce (needs ``scripts/setup.sh --hivemind``)."""
     powersgd_rank: int = Field(2, ge=1)
     """matrix_approximation_rank of the PowerSGD hook."""
     powersgd_start_iter: int = Field(10, ge=1)
@@ -198,6 +201,10 @@ class BaselinesSection(_Model):
     def _unique(cls, v: list[str]) -> list[str]:
         if len(set(v)) != len(v):
             raise ValueError(f"baselines listed twice: {v}")
+        if "hivemind" in v:
+            from gossipgrad.experiment.baselines import hivemind_python
+
+            hivemind_python()  # fails now, with the setup command, not after the swarm ran
         return v
 
 

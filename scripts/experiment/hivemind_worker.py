@@ -1,0 +1,356 @@
+"""One rank of the hivemind baseline: ``python -m gossipgrad.experiment.hivemind_worker``.
+
+Runs in its own virtual environment (``.venv-hivemind``, ``scripts/setup.sh --hivemind``):
+the hivemind library (Ryabinin et al., "Moshpit SGD", NeurIPS 2021; learning-at-home/hivemind)
+pins its own protobuf and p2p daemon. Trains the experiment's task on this rank's shard (the
+same shard, seed, batch size, optimizer, schedule and step count as peer ``rank`` of the swarm
+and as the DDP ranks) under ``hivemind.Optimizer`` in its plain synchronous mode: gradients are
+accumulated towards a global ``target_batch_size`` of world x batch size, then averaged by an
+all-reduce among the peers (``use_local_updates=False``) before the wrapped optimizer steps, so
+one hivemind epoch plays the part of one DDP step. hivemind decides when an epoch is complete
+from progress its peers publish in its DHT, so on a fast link a rank may contribute more than
+one batch to an epoch: ``hivemind_epochs`` (global optimizer steps) can be fewer than
+``steps`` (local batches). The learning-rate schedule follows the local batches, the same
+sample budget as DDP's. hivemind's defaults otherwise: no gradient compression, parameters and
+optimizer state averaged every epoch in the background.
+
+Bytes: hivemind counts none. Each rank's hivemind traffic leaves through one p2p daemon
+(``p2pd``, a child process of the DHT); its TCP sockets' kernel counters (``ss -ti``:
+``bytes_acked`` sent, ``bytes_received``) are sampled every ``SAMPLE_EVERY_S`` and at the end,
+keeping each connection's largest reading. That is everything hivemind put on the wire above
+TCP (gradients, state averaging, DHT and progress metadata, libp2p's encryption and framing);
+a connection closed between two samples loses what it carried since the last one. Without
+``ss`` the bytes are ``None`` (unknown). In netns mode the runner counts link bytes as well.
+
+Rendezvous: rank 0 starts its DHT on ``--host`` port 0 and publishes its visible multiaddrs in
+``dht.json`` in ``--out``; the others bootstrap from them. File barriers before the first and
+after the last step keep every rank in the swarm while any rank trains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import hivemind
+import torch
+from gossipgrad.peer.config import TrainSection
+from gossipgrad.peer.daemon import TrainClock, make_optimizer, write_json_atomic
+from gossipgrad.peer.schedule import lr_factor
+from gossipgrad.peer.tasks import TaskContext, build_task
+
+log = logging.getLogger(__name__)
+
+STATUS_EVERY_S = 0.5
+SAMPLE_EVERY_S = 1.0
+RENDEZVOUS_TIMEOUT_S = 120.0
+RUN_ID = "gossipgrad-baseline"
+
+
+def descendants(root: int, comm: str | None = None) -> list[int]:
+    """Pids of the processes below ``root`` (with command name ``comm``, if given), from
+    /proc."""
+    parent: dict[int, int] = {}
+    names: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces, so split at the last ')'.
+        head, _, rest = stat.rpartition(")")
+        pid = int(entry.name)
+        names[pid] = head.split("(", 1)[1]
+        parent[pid] = int(rest.split()[1])
+    out = []
+    for pid, name in names.items():
+        p = pid
+        while p in parent and p not in (0, 1, root):
+            p = parent[p]
+        if p == root and pid != root and comm in (None, name):
+            out.append(pid)
+    return out
+
+
+_SOCKET = re.compile(r"^\S+\s+\S+\s+\S+\s+(\S+)\s+(\S+)\s+users:.*pid=(\d+),")
+_COUNTER = re.compile(r"\b(bytes_acked|bytes_received):(\d+)")
+
+
+class SocketCounter:
+    """Bytes on the p2p daemon's TCP connections, from the kernel's per-socket counters."""
+
+    def __init__(self) -> None:
+        self.available = subprocess.run(["ss", "-V"], capture_output=True).returncode == 0
+        self.pids: set[int] = set()
+        self.conns: dict[tuple[str, str], tuple[int, int]] = {}
+        self.lock = threading.Lock()
+
+    def sample(self) -> None:
+        """Read ``ss -tinpH`` once; keep each p2pd connection's largest counters."""
+        if not self.available:
+            return
+        if not self.pids:
+            self.pids = set(descendants(os.getpid(), "p2pd"))
+        text = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True).stdout
+        current: tuple[str, str] | None = None
+        with self.lock:
+            for line in text.splitlines():
+                m = _SOCKET.match(line)
+                if m:
+                    current = (m[1], m[2]) if int(m[3]) in self.pids else None
+                    continue
+                if current is None or not line[:1].isspace():
+                    current = None
+                    continue
+                got = dict(_COUNTER.findall(line))
+                sent, recv = int(got.get("bytes_acked", 0)), int(got.get("bytes_received", 0))
+                old = self.conns.get(current, (0, 0))
+                self.conns[current] = (max(old[0], sent), max(old[1], recv))
+                current = None
+
+    def totals(self) -> tuple[int | None, int | None]:
+        """(sent, received) so far; (None, None) when the counters cannot be read."""
+        if not self.available:
+            return None, None
+        with self.lock:
+            return sum(s for s, _ in self.conns.values()), sum(r for _, r in self.conns.values())
+
+
+class RoundCounter(logging.Handler):
+    """Counts hivemind's "Averaged gradients with N peers" records (its verbose log)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.grad_rounds = 0
+        self.state_rounds = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if msg.startswith("Averaged gradients with"):
+            self.grad_rounds += 1
+        elif msg.startswith("Averaged parameters with"):
+            self.state_rounds += 1
+
+
+def end_children(grace: float = 3.0) -> None:
+    """SIGTERM, then SIGKILL, every process below this one: hivemind's DHT and averager
+    processes and their p2p daemons outlive a rank that is terminated, or whose shutdown
+    failed, and must not outlive the experiment."""
+    pids = descendants(os.getpid())
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and (pids := [p for p in pids if _alive(p)]):
+            time.sleep(0.05)
+        if not pids:
+            return
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie child is reaped and counts as gone)."""
+    with contextlib.suppress(ChildProcessError):
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_for(paths: list[Path], what: str, timeout: float = RENDEZVOUS_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def start_dht(rank: int, host: str, listen: str, out: Path) -> hivemind.DHT:
+    """Rank 0 starts the DHT and publishes its multiaddrs; the others bootstrap from them."""
+    maddrs = [f"/ip4/{host if rank == 0 else listen}/tcp/0"]
+    if rank == 0:
+        dht = hivemind.DHT(host_maddrs=maddrs, start=True)
+        visible = [str(a) for a in dht.get_visible_maddrs()]
+        write_json_atomic(out / "dht.json", {"maddrs": visible})
+        return dht
+    wait_for([out / "dht.json"], "rank 0's DHT address")
+    peers = json.loads((out / "dht.json").read_text())["maddrs"]
+    return hivemind.DHT(host_maddrs=maddrs, initial_peers=peers, start=True)
+
+
+def train(args: argparse.Namespace) -> tuple[dict[str, Any], Callable[[], None]]:
+    """Train this rank; returns its result and a function that leaves the swarm."""
+    cfg = TrainSection.model_validate(json.loads(Path(args.train_json).read_text()))
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    rounds = RoundCounter()
+    logging.getLogger("hivemind").addHandler(rounds)
+    dht = start_dht(args.rank, args.host, args.listen or args.host, out)
+    ctx = TaskContext(
+        peer_index=args.rank,
+        num_peers=args.world,
+        seed=cfg.seed,
+        partition=cfg.partition,
+        alpha=cfg.alpha,
+        batch_size=cfg.batch_size,
+    )
+    task = build_task(cfg.task, ctx)
+    model = task.model
+    mm = args.matchmaking_time
+    opt = hivemind.Optimizer(
+        dht=dht,
+        run_id=RUN_ID,
+        target_batch_size=args.world * cfg.batch_size,
+        batch_size_per_step=cfg.batch_size,
+        optimizer=make_optimizer(model.parameters(), cfg),
+        use_local_updates=False,
+        matchmaking_time=mm,
+        averaging_timeout=args.averaging_timeout,
+        verbose=True,
+        # Loopback-sized: a group is complete once every rank joined, and progress is
+        # re-read often enough to follow steps of a few milliseconds.
+        averager_opts={"target_group_size": args.world, "request_timeout": mm / 2},
+        tracker_opts={"min_refresh_period": 0.05, "max_refresh_period": 0.5,
+                      "default_refresh_period": 0.1},
+    )  # fmt: skip
+    wire = SocketCounter()
+    write_json_atomic(out / f"rank{args.rank}.ready", {})
+    wait_for([out / f"rank{r}.ready" for r in range(args.world)], "every rank's optimizer")
+    stop = threading.Event()
+
+    def sampler() -> None:
+        while not stop.wait(SAMPLE_EVERY_S):
+            wire.sample()
+
+    thread = threading.Thread(target=sampler, daemon=True)
+    thread.start()
+    params = sum(p.numel() for p in model.parameters())
+    batches = task.batches()
+    history: list[dict[str, Any]] = []
+    evals: list[dict[str, float]] = []
+    status_path = out / f"rank{args.rank}.status.json"
+    clock = TrainClock()
+    last = 0.0
+    loss_value = math.nan
+    batch = 0
+    while (epoch := opt.local_epoch) < cfg.steps:
+        # The schedule follows hivemind's epochs (global optimizer steps), as DDP's its steps.
+        for group in opt.opt.param_groups:
+            group["lr"] = cfg.lr * lr_factor(epoch, cfg)
+        opt.zero_grad()
+        loss = task.loss(model, next(batches))
+        loss.backward()
+        opt.step()
+        batch += 1
+        loss_value = float(loss.detach())
+        seconds = clock.seconds()
+        sent, _ = wire.totals()
+        history.append({"step": opt.local_epoch, "batch": batch, "loss": loss_value,
+                        "sent_bytes": sent, "seconds": seconds})  # fmt: skip
+        done = opt.local_epoch
+        if cfg.eval_every and done // cfg.eval_every > epoch // cfg.eval_every and done < cfg.steps:
+            with clock.paused():
+                evals.append({"step": done, "seconds": seconds, **task.evaluate(model)})
+        now = time.monotonic()
+        if now - last > STATUS_EVERY_S:
+            last = now
+            status = {"id": f"rank{args.rank}", "state": "training", "step": done,
+                      "steps": cfg.steps, "loss": loss_value, "sent_bytes": sent or 0}  # fmt: skip
+            write_json_atomic(status_path, status)
+    wall = clock.seconds()
+    write_json_atomic(out / f"rank{args.rank}.trained", {})
+    wait_for([out / f"rank{r}.trained" for r in range(args.world)], "every rank to finish")
+    stop.set()
+    thread.join()
+    wire.sample()
+    sent, received = wire.totals()
+    final = task.evaluate(model)
+
+    def close() -> None:
+        opt.shutdown()
+        dht.shutdown()
+
+    result = {
+        "id": f"rank{args.rank}",
+        "baseline": "hivemind",
+        "steps": opt.local_epoch,
+        "params": params,
+        "final": final,
+        "final_seconds": wall,
+        "metric": task.metric,
+        "higher_is_better": task.higher_is_better,
+        "train_loss": loss_value,
+        "wall_seconds": wall,
+        "evals": evals,
+        "sent_bytes": sent,
+        "received_bytes": received,
+        "bytes_counted": "p2pd TCP payload (ss bytes_acked/bytes_received)"
+        if wire.available
+        else None,
+        "p2p_connections": len(wire.conns),
+        "local_batches": batch,
+        "samples": batch * cfg.batch_size,
+        "grad_averaging_rounds": rounds.grad_rounds,
+        "state_averaging_rounds": rounds.state_rounds,
+        "target_batch_size": args.world * cfg.batch_size,
+        "dense_bytes": int(2 * (args.world - 1) / args.world * 4 * params * cfg.steps),
+        "history": history,
+    }
+    return result, close
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="One rank of the hivemind baseline (runner-started).")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--host", required=True, help="address of rank 0's DHT")
+    p.add_argument("--listen", default=None, help="this rank's listen address (default: --host)")
+    p.add_argument("--out", required=True, help="directory shared by the ranks")
+    p.add_argument("--train-json", required=True, help="the [train] section as JSON")
+    p.add_argument("--matchmaking-time", type=float, default=0.5,
+                   help="seconds to assemble an averaging group")  # fmt: skip
+    p.add_argument("--averaging-timeout", type=float, default=10.0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def terminated(signum: int, frame: Any) -> None:
+        end_children()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminated)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    result, close = train(args)
+    # The result first: the runner counts a rank done once it exists, whatever the teardown.
+    write_json_atomic(Path(args.out) / f"rank{args.rank}.json", result)
+    log.info("rank %d done: %s", args.rank, result["final"])
+    try:
+        close()
+    except Exception:  # hivemind's teardown races its own background threads
+        log.exception("hivemind shutdown failed (result already written)")
+    end_children()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""The hivemind baseline end to end, local mode: the CLI runs a tiny swarm (digits, 2 peers,
+60 steps) and then ``baselines.run = ["hivemind"]``: two hivemind.Optimizer ranks on
+127.0.0.1 in the ``.venv-hivemind`` environment, which must reach the step count, learn the
+task, evaluate on schedule, count their p2p bytes and leave no process behind. Skipped where
+that environment does not exist (``scripts/setup.sh --hivemind`` creates it)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gossipgrad.experiment.baselines import HIVEMIND_VENV
+from gossipgrad.experiment.spec import SpecError, parse_spec
+from tests_helpers_experiment import processes_mentioning
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = ROOT / "scripts" / "experiments" / "digits-small.toml"
+HAVE_HIVEMIND = (HIVEMIND_VENV / "bin" / "python").exists()
+
+
+def test_missing_hivemind_venv_is_a_spec_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GOSSIPGRAD_HIVEMIND_PYTHON", "/nonexistent/bin/python")
+    with pytest.raises(SpecError, match=r"setup\.sh --hivemind"):
+        parse_spec({"baselines": {"run": ["ddp", "hivemind"]}})
+
+
+@pytest.mark.skipif(not HAVE_HIVEMIND, reason="no .venv-hivemind: scripts/setup.sh --hivemind")
+def test_hivemind_baseline_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gossipgrad.experiment", str(SPEC), "--out", str(out),
+         "--no-live", "--set", "experiment.peers=2", "--set", "train.steps=60",
+         "--set", "train.eval_every=20", "--set", "experiment.timeout=240",
+         "--set", 'baselines.run=["hivemind"]'],
+        capture_output=True, text=True, timeout=290, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert processes_mentioning(str(out)) == []
+    report = json.loads((out / "report.json").read_text())
+    assert report["ok"] and list(report["baselines"]) == ["hivemind"]
+
+    hm = report["baselines"]["hivemind"]
+    assert hm["ok"] and len(hm["ranks"]) == 2 and hm["steps"] == 60
+    assert hm["metric"] == "accuracy" and hm["higher_is_better"]
+    assert hm["final"]["accuracy"] > 0.5 and hm["wall_seconds"] > 0
+    # Global steps are hivemind epochs: each took at least one batch from every rank, and
+    # most of them averaged gradients across both ranks.
+    assert all(b >= 60 for b in hm["local_batches"])
+    assert all(r > 30 for r in hm["grad_averaging_rounds"])
+    assert [e["step"] for e in hm["evals"]] == [20, 40]
+    secs = [e["seconds"] for e in hm["evals"]]
+    assert 0 < secs[0] < secs[1] < hm["final_seconds"] <= hm["wall_seconds"]
+    # Bytes from the p2p daemons' sockets: what one rank sends, the other receives.
+    r0, r1 = hm["ranks"]
+    assert r0["sent_bytes"] > 0 and r0["sent_bytes"] == pytest.approx(
+        r1["received_bytes"], rel=0.05
+    )
+    assert hm["mean_sent_bytes"] > 0
