@@ -1,7 +1,9 @@
 """Who is in the swarm: heartbeats with peer exchange, and timeout-based failure detection.
 
-A peer needs one bootstrap address. Every heartbeat carries the sender's view of the swarm and
-returns the responder's, so the peer list spreads epidemically. A peer silent for
+A peer needs one bootstrap address. Heartbeats exchange the two peers' views of the swarm, so
+the peer list spreads epidemically; each side also sends a 64-bit digest of its view, and the
+list itself travels only when the other side's digest differs (a steady swarm's heartbeats stay
+a few dozen bytes however many peers it has). A peer silent for
 ``suspect_after`` seconds is *suspect* (kept in the topology, left out of mixing); silent for
 ``dead_after`` it is *dead* (dropped, the topology is recomputed). A peer that restarts comes
 back with a higher incarnation number, which wins over anything said about its old self.
@@ -9,6 +11,7 @@ back with a higher incarnation number, which wins over anything said about its o
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import threading
@@ -72,6 +75,8 @@ class Membership:
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="heartbeat")
         self._tick = 0
         self._rng = random.Random(me.id)
+        # address -> the view digest that peer last told us (skip the list when it matches ours)
+        self._their_digest: dict[str, int] = {}
 
     # ------------------------------------------------------------------ views
 
@@ -107,6 +112,15 @@ class Membership:
         with self._lock:
             infos = [r.info for r in self._peers.values() if r.state != DEAD]
         return [self.me, *infos]
+
+    def view_digest(self) -> int:
+        """64-bit digest of who is in this view: ids, addresses, incarnations, leaving flags
+        of self and every peer not dead (progress fields left out: they change every beat)."""
+        with self._lock:
+            infos = [r.info for r in self._peers.values() if r.state != DEAD]
+        items = sorted((i.id, i.address, i.incarnation, i.leaving) for i in [self.me, *infos])
+        digest = hashlib.blake2b(repr(items).encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big")
 
     # ------------------------------------------------------------------ updates
 
@@ -145,7 +159,9 @@ class Membership:
         self.observe(request.sender, direct=True)
         for info in request.known:
             self.observe(info, direct=False)
-        return pb.HeartbeatReply(responder=self.me, known=self.known_infos())
+        digest = self.view_digest()
+        known = [] if request.view_digest == digest else self.known_infos()
+        return pb.HeartbeatReply(responder=self.me, known=known, view_digest=digest)
 
     def _sweep(self) -> None:
         """Age peers: alive -> suspect -> dead by silence."""
@@ -167,12 +183,24 @@ class Membership:
             self._on_change()
 
     def _beat(self, address: str) -> None:
-        request = pb.HeartbeatRequest(swarm=self.swarm, sender=self.me, known=self.known_infos())
+        digest = self.view_digest()
+        with self._lock:
+            same = self._their_digest.get(address) == digest
+        request = pb.HeartbeatRequest(
+            swarm=self.swarm,
+            sender=self.me,
+            known=[] if same else self.known_infos(),
+            view_digest=digest,
+        )
         try:
             reply = self._heartbeat(address, request, max(self.cfg.heartbeat_interval, 1.0))
         except Exception as err:  # unreachable peers are expected; the sweep handles them
             log.debug("heartbeat to %s failed: %s", address, err)
+            with self._lock:
+                self._their_digest.pop(address, None)
             return
+        with self._lock:
+            self._their_digest[address] = reply.view_digest
         self.observe(reply.responder, direct=True)
         for info in reply.known:
             self.observe(info, direct=False)

@@ -147,22 +147,26 @@ class PeerInfo(_message.Message):
     def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., step: _Optional[int] = ..., round: _Optional[int] = ..., incarnation: _Optional[int] = ..., leaving: _Optional[bool] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("swarm", "sender", "known")
+    __slots__ = ("swarm", "sender", "known", "view_digest")
     SWARM_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    VIEW_DIGEST_FIELD_NUMBER: _ClassVar[int]
     swarm: str
     sender: PeerInfo
     known: _containers.RepeatedCompositeFieldContainer[PeerInfo]
-    def __init__(self, swarm: _Optional[str] = ..., sender: _Optional[_Union[PeerInfo, _Mapping]] = ..., known: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
+    view_digest: int
+    def __init__(self, swarm: _Optional[str] = ..., sender: _Optional[_Union[PeerInfo, _Mapping]] = ..., known: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., view_digest: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("responder", "known")
+    __slots__ = ("responder", "known", "view_digest")
     RESPONDER_FIELD_NUMBER: _ClassVar[int]
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    VIEW_DIGEST_FIELD_NUMBER: _ClassVar[int]
     responder: PeerInfo
     known: _containers.RepeatedCompositeFieldContainer[PeerInfo]
-    def __init__(self, responder: _Optional[_Union[PeerInfo, _Mapping]] = ..., known: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
+    view_digest: int
+    def __init__(self, responder: _Optional[_Union[PeerInfo, _Mapping]] = ..., known: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., view_digest: _Optional[int] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("swarm", "requester")
