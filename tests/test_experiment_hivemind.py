@@ -23,6 +23,18 @@ SPEC = ROOT / "scripts" / "experiments" / "digits-small.toml"
 HAVE_HIVEMIND = (HIVEMIND_VENV / "bin" / "python").exists()
 
 
+def p2p_daemons() -> set[int]:
+    """Pids of running hivemind p2p daemons (``p2pd``)."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "comm").read_text().strip() == "p2pd":
+                pids.add(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
 def test_missing_hivemind_venv_is_a_spec_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GOSSIPGRAD_HIVEMIND_PYTHON", "/nonexistent/bin/python")
     with pytest.raises(SpecError, match=r"setup\.sh --hivemind"):
@@ -32,6 +44,7 @@ def test_missing_hivemind_venv_is_a_spec_error(monkeypatch: pytest.MonkeyPatch) 
 @pytest.mark.skipif(not HAVE_HIVEMIND, reason="no .venv-hivemind: scripts/setup.sh --hivemind")
 def test_hivemind_baseline_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "run"
+    daemons_before = p2p_daemons()
     proc = subprocess.run(
         [sys.executable, "-m", "gossipgrad.experiment", str(SPEC), "--out", str(out),
          "--no-live", "--set", "experiment.peers=2", "--set", "train.steps=60",
@@ -41,6 +54,7 @@ def test_hivemind_baseline_end_to_end(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert processes_mentioning(str(out)) == []
+    assert p2p_daemons() - daemons_before == set(), "a rank left its p2p daemon running"
     report = json.loads((out / "report.json").read_text())
     assert report["ok"] and list(report["baselines"]) == ["hivemind"]
 

@@ -38,10 +38,8 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +56,9 @@ STATUS_EVERY_S = 0.5
 SAMPLE_EVERY_S = 1.0
 RENDEZVOUS_TIMEOUT_S = 120.0
 RUN_ID = "gossipgrad-baseline"
+# The DHT and optimizer stay referenced after train() returns: their __del__ would run
+# hivemind's slow shutdown before the result is written (end_children() ends them instead).
+_KEEP_ALIVE: list[Any] = []
 
 
 def descendants(root: int, comm: str | None = None) -> list[int]:
@@ -147,31 +148,38 @@ class RoundCounter(logging.Handler):
             self.state_rounds += 1
 
 
+def group_members() -> list[int]:
+    """Pids of the other processes in this rank's process group (from /proc)."""
+    me, group = os.getpid(), os.getpgrp()
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        # Fields after the command name: state, ppid, pgrp, ...; zombies are gone already.
+        if int(fields[2]) == group and fields[0] != "Z":
+            out.append(int(entry.name))
+    return out
+
+
 def end_children(grace: float = 3.0) -> None:
-    """SIGTERM, then SIGKILL, every process below this one: hivemind's DHT and averager
-    processes and their p2p daemons outlive a rank that is terminated, or whose shutdown
-    failed, and must not outlive the experiment."""
-    pids = descendants(os.getpid())
+    """SIGTERM, then SIGKILL, the rest of this rank's process group: hivemind's DHT and
+    averager processes and their p2p daemons, which would outlive the rank otherwise. By
+    group, not by parent, so that a daemon whose parent died first is not missed."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
+        for pid in group_members():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and (pids := [p for p in pids if _alive(p)]):
+        while group_members() and time.monotonic() < deadline:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(-1, os.WNOHANG)  # reap our own children as they go
             time.sleep(0.05)
-        if not pids:
+        if not group_members():
             return
-
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie child is reaped and counts as gone)."""
-    with contextlib.suppress(ChildProcessError):
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return False
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def wait_for(paths: list[Path], what: str, timeout: float = RENDEZVOUS_TIMEOUT_S) -> None:
@@ -195,8 +203,8 @@ def start_dht(rank: int, host: str, listen: str, out: Path) -> hivemind.DHT:
     return hivemind.DHT(host_maddrs=maddrs, initial_peers=peers, start=True)
 
 
-def train(args: argparse.Namespace) -> tuple[dict[str, Any], Callable[[], None]]:
-    """Train this rank; returns its result and a function that leaves the swarm."""
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Train this rank; returns its result (hivemind's processes still running)."""
     cfg = TrainSection.model_validate(json.loads(Path(args.train_json).read_text()))
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -230,6 +238,7 @@ def train(args: argparse.Namespace) -> tuple[dict[str, Any], Callable[[], None]]
         tracker_opts={"min_refresh_period": 0.05, "max_refresh_period": 0.5,
                       "default_refresh_period": 0.1},
     )  # fmt: skip
+    _KEEP_ALIVE.extend((dht, opt))
     wire = SocketCounter()
     write_json_atomic(out / f"rank{args.rank}.ready", {})
     wait_for([out / f"rank{r}.ready" for r in range(args.world)], "every rank's optimizer")
@@ -283,10 +292,6 @@ def train(args: argparse.Namespace) -> tuple[dict[str, Any], Callable[[], None]]
     sent, received = wire.totals()
     final = task.evaluate(model)
 
-    def close() -> None:
-        opt.shutdown()
-        dht.shutdown()
-
     result = {
         "id": f"rank{args.rank}",
         "baseline": "hivemind",
@@ -313,7 +318,7 @@ def train(args: argparse.Namespace) -> tuple[dict[str, Any], Callable[[], None]]
         "dense_bytes": int(2 * (args.world - 1) / args.world * 4 * params * cfg.steps),
         "history": history,
     }
-    return result, close
+    return result
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -330,27 +335,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
+    """Run one rank. It leads a process group of its own, which hivemind's processes join;
+    the group ends with the rank, on SIGTERM from the runner as well as after training."""
     args = build_parser().parse_args(argv)
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    rank_pid = os.getpid()
 
     def terminated(signum: int, frame: Any) -> None:
-        end_children()
+        if os.getpid() == rank_pid:  # forked hivemind processes inherit this handler
+            end_children()
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, terminated)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    result, close = train(args)
+    result = train(args)
     # The result first: the runner counts a rank done once it exists, whatever the teardown.
     write_json_atomic(Path(args.out) / f"rank{args.rank}.json", result)
     log.info("rank %d done: %s", args.rank, result["final"])
-    try:
-        close()
-    except Exception:  # hivemind's teardown races its own background threads
-        log.exception("hivemind shutdown failed (result already written)")
+    # Every rank is past the last step, so nobody needs this one's share of the swarm any
+    # more: end hivemind's processes outright rather than through its own shutdown, which
+    # can take seconds and race its background threads.
     end_children()
-    return 0
+    logging.shutdown()
+    os._exit(0)
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(main())
+    main()
