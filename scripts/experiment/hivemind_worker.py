@@ -7,12 +7,13 @@ same shard, seed, batch size, optimizer, schedule and step count as peer ``rank`
 and as the DDP ranks) under ``hivemind.Optimizer`` in its plain synchronous mode: gradients are
 accumulated towards a global ``target_batch_size`` of world x batch size, then averaged by an
 all-reduce among the peers (``use_local_updates=False``) before the wrapped optimizer steps, so
-one hivemind epoch plays the part of one DDP step. hivemind decides when an epoch is complete
-from progress its peers publish in its DHT, so on a fast link a rank may contribute more than
-one batch to an epoch: ``hivemind_epochs`` (global optimizer steps) can be fewer than
-``steps`` (local batches). The learning-rate schedule follows the local batches, the same
-sample budget as DDP's. hivemind's defaults otherwise: no gradient compression, parameters and
-optimizer state averaged every epoch in the background.
+one hivemind epoch plays the part of one DDP step: ranks train until ``steps`` epochs, and the
+learning-rate schedule follows the epoch. hivemind decides when an epoch is complete from the
+progress its peers publish in its DHT, so on a fast link a rank may contribute more than one
+batch to an epoch: ``local_batches`` and ``samples`` say what the run really used (more than
+DDP's budget), ``grad_averaging_rounds`` how many epochs averaged with other ranks. hivemind's
+defaults otherwise: no gradient compression, parameters and optimizer state averaged every
+epoch in the background.
 
 Bytes: hivemind counts none. Each rank's hivemind traffic leaves through one p2p daemon
 (``p2pd``, a child process of the DHT); its TCP sockets' kernel counters (``ss -ti``:
@@ -24,7 +25,8 @@ a connection closed between two samples loses what it carried since the last one
 
 Rendezvous: rank 0 starts its DHT on ``--host`` port 0 and publishes its visible multiaddrs in
 ``dht.json`` in ``--out``; the others bootstrap from them. File barriers before the first and
-after the last step keep every rank in the swarm while any rank trains.
+after the last step keep every rank in the swarm while any rank trains. Each rank leads a
+process group that hivemind's processes join, and ends it when it ends.
 """
 
 from __future__ import annotations
