@@ -219,6 +219,12 @@ ENTRIES: list[Entry] = [
         ("train.steps=300", "baselines.steps=150"),
         tags=("wan",),
     ),
+    Entry(
+        "fmnist-wan8-race",
+        "bench_fmnist_wan.toml",
+        ("experiment.peers=8", "train.steps=300", "baselines.steps=150"),
+        tags=("wan",),
+    ),
 ]
 
 
