@@ -205,7 +205,9 @@ class GossipSection(Section):
         ge=0,
         description="Gossip-only rounds after the last training step (no gradients, the "
         "same codec): the peers' models move towards their average, so each site ends "
-        "closer to the swarm's consensus. Every peer of a swarm must use the same value.",
+        "closer to the swarm's consensus. Every peer of a swarm must use the same value. "
+        "Pure consensus: keep gamma in the range where gossip alone converges "
+        "(scripts/bench_consensus.py; 0.03 with top-1%, not 0.1).",
     )
     max_staleness: int = Field(
         1,
