@@ -60,6 +60,21 @@ def make_optimizer(params, cfg: TrainSection) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
+def task_context(
+    cfg: TrainSection, shard_index: int, num_shards: int, device: torch.device | None = None
+) -> TaskContext:
+    """The task's view of a [train] section for one shard (a peer, or a baseline's rank)."""
+    return TaskContext(
+        peer_index=shard_index,
+        num_peers=num_shards,
+        seed=cfg.seed,
+        partition=cfg.partition,
+        alpha=cfg.alpha,
+        batch_size=cfg.batch_size,
+        device=device if device is not None else torch.device("cpu"),
+    )
+
+
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
@@ -115,16 +130,7 @@ class Daemon:
             shard_index, num_shards = site.shard(t.shard_index, t.num_shards)
             self.run_dir = site.run_dir(self.run_dir)
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        ctx = TaskContext(
-            peer_index=shard_index,
-            num_peers=num_shards,
-            seed=t.seed,
-            partition=t.partition,
-            alpha=t.alpha,
-            batch_size=t.batch_size,
-            device=device,
-        )
-        task = build_task(t.task, ctx)
+        task = build_task(t.task, task_context(t, shard_index, num_shards, device))
         model = task.model.to(device)
         optimizer = make_optimizer(model.parameters(), t)
         scheduler = make_scheduler(optimizer, t)

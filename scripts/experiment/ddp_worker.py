@@ -36,9 +36,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from gossipgrad.peer.config import TrainSection
-from gossipgrad.peer.daemon import TrainClock, make_optimizer, write_json_atomic
+from gossipgrad.peer.daemon import TrainClock, make_optimizer, task_context, write_json_atomic
 from gossipgrad.peer.schedule import make_scheduler
-from gossipgrad.peer.tasks import TaskContext, build_task
+from gossipgrad.peer.tasks import build_task
 
 log = logging.getLogger(__name__)
 
@@ -92,15 +92,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world)
     counter = WireCounter(args.world)
     dist.all_reduce = counter.wrap(dist.all_reduce)  # both DDP hooks call it by this name
-    ctx = TaskContext(
-        peer_index=args.rank,
-        num_peers=args.world,
-        seed=cfg.seed,
-        partition=cfg.partition,
-        alpha=cfg.alpha,
-        batch_size=cfg.batch_size,
-    )
-    task = build_task(cfg.task, ctx)
+    task = build_task(cfg.task, task_context(cfg, args.rank, args.world))
     model = torch.nn.parallel.DistributedDataParallel(task.model, bucket_cap_mb=args.bucket_mb)
     if args.hook == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd

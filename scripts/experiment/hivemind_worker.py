@@ -48,9 +48,9 @@ from typing import Any
 import hivemind
 import torch
 from gossipgrad.peer.config import TrainSection
-from gossipgrad.peer.daemon import TrainClock, make_optimizer, write_json_atomic
+from gossipgrad.peer.daemon import TrainClock, make_optimizer, task_context, write_json_atomic
 from gossipgrad.peer.schedule import lr_factor
-from gossipgrad.peer.tasks import TaskContext, build_task
+from gossipgrad.peer.tasks import build_task
 
 log = logging.getLogger(__name__)
 
@@ -213,15 +213,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     rounds = RoundCounter()
     logging.getLogger("hivemind").addHandler(rounds)
     dht = start_dht(args.rank, args.host, args.listen or args.host, out)
-    ctx = TaskContext(
-        peer_index=args.rank,
-        num_peers=args.world,
-        seed=cfg.seed,
-        partition=cfg.partition,
-        alpha=cfg.alpha,
-        batch_size=cfg.batch_size,
-    )
-    task = build_task(cfg.task, ctx)
+    task = build_task(cfg.task, task_context(cfg, args.rank, args.world))
     model = task.model
     mm = args.matchmaking_time
     opt = hivemind.Optimizer(

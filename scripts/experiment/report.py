@@ -84,14 +84,7 @@ def _loss_plot(report: dict[str, Any], x_key: str, xlabel: str, path: Path, logx
         labelled.add(name)
     if logx:
         ax.set_xscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("train loss (moving average)")
-    ax.set_title(f"{report['name']}: {report['task']}, {report['peers']} peers ({report['mode']})")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _finish(fig, ax, report, path, xlabel, "train loss (moving average)")
 
 
 def _link_plot(report: dict[str, Any], path: Path) -> None:
@@ -124,6 +117,20 @@ def _link_plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _finish(fig, ax, report: dict[str, Any], path: Path, xlabel: str, ylabel: str) -> None:
+    """Labels, the run's title, grid and legend; save as PNG and free the figure."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{report['name']}: {report['task']}, {report['peers']} peers ({report['mode']})")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def _metric_plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
@@ -148,14 +155,7 @@ def _metric_plot(report: dict[str, Any], path: Path) -> None:
     ddp_final = (report.get("baselines", {}).get("ddp", {}).get("final") or {}).get(metric)
     if ddp_final is not None:
         ax.axhline(ddp_final, color=COLORS["ddp"], ls="--", lw=1, label="DDP final")
-    ax.set_xlabel("training seconds (evaluation excluded)")
-    ax.set_ylabel(f"eval {metric}")
-    ax.set_title(f"{report['name']}: {report['task']}, {report['peers']} peers ({report['mode']})")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _finish(fig, ax, report, path, "training seconds (evaluation excluded)", f"eval {metric}")
 
 
 def _consensus_series(report: dict[str, Any]) -> list[tuple[str, list[int], list[float]]]:
