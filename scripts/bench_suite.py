@@ -358,9 +358,7 @@ def row(
     if ddp.get("final"):
         d = ddp["final"][ddp["metric"]]
         out["DDP"] = f"{d:.4f}"
-        if report.get("time_to_target", {}) and not report["time_to_target"].get(
-            "higher_is_better", True
-        ):
+        if not any(p.get("higher_is_better", True) for p in swarm["peers"]):
             out["gap to DDP (pt)"] = f"{100 * (mean - d) / d:+.2f}%"  # a loss: relative
         else:
             out["gap to DDP (pt)"] = f"{100 * (mean - d):+.2f}"
