@@ -11,7 +11,7 @@ swarm:
 
 ## Set up (plus Prometheus and iproute2) and run lint, proto freshness and the test suite.
 test:
-	@bash scripts/setup.sh --test
+	@bash scripts/setup.sh --test --hivemind
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) scripts/gen_proto.py --check
