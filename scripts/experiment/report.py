@@ -125,7 +125,8 @@ def _finish(fig, ax, report: dict[str, Any], path: Path, xlabel: str, ylabel: st
     ax.set_ylabel(ylabel)
     ax.set_title(f"{report['name']}: {report['task']}, {report['peers']} peers ({report['mode']})")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:  # a report without curves draws an empty plot
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
