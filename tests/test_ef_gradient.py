@@ -40,10 +40,17 @@ def small_model() -> nn.Module:
     return nn.Sequential(nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
-def lone_exchange(codec: str, momentum: float = 0.0) -> EFGradientExchange:
-    """An exchange with no neighbours: only the error-feedback compression runs."""
+def lone_exchange(
+    codec: str, momentum: float = 0.0, error_feedback: bool = True
+) -> EFGradientExchange:
+    """An exchange with no neighbours: only the (error-feedback) compression runs."""
     flat = FlatParameters(small_model())
-    cfg = build_config({}, {"gossip.codec": codec, "gossip.ef_momentum": momentum}).gossip
+    overrides = {
+        "gossip.codec": codec,
+        "gossip.ef_momentum": momentum,
+        "gossip.error_feedback": error_feedback,
+    }
+    cfg = build_config({}, overrides).gossip
     return EFGradientExchange(
         flat,
         cfg,

@@ -11,13 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 from gossipgrad.compression import from_spec
-from gossipgrad.peer.config import build_config
-from gossipgrad.peer.ef_gradient import EFGradientExchange
-from gossipgrad.peer.flat import FlatParameters
 from gossipgrad.peer.node import Peer
 from peer_harness import close_all, quiesce, run_rounds, start_peer, start_peers, wait_until_met
 from test_choco import assert_mirrors_exact, distance, resyncs
-from test_ef_gradient import exchange_all, small_model, start_optimizers
+from test_ef_gradient import exchange_all, lone_exchange, start_optimizers
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -125,22 +122,6 @@ def test_lossless_codec_is_the_same_with_or_without_error_feedback() -> None:
             close_all(peers)
     for on, off in zip(models[True], models[False], strict=True):
         assert torch.allclose(on, off, atol=1e-5)
-
-
-def lone_exchange(codec: str, error_feedback: bool) -> EFGradientExchange:
-    """An exchange with no neighbours: only the compression runs."""
-    cfg = build_config({}, {"gossip.codec": codec, "gossip.error_feedback": error_feedback}).gossip
-    return EFGradientExchange(
-        FlatParameters(small_model()),
-        cfg,
-        "me",
-        "s",
-        neighbors_at=lambda step, ids: [],
-        weights_at=lambda step, ids: {},
-        present_ids=lambda: ["me"],
-        is_alive=lambda p: True,
-        push=lambda *a: (_ for _ in ()).throw(AssertionError("no neighbours to push to")),
-    )
 
 
 @pytest.mark.parametrize("codec", ["topk:0.1", "sign", "int4"])
