@@ -21,6 +21,8 @@ from gossipgrad.peer.swarm import LocalSwarm, summarize
 from gossipgrad.peer.tasks import TaskContext, train_centralized
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_swarm import BASE as SWARM_BASE
+from test_swarm import BATCH
 from torch import nn
 
 CODECS = [
@@ -211,28 +213,19 @@ def test_missing_neighbour_does_not_block_forever() -> None:
 
 
 SWARM_STEPS = 300
-BATCH = 32
 
 
 @pytest.mark.timeout(300)
 def test_four_peer_swarm_ef_gradient_matches_centralized(tmp_path: Path) -> None:
     overrides = {
-        "train.task": "digits",
+        **SWARM_BASE,  # digits, batch 32, ring, fast membership, as the CHOCO swarm tests
         "train.steps": str(SWARM_STEPS),
-        "train.batch_size": str(BATCH),
-        "train.eval_every": "0",
         "gossip.algorithm": "ef-gradient",
         # Measured on this task: consensus every 1-2 steps keeps the ring together (every 4 or
         # 10 steps lost 10-15 points of accuracy); topk:0.05 at gamma 0.3 is stable.
         "gossip.codec": "topk:0.05+int8",
         "gossip.gamma": "0.3",
         "gossip.consensus_every": "2",
-        "gossip.topology": "ring",
-        "metrics.enabled": "false",
-        "membership.heartbeat_interval": "0.2",
-        "membership.suspect_after": "2",
-        "membership.dead_after": "4",
-        "gossip.round_timeout": "3",
     }
     swarm = LocalSwarm(tmp_path / "swarm", 4, overrides)
     try:
