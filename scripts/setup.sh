@@ -36,16 +36,20 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 pip=("$venv/bin/python" -m pip install -q)
 
-if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+# torch into the venv of interpreter $1 unless it has one: the registry's default (CUDA) build
+# where an NVIDIA GPU is present, else $GOSSIPGRAD_TORCH (the CPU wheel).
+install_torch() {
+  "$1" -c "import torch" 2>/dev/null && return 0
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    log "installing torch (GPU present: registry default build)"
-    "${pip[@]}" torch
+    log "installing torch into $1 (GPU present: registry default build)"
+    "$1" -m pip install -q torch
   else
     spec=${GOSSIPGRAD_TORCH:-torch==2.13.0}
-    log "installing $spec (no GPU found: CPU build)"
-    "${pip[@]}" "$spec"
+    log "installing $spec into $1 (no GPU found: CPU build)"
+    "$1" -m pip install -q "$spec"
   fi
-fi
+}
+install_torch "$venv/bin/python"
 
 stamp="$venv/.gossipgrad-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
@@ -81,13 +85,8 @@ if [ "$want_hivemind" = 1 ]; then
     "$hm/bin/python" -m pip install -q --upgrade pip
   fi
   hpip=("$hm/bin/python" -m pip install -q)
-  if ! "$hm/bin/python" -c "import torch" 2>/dev/null; then
-    # torch first, so that hivemind's own torch requirement never pulls another build.
-    spec=${GOSSIPGRAD_TORCH:-torch==2.13.0}
-    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then spec=torch; fi
-    log "installing $spec into $hm"
-    "${hpip[@]}" "$spec"
-  fi
+  # torch first, so that hivemind's own torch requirement never pulls another build.
+  install_torch "$hm/bin/python"
   if ! "$hm/bin/python" -c "import hivemind" 2>/dev/null; then
     log "installing hivemind into $hm"
     "${hpip[@]}" "hivemind==${GOSSIPGRAD_HIVEMIND:-1.1.12}"
