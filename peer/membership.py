@@ -116,9 +116,7 @@ class Membership:
     def view_digest(self) -> int:
         """64-bit digest of who is in this view: ids, addresses, incarnations, leaving flags
         of self and every peer not dead (progress fields left out: they change every beat)."""
-        with self._lock:
-            infos = [r.info for r in self._peers.values() if r.state != DEAD]
-        items = sorted((i.id, i.address, i.incarnation, i.leaving) for i in [self.me, *infos])
+        items = sorted((i.id, i.address, i.incarnation, i.leaving) for i in self.known_infos())
         digest = hashlib.blake2b(repr(items).encode(), digest_size=8).digest()
         return int.from_bytes(digest, "big")
 
