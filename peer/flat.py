@@ -47,7 +47,6 @@ class FlatParameters:
         # The model as built: peers seeded alike hold the same one, so a new edge's public
         # copies can start from it without sending it (costs one more copy of the model).
         self.initial = self.data.detach().clone()
-        self.initial_checksum = tensor_checksum(self.initial)
 
     def grad(self) -> torch.Tensor:
         """The parameters' gradients as one flat tensor (zeros where a grad is None)."""
