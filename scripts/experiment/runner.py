@@ -28,7 +28,7 @@ from gossipgrad.experiment.baselines import BaselineRun, RankPlacement
 from gossipgrad.experiment.live import LiveView
 from gossipgrad.experiment.report import write_outputs
 from gossipgrad.experiment.spec import Spec
-from gossipgrad.peer.config import PeerConfig, TrainSection
+from gossipgrad.peer.config import TrainSection
 from gossipgrad.peer.swarm import LocalSwarm, consensus_distance, read_json
 from rich.console import Console
 
@@ -123,7 +123,7 @@ class Experiment:
         opts = {"peer.listen": f"{self.lab.address(i)}:0"}
         # The namespaces form a private network with no route out of this host, so plaintext
         # gRPC is fine there unless the spec configures [security] itself.
-        if "security" in PeerConfig.model_fields and "security" not in self.spec.peer_raw:
+        if "security" not in self.spec.peer_raw:
             opts["security.insecure"] = "true"
         return opts
 
