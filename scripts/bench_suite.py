@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gossipgrad.experiment.report import higher_is_better
+
 logger = logging.getLogger("bench_suite")
 
 SPECS = Path(__file__).resolve().parent / "experiments"
@@ -358,7 +360,7 @@ def row(
     if ddp.get("final"):
         d = ddp["final"][ddp["metric"]]
         out["DDP"] = f"{d:.4f}"
-        if not any(p.get("higher_is_better", True) for p in swarm["peers"]):
+        if not higher_is_better(report, metric):
             out["gap to DDP (pt)"] = f"{100 * (mean - d) / d:+.2f}%"  # a loss: relative
         else:
             out["gap to DDP (pt)"] = f"{100 * (mean - d):+.2f}"
