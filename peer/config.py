@@ -144,11 +144,14 @@ class TrainSection(Section):
 class GossipSection(Section):
     """How peers exchange and merge models (Koloskova et al., ICML 2019: CHOCO-SGD)."""
 
-    algorithm: Literal["choco", "ef-gradient"] = Field(
+    algorithm: Literal["choco", "ef-gradient", "diloco"] = Field(
         "choco",
         description="choco: compressed model gossip with public copies (default). "
         "ef-gradient: compressed gradient exchange with error feedback, plus choco gossip "
-        "every consensus_every rounds to keep models together.",
+        "every consensus_every rounds to keep models together. diloco: phases of "
+        "local_steps inner steps, error-feedback-compressed pseudo-gradients averaged over "
+        "the neighbours, an outer SGD step with Nesterov momentum on an anchor, and choco "
+        "gossip that keeps the anchors together (for AdamW transformers; docs/algorithms.md).",
     )
     codec: str = Field(
         "topk:0.01+int8",
@@ -175,7 +178,29 @@ class GossipSection(Section):
         "with topk:0.01 on digits, 0.1 drifted apart over a few thousand rounds while 0.03 "
         "stayed in consensus; dense-ish codecs (fp16, int8) tolerate 0.5.",
     )
-    local_steps: int = Field(1, ge=1, description="Optimizer steps between gossip rounds (H).")
+    local_steps: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps between gossip rounds (H); diloco: inner steps per phase "
+        "(tens to hundreds).",
+    )
+    outer_lr: float = Field(
+        0.7,
+        gt=0,
+        le=2,
+        description="diloco: outer learning rate (DiLoCo, Douillard et al. 2023: 0.7).",
+    )
+    outer_momentum: float = Field(
+        0.9, ge=0, lt=1, description="diloco: outer momentum (DiLoCo: 0.9; 0: none)."
+    )
+    outer_nesterov: bool = Field(
+        True, description="diloco: Nesterov momentum in the outer step (false: heavy ball)."
+    )
+    overlap: bool = Field(
+        False,
+        description="diloco: exchange a phase's pseudo-gradient while the next phase "
+        "computes, applying it one phase late (hides a WAN round trip behind compute).",
+    )
     consensus_every: int = Field(
         1,
         ge=1,
@@ -212,8 +237,11 @@ class GossipSection(Section):
     max_staleness: int = Field(
         1,
         ge=0,
-        description="Rounds a neighbour's update may lag before this peer waits for it "
-        "(0: lock-step). Waiting is bounded by round_timeout.",
+        le=1,
+        description="0: each round waits for the exchanges it opens (lock-step). 1: an "
+        "exchange opened in one round is waited for and mixed in the next, so compute "
+        "overlaps communication. Both ends of an edge mix the same copies either way; "
+        "waiting is bounded by round_timeout.",
     )
     round_timeout: float = Field(
         10.0, gt=0, description="Seconds to wait for a lagging neighbour before suspecting it."

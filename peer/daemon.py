@@ -103,6 +103,11 @@ class Daemon:
         signal.signal(signal.SIGINT, on_signal)
 
     def _save_checkpoint(self, gopt: GossipOptimizer) -> bool:
+        if not bool(torch.isfinite(gopt.flat.data).all()):
+            # Never overwrite the last good checkpoint with a diverged model: a restart would
+            # resume NaN and crash again.
+            log.error("parameters are not finite: checkpoint not written (the last one stays)")
+            return False
         try:
             checkpoint.save_atomic(self.run_dir / "checkpoint.pt", gopt.state_dict())
             return True
@@ -151,6 +156,7 @@ class Daemon:
         )
         t_start = time.monotonic()
         summary: dict[str, Any] = {}
+        failed = False
         try:
             resumed = False
             if cfg.checkpoint.resume:
@@ -184,8 +190,11 @@ class Daemon:
                     "world_size": site.world_size,
                     "rounds_verified": gopt.rounds_verified,
                 }
+        except FloatingPointError:
+            failed = True
+            raise
         finally:
-            if gopt.local_step > 0:
+            if gopt.local_step > 0 and not failed:
                 self._save_checkpoint(gopt)
             gopt.close()
             if site is not None:
@@ -234,6 +243,8 @@ class Daemon:
                 self._write_status(
                     step=step, loss=loss_value, **self._traffic(gopt), **_consensus(gopt)
                 )
+        if not self.stop_requested.is_set():
+            gopt.finish()
         before_rounds = None
         if cfg.gossip.final_rounds and not self.stop_requested.is_set():
             with clock.paused():

@@ -26,6 +26,8 @@ from gossipgrad.proto import gossip_pb2 as pb
 log = logging.getLogger(__name__)
 
 ALIVE, SUSPECT, DEAD = "alive", "suspect", "dead"
+#: A peer dead for this many ``dead_after`` periods is forgotten (no more probes).
+FORGET_DEAD_AFTER = 6
 
 
 @dataclass
@@ -49,6 +51,8 @@ class Membership:
         heartbeat: callable(address, request, timeout) -> HeartbeatReply (the transport).
         on_change: called (from the heartbeat thread) when the set of present peers or a
             peer's incarnation changes.
+        near: ids of this peer's gossip neighbours among the given live ids (heartbeated every
+            interval; the others every ``far_every`` intervals).
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class Membership:
         bootstrap: list[str],
         heartbeat: Callable[[str, pb.HeartbeatRequest, float], pb.HeartbeatReply],
         on_change: Callable[[], None] = lambda: None,
+        near: Callable[[list[str]], set[str]] = lambda ids: set(),
     ) -> None:
         self.me = me
         self.swarm = swarm
@@ -66,8 +71,7 @@ class Membership:
         self.bootstrap = [a for a in bootstrap if a != me.address]
         self._heartbeat = heartbeat
         self._on_change = on_change
-        # Set by the owner: ids of this peer's gossip neighbours (heartbeated every interval).
-        self.near: Callable[[], set[str]] = set
+        self._near = near
         self._peers: dict[str, PeerRecord] = {}
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -84,6 +88,12 @@ class Membership:
         """Sorted ids of peers in the topology (alive or suspect), self included."""
         with self._lock:
             ids = [pid for pid, r in self._peers.items() if r.state != DEAD and not r.info.leaving]
+        return sorted([*ids, self.me.id])
+
+    def live_ids(self) -> list[str]:
+        """Sorted ids of the peers taking part now: self and the alive ones."""
+        with self._lock:
+            ids = [pid for pid, r in self._peers.items() if r.state == ALIVE and not r.info.leaving]
         return sorted([*ids, self.me.id])
 
     def is_alive(self, peer_id: str) -> bool:
@@ -166,6 +176,13 @@ class Membership:
         now = time.monotonic()
         changed = False
         with self._lock:
+            # Dead for long: forgotten (no more probes; a restart is a new incarnation anyway).
+            for pid in [
+                p
+                for p, r in self._peers.items()
+                if r.state == DEAD and now - r.last_seen > FORGET_DEAD_AFTER * self.cfg.dead_after
+            ]:
+                self._their_digest.pop(self._peers.pop(pid).info.address, None)
             for pid, r in self._peers.items():
                 silent = now - r.last_seen
                 if r.state != DEAD and r.info.leaving:
@@ -207,7 +224,7 @@ class Membership:
         """One heartbeat round: neighbours every time, other live peers every ``far_every``
         rounds, dead ones now and then (to notice a return), bootstrap while alone."""
         self._tick += 1
-        near = self.near()
+        near = self._near(self.live_ids())
         far_due = self._tick % self.cfg.far_every == 0
         with self._lock:
             targets = [
@@ -230,7 +247,10 @@ class Membership:
         def loop() -> None:
             while not self._stop.is_set():
                 started = time.monotonic()
-                self.beat_once()
+                try:
+                    self.beat_once()
+                except Exception:  # one bad beat must not stop heartbeats for good
+                    log.exception("heartbeat round failed; the next one goes on")
                 self._stop.wait(
                     max(0.0, self.cfg.heartbeat_interval - (time.monotonic() - started))
                 )

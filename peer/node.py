@@ -1,7 +1,8 @@
 """One swarm member's runtime: gRPC server, membership, metrics, and the gossip algorithm.
 
-``Peer`` composes the pieces and implements the transport's handler interface; it knows
-nothing of training loops (that is GossipOptimizer's job) or tasks (the daemon's).
+``Peer`` builds the pieces from the config (the composition root: every collaborator goes to a
+constructor) and implements the transport's handler interface; it knows nothing of training
+loops (that is GossipOptimizer's job) or tasks (the daemon's).
 """
 
 from __future__ import annotations
@@ -15,12 +16,19 @@ from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 
 import grpc
-from gossipgrad.peer.choco import ChocoGossip
+from gossipgrad.peer.algorithms import (
+    GossipAlgorithm,
+    Identity,
+    Neighbourhood,
+    build_algorithm,
+)
+from gossipgrad.peer.algorithms.neighbours import neighbours_in
 from gossipgrad.peer.config import PeerConfig
 from gossipgrad.peer.flat import FlatParameters
 from gossipgrad.peer.membership import Membership
 from gossipgrad.peer.metrics import PeerMetrics
 from gossipgrad.peer.security import TransportSecurity, resolve_security
+from gossipgrad.peer.topology import topology_from_name
 from gossipgrad.peer.transport import GossipServer, PeerClient, TransportOptions, UpdateRejected
 from gossipgrad.proto import gossip_pb2 as pb
 
@@ -104,31 +112,56 @@ class ClientPool:
             c.close()
 
 
+class AddressedSender:
+    """Pushes an update to a peer id: address from membership, client from the pool."""
+
+    def __init__(self, membership: Membership, clients: ClientPool, push_timeout: float) -> None:
+        self._membership = membership
+        self._clients = clients
+        self._timeout = push_timeout
+
+    def push(self, peer: str, header: pb.UpdateHeader, payload: bytes) -> tuple[pb.PushReply, int]:
+        address = self._membership.address_of(peer)
+        if address is None:
+            raise ConnectionError(f"no address for peer {peer}")
+        result = self._clients.get(address).push_detailed(header, payload, timeout=self._timeout)
+        return result.reply, result.wire_bytes
+
+
 class Peer:
-    """A running swarm member around a flat parameter vector.
+    """A running swarm member around a flat parameter vector: the one place that builds the
+    pieces from the config and hands each its collaborators.
 
     Args:
         cfg: the whole peer config (each component receives only its own section).
         flat: the model's parameters, re-homed into one tensor.
-        state_fn: returns (step, round, blob) for a joining peer's state download.
+        state_source: returns (step, round, blob) for a joining peer's state download.
         registry: Prometheus registry for this peer's metrics (None: a fresh one).
+        state_lock: held by the training thread around optimizer steps, and by the algorithm
+            around reading and writing the parameters.
     """
 
     def __init__(
         self,
         cfg: PeerConfig,
         flat: FlatParameters,
-        state_fn: Callable[[], tuple[int, int, bytes]] | None = None,
+        state_source: Callable[[], tuple[int, int, bytes]] | None = None,
         registry=None,
         state_lock: threading.RLock | None = None,
     ) -> None:
         self.cfg = cfg
         self.flat = flat
-        self._state_fn = state_fn
-        self._state_lock = state_lock
+        self._state_source = state_source
+        self.state_lock = state_lock if state_lock is not None else threading.RLock()
         self.metrics = PeerMetrics(registry=registry)
         self.options = transport_options(cfg)
         self.security = transport_security(cfg)
+        if flat.nbytes + (1 << 16) > self.options.max_payload_bytes:
+            raise ValueError(
+                f"the model's dense copy ({flat.nbytes} bytes) does not fit "
+                f"transport.max_payload_bytes ({self.options.max_payload_bytes}): a resync "
+                "could never be sent; raise transport.max_payload_bytes"
+            )
         self.clients = ClientPool(self.options, self.security)
         self.server = GossipServer(
             self,
@@ -137,19 +170,23 @@ class Peer:
             on_reject=lambda reason, _peer: self.metrics.record_rejected(reason),
             security=self.security,
         )
+        self.topology = topology_from_name(
+            cfg.gossip.topology, seed=cfg.train.seed, degree=cfg.gossip.degree
+        )
         self.id = cfg.peer.id or (self.security.identity if self.security is not None else "")
         self.address = ""
         self.metrics_port = 0
         self.membership: Membership | None = None
-        self.gossip: ChocoGossip | None = None
-        # Set by the owner for algorithm ef-gradient: takes GRADIENT updates (header, payload).
-        self.gradient_handler: Callable[[pb.UpdateHeader, bytes], pb.PushReply] | None = None
+        self.neighbourhood: Neighbourhood | None = None
+        self.algorithm: GossipAlgorithm | None = None
+        self._incarnations: dict[str, int] = {}
         self._started = False
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Bind the server, start metrics and membership. Idempotent."""
+        """Bind the server, then build membership and the algorithm (they need this peer's
+        address and id), and start them. Idempotent."""
         if self._started:
             return
         port = self.server.start()
@@ -178,21 +215,16 @@ class Peer:
             self.cfg.peer.bootstrap,
             heartbeat=self._heartbeat,
             on_change=self._on_membership_change,
+            near=lambda ids: neighbours_in(self.topology, self.id, ids),
         )
-        self.gossip = ChocoGossip(
-            self.flat,
-            self.cfg.gossip,
-            self.id,
-            self.cfg.peer.swarm,
-            present_ids=self.membership.present_ids,
-            is_alive=self.membership.is_alive,
-            push=self._push,
-            metrics=self.metrics,
-            seed=self.cfg.train.seed,
-            state_lock=self._state_lock,
+        identity = Identity(self.id, self.cfg.peer.swarm, self.flat.fingerprint, self.flat.nbytes)
+        sender = AddressedSender(self.membership, self.clients, self.options.push_timeout)
+        self.neighbourhood = Neighbourhood(
+            identity, self.membership, self.topology, sender, self.metrics
         )
-        self.gossip.incarnation_of = self._incarnation_of
-        self.membership.near = self.gossip.all_neighbors
+        self.algorithm = build_algorithm(
+            g, self.flat, self.neighbourhood, self.state_lock, self.metrics
+        )
         self.membership.start()
         self._started = True
         log.info("peer %s serving gossip on %s", self.id, self.address)
@@ -207,7 +239,7 @@ class Peer:
         except Exception as err:  # best effort
             log.debug("announce_leaving failed: %s", err)
         self.membership.stop()
-        self.gossip.close()
+        self.algorithm.close()
         self.server.stop(grace=0.5)
         self.clients.close()
         self.metrics.stop()
@@ -222,40 +254,42 @@ class Peer:
             self.metrics.record_sent(reply.responder.id, "heartbeat", request.ByteSize())
         return reply
 
-    def _push(self, peer: str, header: pb.UpdateHeader, payload: bytes) -> tuple[pb.PushReply, int]:
-        address = self.membership.address_of(peer)
-        if address is None:
-            raise ConnectionError(f"no address for peer {peer}")
-        result = self.clients.get(address).push_detailed(
-            header, payload, timeout=self.options.push_timeout
-        )
-        return result.reply, result.wire_bytes
+    def donors(self) -> list[pb.PeerInfo]:
+        """Live peers that have trained, most advanced first (suspects are never donors: one
+        may be the peer that trained alone)."""
+        infos = []
+        for pid in self.membership.present_ids():
+            rec = self.membership.record(pid)
+            if rec is not None and self.membership.is_alive(pid) and rec.info.step > 0:
+                infos.append(rec.info)
+        return sorted(infos, key=lambda info: info.step, reverse=True)
 
     def download_state(
         self, timeout: float = 60.0, min_step: int = 1
     ) -> tuple[pb.StateHeader, bytes] | None:
-        """Fetch the state of the most advanced live peer, or None if none is at `min_step`."""
-        best = None
-        for pid in self.membership.present_ids():
-            rec = self.membership.record(pid)
-            if (
-                rec is not None
-                and rec.info.step > 0
-                and (best is None or rec.info.step > best.step)
-            ):
-                best = rec.info
-        if best is None or best.step < min_step:
-            return None
-        log.info("downloading state from %s (step %d)", best.id, best.step)
-        header, blob = self.clients.get(best.address).download_state(
-            pb.StateRequest(swarm=self.cfg.peer.swarm, requester=self.id), timeout=timeout
-        )
-        if header.model_fingerprint != self.flat.fingerprint:
-            raise ValueError(
-                f"state from {best.id} is for another model ({header.model_fingerprint})"
-            )
-        self.metrics.record_received(best.id, "state", len(blob))
-        return header, blob
+        """Fetch the state of the most advanced live peer that answers, or None if none is
+        at ``min_step`` (its own step, as it reports it in the download)."""
+        for info in self.donors():
+            if info.step < min_step:
+                break
+            log.info("downloading state from %s (step %d)", info.id, info.step)
+            try:
+                header, blob = self.clients.get(info.address).download_state(
+                    pb.StateRequest(swarm=self.cfg.peer.swarm, requester=self.id),
+                    timeout=timeout,
+                )
+            except Exception as err:
+                log.warning("state download from %s failed: %s", info.id, err)
+                continue
+            if header.model_fingerprint != self.flat.fingerprint:
+                raise ValueError(
+                    f"state from {info.id} is for another model ({header.model_fingerprint})"
+                )
+            if header.step < min_step:
+                continue
+            self.metrics.record_received(info.id, "state", len(blob))
+            return header, blob
+        return None
 
     # ------------------------------------------------------------------ handler (server side)
 
@@ -272,22 +306,22 @@ class Peer:
         self, header: pb.UpdateHeader, payload: bytes, context_peer: str = ""
     ) -> pb.PushReply:
         self._check_swarm(header.swarm)
-        if self.gossip is None:
+        algorithm = self.algorithm
+        if algorithm is None:
             raise UpdateRejected(grpc.StatusCode.UNAVAILABLE, "stale", "peer is starting")
-        handler = self.gossip.handle_update
-        if header.kind == pb.GRADIENT:
-            if self.gradient_handler is None:
-                self.metrics.record_rejected("malformed")
-                raise UpdateRejected(
-                    grpc.StatusCode.FAILED_PRECONDITION, "malformed", "not running ef-gradient"
-                )
-            handler = self.gradient_handler
+        if header.kind not in algorithm.kinds:
+            self.metrics.record_rejected("malformed")
+            raise UpdateRejected(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "malformed",
+                f"update kind {header.kind} is not taken by algorithm {algorithm.name}",
+            )
         try:
-            reply = handler(header, payload)
+            reply = algorithm.handle_update(header, payload)
         except UpdateRejected as err:
             self.metrics.record_rejected(err.reason)
             raise
-        kind = "update" if header.kind in (pb.DELTA, pb.GRADIENT) else "resync"
+        kind = "resync" if header.kind in (pb.RESYNC, pb.INIT) else "update"
         self.metrics.record_received(header.sender, kind, header.ByteSize() + len(payload))
         return reply
 
@@ -299,9 +333,9 @@ class Peer:
 
     def handle_state_request(self, request: pb.StateRequest) -> tuple[pb.StateHeader, bytes]:
         self._check_swarm(request.swarm)
-        if self._state_fn is None:
+        if self._state_source is None:
             raise UpdateRejected(grpc.StatusCode.UNAVAILABLE, "stale", "no state to share")
-        step, round_, blob = self._state_fn()
+        step, round_, blob = self._state_source()
         self.metrics.record_sent(request.requester, "state", len(blob))
         return (
             pb.StateHeader(
@@ -322,22 +356,22 @@ class Peer:
         self.metrics.set_peers(
             alive=counts["alive"], suspect=counts["suspect"], dead=counts["dead"]
         )
-        if self.gossip is None:
+        if self.algorithm is None:
             return
-        # A peer that restarted (new incarnation) or came back must resync both edges.
-        for pid in m.present_ids():
+        present = set(m.present_ids())
+        # A peer that restarted (a new incarnation) starts new sessions with us.
+        for pid in present - {self.id}:
             rec = m.record(pid)
             if rec is None:
                 continue
-            edge = self.gossip.in_edges.get(pid)
-            if edge is not None and edge.incarnation != rec.info.incarnation:
-                self.gossip.reset_peer(pid, restarted=True)
-                edge.incarnation = rec.info.incarnation
-        self.gossip.prune()
-
-    def _incarnation_of(self, peer: str) -> int:
-        rec = self.membership.record(peer) if self.membership is not None else None
-        return rec.info.incarnation if rec is not None else 0
+            known = self._incarnations.get(pid)
+            if known is not None and known != rec.info.incarnation:
+                self.algorithm.forget(pid)
+            self._incarnations[pid] = rec.info.incarnation
+        for pid in set(self._incarnations) - present:
+            del self._incarnations[pid]
+            self.algorithm.forget(pid)
+        self.algorithm.prune(present)
 
     def update_progress(self, step: int, round_: int) -> None:
         """Advertise training progress in heartbeats (joining peers pick the most advanced)."""

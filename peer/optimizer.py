@@ -1,12 +1,13 @@
 """GossipOptimizer: bring your own training loop, gossip happens in the background.
 
-Wrap a model and any ``torch.optim`` optimizer; call ``step()`` as usual. With the default
-algorithm ``choco``, every ``gossip.local_steps`` steps a CHOCO-SGD round runs: compressed
-differences go out to the neighbours on background threads, and the model takes a consensus
-step towards them. With ``ef-gradient``, every step first replaces the gradients by the
-neighbourhood's average of error-feedback-compressed gradients (peer/ef_gradient.py), and a
-CHOCO round runs every ``gossip.consensus_every`` steps. The daemon's task mode is built on
-this class, so both share one code path.
+Wrap a model and any ``torch.optim`` optimizer; call ``step()`` as usual. What happens around
+the optimizer step is the algorithm's (peer/algorithms/): with the default ``choco``, every
+``gossip.local_steps`` steps a CHOCO-SGD round runs (compressed differences go out to the
+neighbours on background threads, and the model takes a consensus step towards them); with
+``ef-gradient``, every step first replaces the gradients by the neighbourhood's average of
+error-feedback-compressed gradients; with ``diloco``, every ``gossip.local_steps`` steps ends a
+phase: the pseudo-gradient is exchanged and an outer optimizer moves the model. The daemon's
+task mode is built on this class, so both share one code path.
 
 LR schedulers take the wrapped optimizer (``gopt.optimizer``). Gradient accumulation needs
 nothing special: gossip happens in ``step()``, never in ``backward()``.
@@ -21,6 +22,7 @@ Example::
             gopt.zero_grad()
             loss_fn(model(x), y).backward()
             gopt.step()
+        gopt.finish()   # apply what is still in flight (diloco)
 """
 
 from __future__ import annotations
@@ -30,9 +32,8 @@ import logging
 import threading
 
 import torch
-from gossipgrad.peer.choco import RoundStats
+from gossipgrad.peer.algorithms import GossipAlgorithm, RoundStats
 from gossipgrad.peer.config import GossipSection, PeerConfig
-from gossipgrad.peer.ef_gradient import EFGradientExchange, ExchangeStats
 from gossipgrad.peer.flat import FlatParameters
 from gossipgrad.peer.node import Peer
 from torch import nn
@@ -67,11 +68,15 @@ class GossipOptimizer:
         self.flat = FlatParameters(model)
         self.local_step = 0
         self.last_round: RoundStats | None = None
-        self.last_exchange: ExchangeStats | None = None
-        self.exchange: EFGradientExchange | None = None
-        self._lock = threading.RLock()  # the training thread vs. state downloads
+        # The training thread's optimizer steps vs. the algorithm's reads and writes of the
+        # parameters vs. state downloads.
+        self.state_lock = threading.RLock()
         self.peer = Peer(
-            config, self.flat, state_fn=self._state_blob, registry=registry, state_lock=self._lock
+            config,
+            self.flat,
+            state_source=self._state_blob,
+            registry=registry,
+            state_lock=self.state_lock,
         )
         if start:
             self.start()
@@ -81,8 +86,19 @@ class GossipOptimizer:
         return self.peer.metrics
 
     @property
+    def algorithm(self) -> GossipAlgorithm:
+        if self.peer.algorithm is None:
+            raise ValueError("the peer has not started: call start() first")
+        return self.peer.algorithm
+
+    @property
     def round(self) -> int:
-        return self.peer.gossip.round if self.peer.gossip is not None else 0
+        return self.peer.algorithm.round if self.peer.algorithm is not None else 0
+
+    @property
+    def last_exchange(self):
+        """ef-gradient / diloco: the stats of the last compressed exchange (else None)."""
+        return getattr(self.peer.algorithm, "last_exchange", None)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -92,21 +108,6 @@ class GossipOptimizer:
     def start(self) -> None:
         """Join the swarm: serve gRPC, start membership (idempotent)."""
         self.peer.start()
-        if self.config.gossip.algorithm == "ef-gradient" and self.exchange is None:
-            gossip = self.peer.gossip
-            self.exchange = EFGradientExchange(
-                self.flat,
-                self.config.gossip,
-                self.peer.id,
-                self.config.peer.swarm,
-                neighbors_at=gossip.neighbors_at,
-                weights_at=gossip.weights_at,
-                present_ids=self.peer.membership.present_ids,
-                is_alive=self.peer.membership.is_alive,
-                push=self.peer._push,
-                metrics=self.peer.metrics,
-            )
-            self.peer.gradient_handler = self.exchange.handle_update
 
     def wait_for_peers(self, count: int, timeout: float) -> bool:
         """Block until `count` peers (self included) are known or the timeout passes."""
@@ -118,57 +119,56 @@ class GossipOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure=None):
-        """One local optimizer step, with the gossip the algorithm asks for.
-
-        choco: a model-gossip round every ``local_steps`` steps, after the optimizer step.
-        ef-gradient: gradients are exchanged before the optimizer step (a closure, if given,
-        is evaluated first to produce them), and a model-gossip round runs every
-        ``consensus_every`` steps.
-        """
+        """One local optimizer step, with the gossip the algorithm asks for around it (a
+        closure, if given, is evaluated first, so gradients exist before the exchange)."""
         loss = None
-        if self.exchange is not None:
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-                closure = None
-            self.exchange_gradients()
-        with self._lock:
-            out = self.optimizer.step(closure)
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.exchange_gradients()
+        with self.state_lock:
+            out = self.optimizer.step()
             self.local_step += 1
-        if round_due(self.config.gossip, self.local_step):
-            self.gossip_round()
-        self.peer.update_progress(self.local_step, self.round)
+        self.after_local_step()
         return loss if loss is not None else out
 
-    def exchange_gradients(self) -> ExchangeStats:
-        """ef-gradient: replace ``.grad`` by the neighbourhood's compressed average."""
-        if self.exchange is None:
-            raise ValueError("exchange_gradients needs gossip.algorithm = 'ef-gradient'")
-        self.last_exchange = self.exchange.exchange()
-        return self.last_exchange
+    def exchange_gradients(self) -> None:
+        """What the algorithm does with the gradients before the step (ef-gradient: replace
+        ``.grad`` by the neighbourhood's compressed average; others: nothing)."""
+        self.algorithm.before_step()
+
+    def after_local_step(self) -> RoundStats | None:
+        """What the algorithm does after step ``local_step`` (a round, when one is due)."""
+        stats = self.algorithm.after_step(self.local_step)
+        if stats is not None:
+            self.last_round = stats
+        self.peer.update_progress(self.local_step, self.round)
+        return stats
 
     def gossip_round(self) -> RoundStats:
-        """Run one CHOCO model-gossip round now."""
-        # Takes the lock itself, only around reading and writing x (not while waiting).
-        self.last_round = self.peer.gossip.step_round()
+        """One gossip-only round now (``gossip.final_rounds``)."""
+        self.last_round = self.algorithm.consensus_round()
+        self.peer.update_progress(self.local_step, self.round)
         return self.last_round
+
+    def finish(self) -> None:
+        """Training is over: apply what is still in flight (diloco's last exchange)."""
+        self.algorithm.finish()
 
     # ------------------------------------------------------------------ state
 
-    def state_dict(self) -> dict:
-        """Everything needed to resume: parameters, optimizer state, counters."""
-        with self._lock:
+    def state_dict(self, for_joiner: bool = False) -> dict:
+        """Everything needed to resume: parameters, optimizer state, counters, the algorithm's
+        state (``for_joiner``: without what is this peer's own, see GossipAlgorithm)."""
+        with self.state_lock:
             return {
                 "params": self.flat.data.detach().clone(),
                 "optimizer": self.optimizer.state_dict(),
                 "local_step": self.local_step,
                 "round": self.round,
                 "fingerprint": self.flat.fingerprint,
-                **(
-                    {"ef_residual": self.exchange.residual.detach().clone()}
-                    if self.exchange is not None
-                    else {}
-                ),
+                "algorithm": self.config.gossip.algorithm,
+                "gossip": self.algorithm.state_dict(for_joiner),
             }
 
     def load_state_dict(self, state: dict) -> None:
@@ -177,26 +177,25 @@ class GossipOptimizer:
                 f"state is for another model (fingerprint {state.get('fingerprint')!r}, "
                 f"this model {self.flat.fingerprint!r})"
             )
-        with self._lock, torch.no_grad():
+        algorithm = state.get("algorithm", self.config.gossip.algorithm)
+        if algorithm != self.config.gossip.algorithm:
+            raise ValueError(
+                f"state was saved by algorithm {algorithm!r}, this peer runs "
+                f"{self.config.gossip.algorithm!r}"
+            )
+        with self.state_lock, torch.no_grad():
             self.flat.data.copy_(state["params"].to(self.flat.data.device))
             self.optimizer.load_state_dict(state["optimizer"])
             self.local_step = int(state["local_step"])
-            if self.exchange is not None:
-                residual = state.get("ef_residual")
-                if residual is None:
-                    self.exchange.residual.zero_()
-                else:
-                    self.exchange.residual.copy_(residual.to(self.flat.data.device))
-            if self.peer.gossip is not None:
-                self.peer.gossip.round = int(state["round"])
-                # Our public copies are gone or stale: every edge starts with a resync.
-                for pid in list(self.peer.gossip.out_edges):
-                    self.peer.gossip.reset_peer(pid)
+            gossip = state.get("gossip", {"round": state.get("round", 0)})
+            self.algorithm.load_state_dict(_to_device(gossip, self.flat.data.device))
 
     def _state_blob(self) -> tuple[int, int, bytes]:
-        state = self.state_dict()
+        """The state a joining peer downloads, serialised under the lock (never torn)."""
         buf = io.BytesIO()
-        torch.save(state, buf)
+        with self.state_lock:
+            state = self.state_dict(for_joiner=True)
+            torch.save(state, buf)
         return state["local_step"], state["round"], buf.getvalue()
 
     def join_from_swarm(self, timeout: float = 60.0) -> bool:
@@ -217,8 +216,6 @@ class GossipOptimizer:
 
     def close(self) -> None:
         """Leave the swarm cleanly (also on ``with`` exit)."""
-        if self.exchange is not None:
-            self.exchange.close()
         self.peer.close()
 
     def __enter__(self) -> GossipOptimizer:
@@ -228,7 +225,16 @@ class GossipOptimizer:
         self.close()
 
 
+def _to_device(state, device: torch.device):
+    """Tensors of a nested state moved to ``device``."""
+    if isinstance(state, torch.Tensor):
+        return state.to(device)
+    if isinstance(state, dict):
+        return {k: _to_device(v, device) for k, v in state.items()}
+    return state
+
+
 def round_due(cfg: GossipSection, local_step: int) -> bool:
-    """Whether a CHOCO model-gossip round follows optimizer step ``local_step`` (1-based)."""
+    """Whether a gossip round follows optimizer step ``local_step`` (1-based)."""
     every = cfg.consensus_every if cfg.algorithm == "ef-gradient" else cfg.local_steps
     return local_step % every == 0

@@ -8,10 +8,11 @@ and puts on the wire exactly what a one-process peer would. Every local step:
 
 1. All ranks: backward on their own shard, then all-reduce (average) the flat gradient.
 2. ef-gradient only: the leader exchanges the averaged gradient with its neighbours
-   (peer/ef_gradient.py) and broadcasts the result, so every rank steps with it.
+   (peer/algorithms/ef_gradient.py) and broadcasts the result, so every rank steps with it.
 3. All ranks: the local optimizer step (same gradient, same parameters, same result).
-4. When a gossip round is due: the leader runs it, then broadcasts the merged parameters,
-   so all ranks of a site hold identical parameters after every round.
+4. When a gossip round (diloco: a phase's outer round) is due: the leader runs it, then
+   broadcasts the merged parameters, so all ranks of a site hold identical parameters after
+   every round.
 
 Tensors stay on the ranks' devices: the all-reduce and broadcasts work on the flat
 parameter/gradient buffers in place, with no host copies.
@@ -28,7 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from gossipgrad.peer.config import PeerConfig
-from gossipgrad.peer.ef_gradient import ExchangeStats
 from gossipgrad.peer.flat import FlatParameters, tensor_checksum
 from gossipgrad.peer.metrics import PeerMetrics
 from gossipgrad.peer.optimizer import GossipOptimizer, round_due
@@ -175,7 +175,7 @@ class SiteOptimizer:
         return self.gopt.last_round if self.gopt is not None else None
 
     @property
-    def last_exchange(self) -> ExchangeStats | None:
+    def last_exchange(self):
         return self.gopt.last_exchange if self.gopt is not None else None
 
     @property
@@ -201,27 +201,37 @@ class SiteOptimizer:
             with torch.enable_grad():
                 loss = closure()
         self._average_gradients()
-        ef = self.config.gossip.algorithm == "ef-gradient"
-        if ef:
+        if self.config.gossip.algorithm == "ef-gradient":
             if self.gopt is not None:
                 self.gopt.exchange_gradients()
                 self._grad_buf.copy_(self.flat.grad())
             dist.broadcast(self._grad_buf, src=0)
             self.flat.set_grad(self._grad_buf)
-        lock = self.gopt._lock if self.gopt is not None else _NO_LOCK
+        lock = self.gopt.state_lock if self.gopt is not None else _NO_LOCK
         with lock:
             out = self.optimizer.step()
             self.local_step = self.local_step + 1
+        if self.gopt is not None:
+            self.gopt.after_local_step()  # the leader runs the round, when one is due
         if round_due(self.config.gossip, self.local_step):
-            self.gossip_round()
+            self._take_leaders_parameters()
         self.peer.update_progress(self.local_step, self.round)
         return loss if loss is not None else out
 
     def gossip_round(self) -> None:
-        """One model-gossip round across sites: the leader gossips, every rank takes x."""
+        """One gossip-only round across sites: the leader gossips, every rank takes x."""
         if self.gopt is not None:
             self.gopt.gossip_round()
-        with self.gopt._lock if self.gopt is not None else _NO_LOCK:
+        self._take_leaders_parameters()
+
+    def finish(self) -> None:
+        """Training is over: the leader applies what is in flight, every rank takes x."""
+        if self.gopt is not None:
+            self.gopt.finish()
+        self._take_leaders_parameters()
+
+    def _take_leaders_parameters(self) -> None:
+        with self.gopt.state_lock if self.gopt is not None else _NO_LOCK:
             dist.broadcast(self.flat.data, src=0)
         self._rounds += 1
         if self.verify:

@@ -77,7 +77,7 @@ class TensorEnvelope(_message.Message):
     def __init__(self, format_version: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec_spec: _Optional[str] = ..., crc32: _Optional[int] = ..., seed: _Optional[int] = ..., count: _Optional[int] = ..., index_bits: _Optional[int] = ..., indices: _Optional[_Union[TensorEnvelope.Section, _Mapping]] = ..., values: _Optional[_Union[TensorEnvelope.Section, _Mapping]] = ..., scales: _Optional[_Union[TensorEnvelope.Section, _Mapping]] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
-    __slots__ = ("swarm", "sender", "receiver", "seq", "round", "kind", "checksum", "payload_size", "model_fingerprint", "dense_size")
+    __slots__ = ("swarm", "sender", "receiver", "seq", "round", "kind", "checksum", "payload_size", "model_fingerprint", "dense_size", "edge_epoch", "weight", "dropped_epoch")
     SWARM_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,9 @@ class UpdateHeader(_message.Message):
     PAYLOAD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DENSE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EDGE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     swarm: str
     sender: str
     receiver: str
@@ -98,7 +101,10 @@ class UpdateHeader(_message.Message):
     payload_size: int
     model_fingerprint: str
     dense_size: int
-    def __init__(self, swarm: _Optional[str] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., seq: _Optional[int] = ..., round: _Optional[int] = ..., kind: _Optional[_Union[UpdateKind, str]] = ..., checksum: _Optional[int] = ..., payload_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., dense_size: _Optional[int] = ...) -> None: ...
+    edge_epoch: int
+    weight: float
+    dropped_epoch: int
+    def __init__(self, swarm: _Optional[str] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., seq: _Optional[int] = ..., round: _Optional[int] = ..., kind: _Optional[_Union[UpdateKind, str]] = ..., checksum: _Optional[int] = ..., payload_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., dense_size: _Optional[int] = ..., edge_epoch: _Optional[int] = ..., weight: _Optional[float] = ..., dropped_epoch: _Optional[int] = ...) -> None: ...
 
 class UpdateChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -18,7 +18,6 @@ from torch import nn
 FAST_MEMBERSHIP = {
     "metrics.enabled": False,
     "membership.heartbeat_interval": 0.1,
-    "gossip.max_staleness": 0,
     "gossip.round_timeout": 3.0,
 }
 
@@ -72,7 +71,8 @@ def run_rounds(peers: list[Peer], rounds: int, timeout: float = 100.0) -> None:
     def work(p: Peer) -> None:
         try:
             for _ in range(rounds):
-                p.gossip.step_round()
+                p.algorithm.step_round()
+            p.algorithm.finish()  # as a daemon does at the end: mix what is still open
         except BaseException as err:
             errors.append(err)
 
@@ -87,7 +87,7 @@ def run_rounds(peers: list[Peer], rounds: int, timeout: float = 100.0) -> None:
 def quiesce(peers: list[Peer], timeout: float = 10.0) -> None:
     """Wait until no push is in flight."""
     deadline = time.monotonic() + timeout
-    while any(e.busy for p in peers for e in p.gossip.out_edges.values()):
+    while any(e.busy for p in peers for e in p.algorithm.edges.values()):
         assert time.monotonic() < deadline, "pushes still in flight"
         time.sleep(0.02)
     time.sleep(0.1)

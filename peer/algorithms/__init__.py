@@ -1,0 +1,67 @@
+"""Gossip algorithms behind one interface (``GossipAlgorithm``), over one neighbour layer.
+
+``build_algorithm`` turns the [gossip] section into the algorithm a peer runs:
+
+* ``choco``: CHOCO-SGD model gossip (choco.py), the default;
+* ``ef-gradient``: compressed gradient averaging plus CHOCO consensus (ef_gradient.py);
+* ``diloco``: local phases, compressed pseudo-gradients, an outer optimizer (diloco.py).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from gossipgrad.peer.algorithms.averaging import CompressedAverage
+from gossipgrad.peer.algorithms.base import GossipAlgorithm, RoundStats
+from gossipgrad.peer.algorithms.choco import ChocoGossip, ChocoSettings
+from gossipgrad.peer.algorithms.diloco import DiLoCo
+from gossipgrad.peer.algorithms.ef_gradient import EFGradient
+from gossipgrad.peer.algorithms.neighbours import Identity, MembershipView, Neighbourhood
+from gossipgrad.peer.algorithms.outer import OuterSettings
+from gossipgrad.peer.config import GossipSection
+from gossipgrad.peer.flat import FlatParameters
+
+__all__ = [
+    "ChocoGossip",
+    "DiLoCo",
+    "EFGradient",
+    "GossipAlgorithm",
+    "Identity",
+    "MembershipView",
+    "Neighbourhood",
+    "RoundStats",
+    "build_algorithm",
+]
+
+
+def build_algorithm(
+    cfg: GossipSection,
+    flat: FlatParameters,
+    neighbourhood: Neighbourhood,
+    state_lock: threading.RLock,
+    metrics=None,
+) -> GossipAlgorithm:
+    """The algorithm ``cfg.algorithm`` names, over ``flat``'s parameters."""
+    settings = ChocoSettings.from_config(cfg)
+    if cfg.algorithm == "choco":
+        return ChocoGossip(flat.data, flat.initial, settings, neighbourhood, state_lock, metrics)
+    average = CompressedAverage(
+        flat.data, cfg.codec, cfg.error_feedback, neighbourhood, cfg.round_timeout, metrics
+    )
+    if cfg.algorithm == "ef-gradient":
+        consensus = ChocoGossip(
+            flat.data, flat.initial, settings, neighbourhood, state_lock, metrics
+        )
+        return EFGradient(
+            flat, average, consensus, cfg.consensus_every, cfg.ef_momentum, state_lock
+        )
+    anchor = flat.data.detach().clone()
+    anchors = ChocoGossip(anchor, flat.initial, settings, neighbourhood, state_lock, metrics)
+    outer = OuterSettings(
+        local_steps=cfg.local_steps,
+        lr=cfg.outer_lr,
+        momentum=cfg.outer_momentum,
+        nesterov=cfg.outer_nesterov,
+        overlap=cfg.overlap,
+    )
+    return DiLoCo(flat, anchor, average, anchors, outer, state_lock)

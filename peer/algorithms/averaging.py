@@ -1,0 +1,239 @@
+"""Neighbourhood averaging of an error-feedback-compressed vector, one message per exchange.
+
+Used by ``ef-gradient`` (the vector is a step's gradient; Deep Gradient Compression, Lin et
+al., ICLR 2018; EF-SGD, Karimireddy et al., ICML 2019) and by ``diloco`` (a phase's
+pseudo-gradient; SparseLoCo keeps error feedback on it the same way). For each exchange:
+
+1. c_i = Q(e_i + v_i);  e_i += v_i − decode(c_i)      (compression.ErrorFeedback)
+   With ``gossip.error_feedback = false`` (an ablation): c_i = Q(v_i), nothing kept.
+2. c_i goes to every live neighbour (one encoding for all of them).
+3. Wait, at most ``round_timeout``, for one c_j from each live neighbour, then return the
+   Metropolis–Hastings average of decode(c_i) and the c_j that arrived (the weights of missing
+   neighbours are left out and the rest renormalised).
+
+Incoming vectors wait in a short FIFO per sender, so peers whose counters differ (a restart, a
+late joiner) still pair up their messages. These vectors are not increments of any shared copy:
+a lost message costs one exchange some information but breaks no invariant, so they carry no
+sequence numbers or sessions.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import grpc
+import torch
+from gossipgrad.compression import DecodeError, ErrorFeedback, from_spec
+from gossipgrad.peer.algorithms.neighbours import Neighbourhood
+from gossipgrad.peer.transport import UpdateRejected
+from gossipgrad.proto import gossip_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+#: Vectors kept per sender before the oldest are dropped (a sender far ahead of us).
+MAX_QUEUED = 8
+_NAME = "v"
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """An exchange started and not yet collected."""
+
+    step: int
+    round: int
+    ids: list[str]
+    neighbors: list[str]
+    payload_bytes: int
+
+
+@dataclass
+class AverageStats:
+    """What one exchange did (for logs and tests)."""
+
+    step: int
+    neighbors: list[str]
+    averaged: list[str]
+    waited_s: float
+    payload_bytes: int
+    residual_norm: float
+
+
+class CompressedAverage:
+    """Error-feedback-compressed neighbourhood averaging of one vector (module docstring).
+
+    Args:
+        like: a tensor of the vector's shape, dtype and device.
+        codec: compression spec.
+        error_feedback: keep what the codec drops (False: the ablation without).
+        neighbourhood: the neighbour layer.
+        round_timeout: seconds to wait for a neighbour's vector.
+        metrics: a PeerMetrics or None.
+    """
+
+    def __init__(
+        self,
+        like: torch.Tensor,
+        codec: str,
+        error_feedback: bool,
+        neighbourhood: Neighbourhood,
+        round_timeout: float,
+        metrics=None,
+    ) -> None:
+        self.codec = from_spec(codec)
+        self.feedback = ErrorFeedback(self.codec) if error_feedback else None
+        self.nb = neighbourhood
+        self.round_timeout = round_timeout
+        self.metrics = metrics
+        self._like = like
+        self.mine = torch.zeros_like(like)  # decode(c) of the last exchange
+        self._avg = torch.zeros_like(like)
+        self._inbox: dict[str, deque[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.step = 0
+        self.dropped = 0
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def residual(self) -> torch.Tensor:
+        """e: what the codec has dropped so far and will send later (zeros without EF)."""
+        if self.feedback is None or _NAME not in self.feedback.names():
+            return torch.zeros_like(self._like, dtype=torch.float32)
+        return self.feedback.residual(_NAME)
+
+    def state_dict(self, for_joiner: bool = False) -> dict:
+        if for_joiner or self.feedback is None:
+            return {"step": self.step}
+        return {"step": self.step, "feedback": self.feedback.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state.get("step", 0))
+        if self.feedback is not None:
+            if "feedback" in state:
+                self.feedback.load_state_dict(state["feedback"])
+            else:
+                self.feedback.reset()
+        with self._lock:
+            self._inbox.clear()
+
+    def forget(self, peer: str) -> None:
+        """Drop what is queued from a peer that left or restarted."""
+        with self._lock:
+            self._inbox.pop(peer, None)
+
+    def prune(self, present: set[str]) -> None:
+        with self._lock:
+            for peer in [p for p in self._inbox if p not in present]:
+                del self._inbox[peer]
+
+    # ------------------------------------------------------------------ sending
+
+    def compress(self, v: torch.Tensor) -> bytes:
+        """Step 1: c = Q(e + v), keep what was dropped; ``self.mine`` = decode(c)."""
+        t0 = time.perf_counter()
+        if self.feedback is not None:
+            payload = self.feedback.compress(_NAME, v, seed=self.step + 1)
+        else:
+            payload = self.codec.encode(v, seed=self.step + 1)
+        self.codec.decode(payload, out=self.mine)
+        if self.metrics is not None:
+            self.metrics.observe_compress(time.perf_counter() - t0)
+        return payload
+
+    def _send(self, peer: str, header: pb.UpdateHeader, payload: bytes) -> None:
+        try:
+            reply = self.nb.push(peer, header, payload)
+        except Exception as err:
+            log.warning("push of a compressed vector to %s failed: %s", peer, err)
+            return
+        if reply.status != pb.PushReply.ACCEPTED:
+            log.info("%s did not take our vector: %s", peer, reply.detail)
+
+    def send(self, payload: bytes, neighbors: list[str], round_: int) -> None:
+        """Step 2: push c to every live neighbour in the background."""
+        for peer in neighbors:
+            if self.nb.view.is_alive(peer):
+                header = self.nb.header(peer, pb.GRADIENT, payload, seq=round_, round=round_)
+                self.nb.submit(self._send, peer, header, payload)
+
+    # ------------------------------------------------------------------ receiving
+
+    def handle_update(self, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
+        """Validate and queue one neighbour's vector (server thread)."""
+        self.nb.check(header, (pb.GRADIENT,))
+        like = self._like
+        try:
+            v = self.codec.decode(bytes(payload), device=like.device, max_numel=like.numel())
+        except DecodeError as err:
+            raise UpdateRejected(
+                grpc.StatusCode.INVALID_ARGUMENT, "decode_error", str(err)
+            ) from None
+        if v.shape != like.shape or v.dtype != like.dtype:
+            raise UpdateRejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "malformed",
+                f"vector {list(v.shape)} {v.dtype} does not fit {like.numel()} values",
+            )
+        with self._lock:
+            queue = self._inbox.setdefault(header.sender, deque())
+            queue.append(v)
+            while len(queue) > MAX_QUEUED:
+                queue.popleft()
+                self.dropped += 1
+        self.nb.heard(header.sender)
+        return pb.PushReply(status=pb.PushReply.ACCEPTED, detail="vector")
+
+    # ------------------------------------------------------------------ one exchange
+
+    def start(self, v: torch.Tensor, round_: int) -> Ticket:
+        """Steps 1-2 for vector ``v``: compress it and push it to this round's neighbours.
+        ``round_`` picks the topology's round. ``collect`` the ticket before the next start."""
+        payload = self.compress(v)
+        ids = self.nb.ids()
+        neighbors = self.nb.neighbors_at(round_, ids)
+        self.send(payload, neighbors, round_)
+        ticket = Ticket(self.step, round_, ids, neighbors, len(payload))
+        self.step += 1
+        return ticket
+
+    def collect(self, ticket: Ticket) -> tuple[torch.Tensor, AverageStats]:
+        """Step 3: the neighbourhood's average (a buffer reused by the next call)."""
+        neighbors = ticket.neighbors
+
+        def missing() -> list[str]:
+            return [p for p in neighbors if not self._inbox.get(p)]
+
+        waited = self.nb.wait(missing, self.round_timeout, f"exchange {ticket.step}")
+        weights = self.nb.weights_at(ticket.round, ticket.ids)
+        w_self = 1.0 - sum(weights.get(p, 0.0) for p in neighbors)
+        avg = self._avg.copy_(self.mine).mul_(w_self)
+        total, averaged = w_self, []
+        with self._lock:
+            for peer in neighbors:
+                queue = self._inbox.get(peer)
+                if queue:
+                    w = weights.get(peer, 0.0)
+                    avg.add_(queue.popleft(), alpha=w)
+                    total += w
+                    averaged.append(peer)
+        if total > 0:
+            avg.div_(total)
+        stats = AverageStats(
+            step=ticket.step,
+            neighbors=neighbors,
+            averaged=averaged,
+            waited_s=waited,
+            payload_bytes=ticket.payload_bytes,
+            residual_norm=float(torch.linalg.vector_norm(self.residual)),
+        )
+        if self.metrics is not None:
+            self.metrics.set_error_feedback_norm(stats.residual_norm)
+        return avg, stats
+
+    def average(self, v: torch.Tensor, round_: int) -> tuple[torch.Tensor, AverageStats]:
+        """Steps 1-3 at once (no overlap)."""
+        return self.collect(self.start(v, round_))

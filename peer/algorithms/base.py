@@ -1,0 +1,89 @@
+"""The interface every gossip algorithm implements, and what a round reports.
+
+A training loop talks to an algorithm only through ``before_step`` / ``after_step`` (wrapped by
+``GossipOptimizer.step``); the gRPC server hands it incoming updates through ``handle_update``;
+membership tells it about peers that restarted or left; checkpoints and late joiners use
+``state_dict`` / ``load_state_dict``. Three implementations: ``choco`` (CHOCO-SGD model
+gossip), ``ef-gradient`` (compressed gradient averaging) and ``diloco`` (local phases,
+compressed pseudo-gradients, an outer optimizer).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from gossipgrad.proto import gossip_pb2 as pb
+
+
+@dataclass
+class RoundStats:
+    """What one gossip round did (for logs, metrics and tests)."""
+
+    round: int
+    neighbors: list[str]
+    mixed: list[str]
+    pushed: list[str]
+    waited_s: float = 0.0
+    consensus_distance: float = float("nan")
+    residual_norm: float = 0.0
+
+
+class GossipAlgorithm(abc.ABC):
+    """One way for a peer to exchange with its neighbours and merge what they send."""
+
+    #: The algorithm's name in ``gossip.algorithm``.
+    name: ClassVar[str]
+    #: The update kinds it takes (pb.UpdateKind values).
+    kinds: ClassVar[tuple[int, ...]]
+
+    @property
+    @abc.abstractmethod
+    def round(self) -> int:
+        """Rounds run so far (a label for logs and progress, not a clock peers share)."""
+
+    def before_step(self) -> None:
+        """Called after ``backward()`` and before the optimizer step (gradients are ready);
+        nothing by default."""
+        return
+
+    @abc.abstractmethod
+    def after_step(self, local_step: int) -> RoundStats | None:
+        """Called after optimizer step ``local_step`` (1-based); returns a round's stats if
+        one ran."""
+
+    @abc.abstractmethod
+    def consensus_round(self) -> RoundStats:
+        """One gossip-only round now (no training step: ``gossip.final_rounds``)."""
+
+    def finish(self) -> None:
+        """Training is over: apply whatever is still in flight (default: nothing)."""
+        return
+
+    @abc.abstractmethod
+    def handle_update(self, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
+        """Take one incoming update (a gRPC server thread)."""
+
+    @abc.abstractmethod
+    def state_dict(self, for_joiner: bool = False) -> dict[str, Any]:
+        """The algorithm's state: for a checkpoint, or (``for_joiner``) for a peer that joins
+        the swarm, which takes what is shared (anchor, outer momentum) and none of what is
+        this peer's own (error-feedback residuals: a joiner that copied them would send their
+        contents a second time)."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``; every edge starts a new session."""
+
+    @abc.abstractmethod
+    def forget(self, peer: str) -> None:
+        """``peer`` restarted or left: end its edge sessions and drop what it queued."""
+
+    @abc.abstractmethod
+    def prune(self, present: set[str]) -> None:
+        """Free the state kept for peers no longer present."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop background work (pushes in flight are finished or cancelled)."""

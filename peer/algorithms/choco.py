@@ -1,0 +1,427 @@
+"""CHOCO-SGD gossip over per-edge public copies (Koloskova, Stich, Jaggi, ICML 2019).
+
+One round, run by the training thread every ``gossip.local_steps`` local steps:
+
+1. (max_staleness 1) wait, bounded by ``round_timeout``, for the exchanges opened last round,
+   and mix those that completed: x_i += γ Σ_j w_ij (x̂_{j->i} − x̂_{i->j}).
+2. For each neighbour j whose last exchange is mixed (and each that opened one with us):
+   q = Q(x_i − x̂_{i->j});  x̂_{i->j} += q;  push q in the background (or the session's
+   opening, INIT or dense RESYNC). An update that was not acknowledged is pushed again, the
+   same bytes: nothing is mixed before it landed, and what the codec dropped stays in
+   x_i − x̂_{i->j} (the error feedback). With ``gossip.error_feedback = false`` (an ablation)
+   q = Q(x_i − b_{i->j}), b being x_i at the previous send (DCD-PSGD, Tang et al. 2018).
+3. (max_staleness 0) wait for this round's exchanges, and mix those that completed.
+
+peer/algorithms/edges.py has the rules that keep both ends identical and the mixing symmetric
+(sessions, exchanges, agreed weights); this module applies them on the wire. The same class
+keeps diloco's anchors together (over the anchor instead of the parameters).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+from gossipgrad.compression import Codec, DecodeError, from_spec
+from gossipgrad.peer.algorithms.base import GossipAlgorithm, RoundStats
+from gossipgrad.peer.algorithms.edges import Edge, Incoming, Kind, Verdict
+from gossipgrad.peer.algorithms.mixing import Pair, consensus_step, neighbourhood_distance
+from gossipgrad.peer.algorithms.neighbours import Neighbourhood
+from gossipgrad.peer.config import GossipSection
+from gossipgrad.peer.flat import tensor_checksum
+from gossipgrad.peer.transport import UpdateRejected
+from gossipgrad.proto import gossip_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+DENSE_SPEC = "none"
+# Edges opened before this round start from the shared initial model (INIT, no payload);
+# later ones (a late joiner, a rewired topology) from a dense copy of the current model.
+INIT_ROUNDS = 50
+_KINDS = {pb.INIT: Kind.INIT, pb.RESYNC: Kind.RESYNC, pb.DELTA: Kind.DELTA}
+_STATUS = {
+    Verdict.ACCEPTED: pb.PushReply.ACCEPTED,
+    Verdict.DUPLICATE: pb.PushReply.DUPLICATE,
+    Verdict.NEED_RESYNC: pb.PushReply.NEED_RESYNC,
+}
+_VERDICT = {v: k for k, v in _STATUS.items()}
+# Refusals of the update itself: sending the same bytes again cannot help.
+_REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+@dataclass(frozen=True)
+class ChocoSettings:
+    """The gossip keys CHOCO reads (a slice of the [gossip] section)."""
+
+    codec: str
+    gamma: float
+    local_steps: int
+    max_staleness: int
+    round_timeout: float
+    error_feedback: bool
+    robust_clip: float
+
+    @classmethod
+    def from_config(cls, g: GossipSection, **override) -> ChocoSettings:
+        fields = {k: getattr(g, k) for k in cls.__dataclass_fields__}
+        return cls(**{**fields, **override})
+
+
+class ChocoGossip(GossipAlgorithm):
+    """CHOCO-SGD over the tensor ``x`` (see the module docstring).
+
+    Args:
+        x: the vector gossiped (updated in place): the parameters, or diloco's anchor.
+        initial: the shared seeded initial value of x (INIT openings).
+        settings: codec, γ, H, staleness, timeouts.
+        neighbourhood: the neighbour layer (topology, pushes, checks, waiting).
+        state_lock: held while x is read for an update or written by mixing, so a state
+            download never sees a half-mixed model.
+        metrics: a PeerMetrics or None.
+    """
+
+    name = "choco"
+    kinds = (pb.DELTA, pb.RESYNC, pb.INIT)
+
+    def __init__(
+        self,
+        x: torch.Tensor,
+        initial: torch.Tensor,
+        settings: ChocoSettings,
+        neighbourhood: Neighbourhood,
+        state_lock: threading.RLock,
+        metrics=None,
+    ) -> None:
+        self.x = x
+        self.initial = initial
+        self.settings = settings
+        self.codec: Codec = from_spec(settings.codec)
+        self.dense_codec: Codec = from_spec(DENSE_SPEC)
+        self.nb = neighbourhood
+        self.state_lock = state_lock
+        self.metrics = metrics
+        self.edges: dict[str, Edge] = {}
+        self._edges_lock = threading.Lock()
+        self._round = 0
+        self._direction = torch.zeros_like(x)
+
+    @property
+    def round(self) -> int:
+        return self._round
+
+    # ------------------------------------------------------------------ edges
+
+    def edge(self, peer: str) -> Edge:
+        """The edge with ``peer`` (created on first use)."""
+        with self._edges_lock:
+            e = self.edges.get(peer)
+            if e is None:
+                e = self.edges[peer] = Edge(
+                    public=torch.zeros_like(self.x),
+                    mirror=torch.zeros_like(self.x),
+                    leader=self.nb.me < peer,
+                )
+            return e
+
+    def forget(self, peer: str) -> None:
+        e = self.edges.get(peer)
+        if e is not None:
+            with e.lock:
+                e.restart()
+        self.nb.forget(peer)
+
+    def prune(self, present: set[str]) -> None:
+        with self._edges_lock:
+            for peer in [p for p in self.edges if p not in present]:
+                del self.edges[peer]
+
+    # ------------------------------------------------------------------ sending
+
+    def _encode(self, peer: str, edge: Edge, weight: float) -> tuple[pb.UpdateHeader, bytes]:
+        """The next update of an edge: its session's opening, or q = Q(x − x̂) (lock held)."""
+        x, ef = self.x, self.settings.error_feedback
+        if edge.sent == 0 and edge.restarts == 0 and self._round < INIT_ROUNDS:
+            # Early in the run peers share the seeded initial model: open with its checksum
+            # only; q's then carry x − x0, compressed.
+            edge.public.copy_(self.initial)
+            kind, payload = pb.INIT, b""
+        elif edge.sent == 0:
+            edge.public.copy_(x)
+            kind, payload = pb.RESYNC, self.dense_codec.encode(edge.public)
+            if self.metrics is not None:
+                self.metrics.record_resync(peer)
+        else:
+            t0 = time.perf_counter()
+            base = edge.public if ef or edge.last_sent is None else edge.last_sent
+            payload = self.codec.encode(x - base, seed=edge.sent + 1)
+            self.codec.decode_add_(payload, edge.public)
+            kind = pb.DELTA
+            if self.metrics is not None:
+                self.metrics.observe_compress(time.perf_counter() - t0)
+        if not ef:
+            edge.mark_sent(edge.public if kind != pb.DELTA else x)
+        header = self.nb.header(
+            peer,
+            kind,
+            payload,
+            seq=edge.sent + 1,
+            round=self._round,
+            checksum=tensor_checksum(edge.public),
+            edge_epoch=edge.epoch,
+            weight=weight,
+        )
+        edge.record_sent((header, payload), weight)
+        return header, payload
+
+    def _hello(self, peer: str, edge: Edge) -> tuple[pb.UpdateHeader, bytes]:
+        """A follower without a session asks the leader for one (epoch 0, no payload)."""
+        header = self.nb.header(
+            peer, pb.INIT, b"", round=self._round, edge_epoch=0, dropped_epoch=edge.dropped
+        )
+        return header, b""
+
+    def _send(self, peer: str, edge: Edge, header: pb.UpdateHeader, payload: bytes) -> None:
+        verdict = None
+        try:
+            reply = self.nb.push(peer, header, payload)
+            verdict = _VERDICT.get(reply.status, Verdict.NEED_RESYNC)
+            if verdict is Verdict.NEED_RESYNC and header.edge_epoch:
+                log.info("%s ends the session of our edge (%s)", peer, reply.detail)
+        except Exception as err:
+            # Not acknowledged: the same update goes again next round (unless the receiver
+            # refused its contents, which a new session heals).
+            log.warning("push to %s failed: %s", peer, err)
+            if isinstance(err, grpc.RpcError) and err.code() in _REFUSED:
+                verdict = Verdict.NEED_RESYNC
+        with edge.lock:
+            edge.release()
+            if verdict is not None:
+                edge.answered(header.edge_epoch, header.seq, verdict)
+        self.nb.notify()
+
+    def _push(self, peer: str, weight: float, turn: dict[str, int]) -> str:
+        """Move the edge with ``peer`` on, if it can: say hello (no session yet; once a round),
+        push an unacknowledged update again, or open this round's exchange (once per session
+        and round). ``turn`` remembers, per peer, the session this round opened one in
+        (0: a hello). Returns what it did ("" for nothing)."""
+        edge = self.edge(peer)
+        with edge.lock:
+            if edge.busy:
+                return ""
+            if edge.epoch == 0:
+                if turn.get(peer) == 0:
+                    return ""
+                turn[peer] = 0
+                update = self._hello(peer, edge)
+            elif edge.unacked is not None:
+                update = edge.unacked  # not acknowledged: the same bytes again
+            elif edge.can_send() and turn.get(peer) != edge.epoch:
+                turn[peer] = edge.epoch
+                with self.state_lock:
+                    update = self._encode(peer, edge, weight)
+            else:
+                return ""
+            edge.claim()
+        self.nb.submit(self._send, peer, edge, *update)
+        return "pushed"
+
+    # ------------------------------------------------------------------ receiving
+
+    def handle_update(self, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
+        """Apply one incoming update to its edge's mirror (server thread)."""
+        self.nb.check(header, self.kinds)
+        update = Incoming(
+            epoch=header.edge_epoch,
+            seq=header.seq,
+            kind=_KINDS[header.kind],
+            checksum=header.checksum,
+            weight=header.weight,
+            payload=bytes(payload),
+            dropped=header.dropped_epoch,
+        )
+        if not 0.0 <= update.weight <= 1.0:
+            raise UpdateRejected(
+                grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"weight {update.weight}"
+            )
+        edge = self.edge(header.sender)
+        with edge.lock:
+            verdict = edge.admit(update)
+            if verdict is None:
+                try:
+                    verdict = self._apply(edge, update)
+                except DecodeError as err:
+                    edge.restart()
+                    raise UpdateRejected(
+                        grpc.StatusCode.INVALID_ARGUMENT, "decode_error", str(err)
+                    ) from None
+            received = edge.received
+        if verdict is Verdict.NEED_RESYNC and update.epoch:
+            log.info(
+                "edge %s->%s: %s seq %d of session %d refused",
+                header.sender,
+                self.nb.me,
+                update.kind.value,
+                update.seq,
+                update.epoch,
+            )
+        self.nb.heard(header.sender)
+        return pb.PushReply(
+            status=_STATUS[verdict], expected_seq=received + 1, detail=verdict.value
+        )
+
+    def _apply(self, edge: Edge, update: Incoming) -> Verdict:
+        """Fold one admitted update into the edge's mirror (edge lock held)."""
+        if update.kind is Kind.INIT:
+            edge.mirror.copy_(self.initial)
+        elif update.kind is Kind.RESYNC:
+            dense = self.dense_codec.decode(update.payload, max_numel=self.x.numel())
+            if dense.shape != edge.mirror.shape:
+                raise DecodeError(f"resync of {dense.numel()} values, expected {self.x.numel()}")
+            edge.mirror.copy_(dense)
+        else:
+            self.codec.decode_add_(update.payload, edge.mirror)
+        return edge.finish(update)
+
+    # ------------------------------------------------------------------ the round
+
+    def _mix_ready(self, peers: list[str]) -> tuple[list[str], float]:
+        """Mix every edge whose exchange is complete at this end, each exactly once."""
+        pairs, mixed, due = [], [], []
+        with torch.no_grad(), self.state_lock:
+            for peer in peers:
+                edge = self.edges.get(peer)
+                if edge is None:
+                    continue
+                with edge.lock:
+                    if not edge.exchange_ready():
+                        continue
+                    w = edge.weight()
+                    if w > 0:
+                        pairs.append(Pair(edge.mirror.clone(), edge.public.clone(), w))
+                        mixed.append(peer)
+                    due.append((edge, edge.done_mixing()))
+            dist = neighbourhood_distance(self.x, pairs) if pairs else float("nan")
+            consensus_step(
+                self.x, pairs, self.settings.gamma, self.settings.robust_clip, self._direction
+            )
+        for edge, held in due:
+            if held is not None:
+                with edge.lock:
+                    try:
+                        self._apply(edge, held)
+                    except DecodeError as err:
+                        log.warning("held update undecodable: %s", err)
+                        edge.restart()
+        return mixed, dist
+
+    def step_round(self) -> RoundStats:
+        """Run one gossip round (see the module docstring). Called by the training thread."""
+        t_round = time.perf_counter()
+        s = self.settings
+        ids = self.nb.ids()
+        neighbors = self.nb.neighbors_at(self._round, ids)
+        weights = self.nb.weights_at(self._round, ids)
+        owed = [p for p, e in list(self.edges.items()) if p not in neighbors and e.owed()]
+        active = [*neighbors, *owed]
+        edges = {p: self.edge(p) for p in active}
+        start = {p: (e.epoch, e.sent) for p, e in edges.items()}
+        turn: dict[str, int] = {}
+        mixes: dict[str, int] = {}
+        pushed: set[str] = set()
+        dist = float("nan")
+
+        def progress() -> None:
+            nonlocal dist
+            more, d = self._mix_ready(list(self.edges))
+            for p in more:
+                mixes[p] = mixes.get(p, 0) + 1
+            if more:
+                dist = d
+            for p in active:
+                if self.nb.view.is_alive(p) and self._push(p, weights.get(p, 0.0), turn):
+                    pushed.add(p)
+
+        def done(p: str) -> bool:
+            e = edges[p]
+            if e.epoch == 0:
+                return False
+            if s.max_staleness == 0:
+                return mixes.get(p, 0) > 0  # this round's exchange is mixed
+            # The exchange opened before this round is mixed, and this round's is open.
+            epoch, sent = start[p]
+            return (e.epoch != epoch or e.mixed >= sent) and turn.get(p) == e.epoch
+
+        waited = self.nb.wait(
+            lambda: [p for p in edges if not done(p)],
+            s.round_timeout,
+            f"round {self._round}",
+            progress,
+        )
+        mixed = [p for p in mixes if mixes[p]]
+        stats = RoundStats(
+            round=self._round,
+            neighbors=neighbors,
+            mixed=mixed,
+            pushed=sorted(pushed),
+            waited_s=waited,
+            consensus_distance=dist,
+            residual_norm=self._residual_norm(neighbors),
+        )
+        if self.metrics is not None:
+            self.metrics.observe_round(time.perf_counter() - t_round)
+            if mixed:
+                self.metrics.set_consensus_distance(dist)
+            self.metrics.set_error_feedback_norm(stats.residual_norm)
+            self.metrics.set_neighbors(len(mixed))
+        self._round += 1
+        return stats
+
+    def finish(self) -> None:
+        """Mix the exchanges still open (bounded wait), opening no new ones."""
+        edges = {p: e for p, e in list(self.edges.items()) if e.outstanding()}
+        due = {p: e.sent for p, e in edges.items()}
+
+        def missing() -> list[str]:
+            return [p for p, e in edges.items() if e.mixed < due[p] and e.epoch != 0]
+
+        def progress() -> None:
+            self._mix_ready(list(edges))
+
+        self.nb.wait(missing, self.settings.round_timeout, "finish", progress)
+
+    def _residual_norm(self, peers: list[str]) -> float:
+        """RMS over edges of ||x − x̂_{i->j}||: what error feedback still has to send."""
+        sq, n = 0.0, 0
+        with torch.no_grad(), self.state_lock:
+            for peer in peers:
+                edge = self.edges.get(peer)
+                if edge is not None and edge.sent:
+                    sq += float(torch.linalg.vector_norm(self.x - edge.public)) ** 2
+                    n += 1
+        return (sq / n) ** 0.5 if n else 0.0
+
+    # ------------------------------------------------------------------ interface
+
+    def after_step(self, local_step: int) -> RoundStats | None:
+        if local_step % self.settings.local_steps:
+            return None
+        return self.step_round()
+
+    def consensus_round(self) -> RoundStats:
+        return self.step_round()
+
+    def state_dict(self, for_joiner: bool = False) -> dict:
+        return {"round": self._round}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._round = int(state.get("round", 0))
+        # Our public copies are gone or stale: every edge starts a new session.
+        for peer in list(self.edges):
+            self.forget(peer)
+
+    def close(self) -> None:
+        self.nb.close()

@@ -1,0 +1,180 @@
+"""Algorithm ``diloco``: local phases, compressed pseudo-gradients gossiped, an outer optimizer.
+
+DiLoCo (Douillard et al. 2023) without an all-reduce. Each peer i keeps an *anchor* a_i and
+runs phases of H = ``gossip.local_steps`` steps of the user's own optimizer (its state never
+leaves the peer). At the end of phase r:
+
+1. Δ_i = s_i − θ_i, the phase's pseudo-gradient (s_i: θ_i at the phase's start, = a_i).
+2. Δ̄_i = the neighbourhood's Metropolis–Hastings average of error-feedback-compressed Δ's
+   (peer/algorithms/averaging.py; SparseLoCo's error feedback on the pseudo-gradient).
+3. Outer step on the anchor, SGD with Nesterov momentum (peer/algorithms/outer.py):
+   m_i = μ m_i + Δ̄_i;  a_i −= η (Δ̄_i + μ m_i).
+4. The anchors are kept together by a CHOCO round over them (compressed, public copies per
+   edge, the sessions and agreed weights of peer/algorithms/edges.py): neighbourhood averages
+   differ from peer to peer, and the anchors would otherwise drift apart.
+5. θ_i = a_i: the next phase starts from the anchor.
+
+With ``gossip.overlap`` the exchange of phase r runs while phase r + 1 computes (one-phase
+delayed application, as Streaming / Eager DiLoCo do): at the end of phase r the peer sends Δ_r,
+applies Δ̄_{r−1} (which arrived during phase r) to the anchor, and continues from
+θ = a − Δ_r, the new anchor plus its own not yet averaged progress. A WAN round trip then
+hides behind a phase of compute.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from gossipgrad.peer.algorithms.averaging import AverageStats, CompressedAverage, Ticket
+from gossipgrad.peer.algorithms.base import GossipAlgorithm, RoundStats
+from gossipgrad.peer.algorithms.choco import ChocoGossip
+from gossipgrad.peer.algorithms.outer import OuterSettings, outer_step
+from gossipgrad.peer.flat import FlatParameters
+from gossipgrad.proto import gossip_pb2 as pb
+
+
+class DiLoCo(GossipAlgorithm):
+    """Gossip DiLoCo for one peer (module docstring).
+
+    Args:
+        flat: the model's parameters θ (updated in place).
+        anchor: a_i, the vector the anchors' CHOCO gossips (same shape as θ).
+        average: compressed neighbourhood averaging of the pseudo-gradient.
+        anchors: CHOCO gossip over ``anchor``.
+        outer: H, outer lr and momentum, overlap.
+        state_lock: held while θ and the anchor are read or written.
+    """
+
+    name = "diloco"
+    kinds = (pb.GRADIENT, *ChocoGossip.kinds)
+
+    def __init__(
+        self,
+        flat: FlatParameters,
+        anchor: torch.Tensor,
+        average: CompressedAverage,
+        anchors: ChocoGossip,
+        outer: OuterSettings,
+        state_lock: threading.RLock,
+    ) -> None:
+        self.flat = flat
+        self.anchor = anchor
+        self.average = average
+        self.anchors = anchors
+        self.outer = outer
+        self.state_lock = state_lock
+        self.momentum = torch.zeros_like(anchor)
+        self.start = flat.data.detach().clone()  # s: θ at the phase's start
+        self._delta = torch.zeros_like(anchor)
+        self._phase = 0
+        self._pending: Ticket | None = None
+        self.last_exchange: AverageStats | None = None
+
+    @property
+    def round(self) -> int:
+        return self._phase
+
+    @property
+    def residual(self) -> torch.Tensor:
+        return self.average.residual
+
+    # ------------------------------------------------------------------ the outer round
+
+    def _apply(self, ticket: Ticket) -> RoundStats:
+        """Steps 2-4 for a started exchange: average, outer step, anchors' CHOCO round."""
+        avg, self.last_exchange = self.average.collect(ticket)
+        with torch.no_grad(), self.state_lock:
+            outer_step(self.anchor, avg, self.momentum, self.outer)
+        return self.anchors.step_round()
+
+    def _outer_round(self, overlap: bool) -> RoundStats:
+        """The end of a phase: steps 1-5, or with ``overlap`` the delayed variant."""
+        with torch.no_grad(), self.state_lock:
+            torch.sub(self.start, self.flat.data, out=self._delta)
+        stats = None
+        if overlap:
+            previous, self._pending = self._pending, None
+            if previous is not None:
+                stats = self._apply(previous)
+            self._pending = self.average.start(self._delta, self._phase)
+        else:
+            stats = self._apply(self.average.start(self._delta, self._phase))
+        with torch.no_grad(), self.state_lock:
+            self.flat.data.copy_(self.anchor)
+            if overlap:
+                self.flat.data.sub_(self._delta)  # own progress, not averaged yet
+            self.start.copy_(self.flat.data)
+        self._phase += 1
+        if stats is None:  # the first overlapped phase: nothing to apply yet
+            stats = RoundStats(round=self._phase - 1, neighbors=[], mixed=[], pushed=[])
+        return stats
+
+    # ------------------------------------------------------------------ interface
+
+    def after_step(self, local_step: int) -> RoundStats | None:
+        if local_step % self.outer.local_steps:
+            return None
+        return self._outer_round(self.outer.overlap)
+
+    def consensus_round(self) -> RoundStats:
+        """Gossip-only: a CHOCO round over the anchors, the parameters follow them."""
+        self.finish()
+        stats = self.anchors.step_round()
+        with torch.no_grad(), self.state_lock:
+            self.flat.data.copy_(self.anchor)
+            self.start.copy_(self.anchor)
+        return stats
+
+    def finish(self) -> None:
+        """Apply the exchange still in flight (overlap), then any partial last phase, so the
+        parameters end on the anchor with every peer's progress averaged in."""
+        if self._pending is not None:
+            ticket, self._pending = self._pending, None
+            with torch.no_grad(), self.state_lock:
+                self._delta.copy_(self.flat.data).sub_(self.start)  # since the phase began
+            self._apply(ticket)
+            with torch.no_grad(), self.state_lock:
+                self.flat.data.copy_(self.anchor).add_(self._delta)
+                self.start.copy_(self.anchor)
+        with torch.no_grad(), self.state_lock:
+            partial = not torch.equal(self.start, self.flat.data)
+        if partial:
+            self._outer_round(overlap=False)
+
+    def handle_update(self, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
+        if header.kind == pb.GRADIENT:
+            return self.average.handle_update(header, payload)
+        return self.anchors.handle_update(header, payload)
+
+    def state_dict(self, for_joiner: bool = False) -> dict:
+        with self.state_lock:
+            return {
+                "anchor": self.anchor.detach().clone(),
+                "momentum": self.momentum.detach().clone(),
+                "start": self.start.detach().clone(),
+                "phase": self._phase,
+                "average": self.average.state_dict(for_joiner),
+                "anchors": self.anchors.state_dict(for_joiner),
+            }
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad(), self.state_lock:
+            self.anchor.copy_(state["anchor"])
+            self.momentum.copy_(state["momentum"])
+            self.start.copy_(state.get("start", state["anchor"]))
+            self._phase = int(state.get("phase", 0))
+        self._pending = None
+        self.average.load_state_dict(state.get("average", {}))
+        self.anchors.load_state_dict(state.get("anchors", {}))
+
+    def forget(self, peer: str) -> None:
+        self.average.forget(peer)
+        self.anchors.forget(peer)
+
+    def prune(self, present: set[str]) -> None:
+        self.average.prune(present)
+        self.anchors.prune(present)
+
+    def close(self) -> None:
+        self.anchors.close()

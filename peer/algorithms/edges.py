@@ -1,0 +1,255 @@
+"""One undirected gossip edge: the public copies both ends keep, and the rules that keep them
+identical and the mixing symmetric.
+
+CHOCO-SGD (Koloskova, Stich, Jaggi, ICML 2019) lets every peer keep *public copies* x̂ of its
+neighbours' models, updated only by compressed increments q. We keep one pair per edge:
+
+* ``public``: x̂_{i->j}, what j believes of x_i. i sends q = Q(x_i - x̂_{i->j}).
+* ``mirror``: i's copy of x̂_{j->i}.
+
+The invariant: i's ``mirror`` equals j's ``public`` bit for bit, and both ends mix the same
+copies with the same weight, so the swarm's average is preserved. Three rules carry it:
+
+1. **Sessions.** Both directions of an edge run in one session, named by an epoch that the
+   edge's *leader* (the end with the smaller id) picks: unique and increasing per leader, so a
+   restarted or reset leader's new session always has a larger one. A session opens with an INIT
+   or RESYNC (seq 1) in each direction and numbers its updates 1, 2, ... Any inconsistency (a
+   gap, a checksum mismatch, a refused update, an update of an older session, a restarted
+   neighbour) ends the session: the leader opens a new one, the follower drops its state and
+   waits for it (asking with a *hello*, an update of epoch 0, if it has none). So the streams of
+   an old and a new session are never taken for one another.
+2. **Exchanges.** Update n of one direction pairs with update n of the other: exchange n. An
+   end mixes exchange n once, only when its own update n was acknowledged and the neighbour's
+   update n was applied, and sends update n + 1 only after that. So both ends mix exchange n with
+   the copies as of exchange n, whatever their round counters say (rounds are labels, not a
+   clock), and a failed push is never mixed: it is retried, the same bytes under the same seq.
+3. **Agreed weights.** Each update carries the weight its sender proposes from its own view of
+   the swarm; exchange n is mixed with the smaller proposal at both ends (0: not mixed), so two
+   peers with different membership views never mix one-sidedly.
+
+An update that arrives one exchange early (the neighbour mixed exchange n before we did) is held
+until we mixed n. A held update counts as received, and there is never more than one.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from gossipgrad.peer.flat import tensor_checksum
+
+_last_epoch = 0
+_epoch_lock = threading.Lock()
+
+
+def new_epoch() -> int:
+    """A session epoch unique and increasing within this process, and larger than any epoch an
+    earlier run of it made (nanoseconds of wall-clock time, bumped past the last one)."""
+    global _last_epoch
+    with _epoch_lock:
+        _last_epoch = max(time.time_ns(), _last_epoch + 1)
+        return _last_epoch
+
+
+class Verdict(enum.Enum):
+    """What the receiver did with an incoming update."""
+
+    ACCEPTED = "accepted"
+    DUPLICATE = "duplicate"
+    NEED_RESYNC = "need_resync"
+
+
+class Kind(enum.Enum):
+    """How an update changes the mirror."""
+
+    INIT = "init"  # the shared initial model (no payload)
+    RESYNC = "resync"  # a dense copy
+    DELTA = "delta"  # a compressed increment
+
+
+@dataclass
+class Incoming:
+    """An update as the edge sees it (decoded lazily by ``apply``)."""
+
+    epoch: int
+    seq: int
+    kind: Kind
+    checksum: int
+    weight: float
+    payload: Any = None
+    dropped: int = 0  # a hello's dropped_epoch
+
+
+@dataclass
+class Edge:
+    """Both directions of edge i <-> j, as seen from i. Every method expects ``lock`` held."""
+
+    public: torch.Tensor
+    mirror: torch.Tensor
+    leader: bool  # this end picks the session epoch
+    epoch: int = 0  # the session (0: a follower waiting for the leader's next one)
+    # out direction (i -> j)
+    sent: int = 0  # updates folded into `public` in this session
+    acked: int = 0  # of those, confirmed by j
+    unacked: Any = None  # the last update (header, payload) until it is acknowledged
+    proposed: float = 0.0  # our weight proposal for exchange `sent`
+    last_sent: torch.Tensor | None = None  # error feedback off: x at the last send
+    busy: bool = False  # a push is in flight
+    idle: threading.Event = field(default_factory=threading.Event)
+    # in direction (j -> i)
+    received: int = 0  # j's updates applied to `mirror` in this session
+    peer_weight: float = 0.0  # j's proposal for exchange `received`
+    held: Incoming | None = None  # j's update `received + 1`, early
+    # both
+    mixed: int = 0  # exchanges mixed
+    requested: bool = False  # the follower asked for a session: open one even off-schedule
+    restarts: int = 0  # sessions ended (the next opening is then a RESYNC, never an INIT)
+    dropped: int = 0  # a follower: the latest of the leader's sessions it dropped
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+        if self.leader and self.epoch == 0:
+            self.epoch = new_epoch()
+
+    # ------------------------------------------------------------------ sessions
+
+    def restart(self) -> None:
+        """End the session in both directions: a leader opens a new one at once, a follower
+        waits for the leader's (and says hello)."""
+        if not self.leader:
+            self.dropped = max(self.dropped, self.epoch)
+        self.epoch = new_epoch() if self.leader else 0
+        self._zero()
+        self.restarts += 1
+
+    def _zero(self) -> None:
+        self.sent = self.acked = self.received = self.mixed = 0
+        self.unacked = None
+        self.held = None
+
+    @property
+    def fresh(self) -> bool:
+        """Nothing of this session exchanged yet beyond (at most) our opening."""
+        return self.sent <= 1 and self.acked == 0 and self.received == 0
+
+    # ------------------------------------------------------------------ sending
+
+    def can_send(self) -> bool:
+        """Update ``sent + 1`` may go out: exchange ``sent`` is mixed and no push in flight."""
+        return (
+            self.epoch != 0 and not self.busy and self.unacked is None and self.sent == self.mixed
+        )
+
+    def record_sent(self, update: Any, weight: float) -> int:
+        """Update ``sent + 1`` was folded into ``public``; keep it until acknowledged."""
+        self.sent += 1
+        self.unacked = update
+        self.proposed = weight
+        self.requested = False
+        return self.sent
+
+    def mark_sent(self, x: torch.Tensor) -> None:
+        """Remember x as the base of the next difference (error feedback off)."""
+        if self.last_sent is None:
+            self.last_sent = x.clone()
+        else:
+            self.last_sent.copy_(x)
+
+    def claim(self) -> bool:
+        """Mark a push in flight; False if one already is."""
+        if self.busy:
+            return False
+        self.busy = True
+        self.idle.clear()
+        return True
+
+    def release(self) -> None:
+        """The push finished, whatever its outcome."""
+        self.busy = False
+        self.idle.set()
+
+    def answered(self, epoch: int, seq: int, verdict: Verdict) -> None:
+        """j answered our update ``seq`` of session ``epoch`` (ignored if that session is over)."""
+        if epoch != self.epoch or epoch == 0:
+            return
+        if verdict is Verdict.NEED_RESYNC:
+            self.restart()
+        elif seq == self.sent:
+            self.acked = seq
+            self.unacked = None
+
+    # ------------------------------------------------------------------ receiving
+
+    def admit(self, update: Incoming) -> Verdict | None:
+        """Session and sequence checks on arrival: None to apply now, or the verdict.
+
+        An update one exchange early is held (ACCEPTED). An update out of order ends the
+        session (NEED_RESYNC); one of an older session only gets NEED_RESYNC back.
+        """
+        if update.epoch == 0:  # a follower's hello: it has no session with us
+            if self.leader:
+                if update.dropped >= self.epoch:
+                    self.restart()  # it dropped our session: open a new one
+                self.requested = True
+            return Verdict.NEED_RESYNC
+        if update.epoch != self.epoch:
+            if self.leader or update.epoch < self.epoch:
+                return Verdict.NEED_RESYNC  # an old session
+            if update.seq != 1 or update.kind is Kind.DELTA:
+                self.restart()  # the leader's new session, but we missed its opening
+                return Verdict.NEED_RESYNC
+            self.epoch = update.epoch  # the leader opened a new session: follow it
+            self._zero()
+        if update.seq <= self.received or (self.held is not None and update.seq == self.held.seq):
+            return Verdict.DUPLICATE  # a retry of one we have: acknowledged again
+        opening = update.kind is not Kind.DELTA
+        if update.seq != self.received + 1 or opening != (update.seq == 1):
+            self.restart()  # a gap, or a session that opens twice
+            return Verdict.NEED_RESYNC
+        if self.received > self.mixed:
+            if self.held is not None:
+                self.restart()  # two exchanges ahead: rule 2 broken
+                return Verdict.NEED_RESYNC
+            self.held = update
+            return Verdict.ACCEPTED
+        return None
+
+    def finish(self, update: Incoming) -> Verdict:
+        """After the update was applied to ``mirror``: verify the checksum and advance."""
+        if tensor_checksum(self.mirror) != update.checksum:
+            self.restart()
+            return Verdict.NEED_RESYNC
+        self.received = update.seq
+        self.peer_weight = update.weight
+        return Verdict.ACCEPTED
+
+    # ------------------------------------------------------------------ mixing
+
+    def outstanding(self) -> bool:
+        """We sent an update whose exchange is not mixed yet."""
+        return self.sent > self.mixed
+
+    def owed(self) -> bool:
+        """j is waiting for us: it opened an exchange we have not answered, or asked for a
+        session."""
+        return self.requested or self.received > self.sent
+
+    def exchange_ready(self) -> bool:
+        """Exchange ``mixed + 1`` is complete at this end: ours acknowledged, theirs applied."""
+        e = self.mixed + 1
+        return self.acked >= e and self.received >= e
+
+    def weight(self) -> float:
+        """The agreed weight of the ready exchange (rule 3)."""
+        return min(self.proposed, self.peer_weight)
+
+    def done_mixing(self) -> Incoming | None:
+        """Exchange ``mixed + 1`` was mixed; returns the held update, now due."""
+        self.mixed += 1
+        held, self.held = self.held, None
+        return held

@@ -1,0 +1,242 @@
+"""The neighbour layer every gossip algorithm shares: who the neighbours are, sending to them,
+checking what they send, and waiting (bounded) for the ones that are late.
+
+Written once here so that an algorithm only says what it sends and how it merges. The
+collaborators are passed in: a membership view (who is present and alive) and a sender (one
+blocking push to a peer); this module knows nothing of gRPC channels or heartbeats.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+from gossipgrad.peer.topology import Topology, metropolis_hastings_weights
+from gossipgrad.peer.transport import UpdateRejected
+from gossipgrad.proto import gossip_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+class MembershipView(Protocol):
+    """What the algorithms need to know of the swarm."""
+
+    def present_ids(self) -> list[str]: ...
+
+    def is_alive(self, peer_id: str) -> bool: ...
+
+
+class UpdateSender(Protocol):
+    """One blocking push of an update to a peer: (reply, bytes on the wire)."""
+
+    def push(
+        self, peer: str, header: pb.UpdateHeader, payload: bytes
+    ) -> tuple[pb.PushReply, int]: ...
+
+
+def neighbours_in(topology: Topology, me: str, ids: list[str]) -> set[str]:
+    """Every peer ``me`` gossips with in some round, over the sorted ``ids`` (``me`` included)."""
+    if len(ids) < 2 or me not in ids:
+        return set()
+    i = ids.index(me)
+    return {ids[j] for j in topology.all_neighbors(i, len(ids))}
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who this peer is and which model it trains (stamped on every update)."""
+
+    me: str
+    swarm: str
+    fingerprint: str
+    dense_size: int
+
+
+class Neighbourhood:
+    """Topology over the live peers, pushes on a pool, header checks, bounded waiting.
+
+    Args:
+        identity: this peer, its swarm and model fingerprint.
+        view: the membership view (present and alive peers).
+        topology: the gossip topology; neighbours are computed over the peers alive now, so a
+            suspect neighbour is bridged over at once instead of leaving this peer alone.
+        sender: pushes one update to a peer.
+        metrics: a PeerMetrics or None.
+        pool_size: pushes in flight at once.
+    """
+
+    def __init__(
+        self,
+        identity: Identity,
+        view: MembershipView,
+        topology: Topology,
+        sender: UpdateSender,
+        metrics=None,
+        pool_size: int = 8,
+    ) -> None:
+        self.identity = identity
+        self.view = view
+        self.topology = topology
+        self.sender = sender
+        self.metrics = metrics
+        self.arrived = threading.Condition()
+        self._heard: dict[str, int] = {}
+        self._lagging: dict[str, int] = {}
+        self._events = 0
+        self._pool = ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="push")
+
+    @property
+    def me(self) -> str:
+        return self.identity.me
+
+    # ------------------------------------------------------------------ topology
+
+    def ids(self) -> list[str]:
+        """Sorted ids of the peers that take part now: this one and the live ones."""
+        return [p for p in self.view.present_ids() if p == self.me or self.view.is_alive(p)]
+
+    def neighbors_at(self, round_: int, ids: list[str] | None = None) -> list[str]:
+        """This peer's neighbours in a round (a label: time-varying topologies cycle)."""
+        ids = ids if ids is not None else self.ids()
+        if len(ids) < 2 or self.me not in ids:
+            return []
+        i = ids.index(self.me)
+        return [ids[j] for j in self.topology.neighbors(i, len(ids), round_)]
+
+    def all_neighbors(self, ids: list[str] | None = None) -> set[str]:
+        """Every peer this one gossips with in some round (for time-varying topologies)."""
+        return neighbours_in(self.topology, self.me, ids if ids is not None else self.ids())
+
+    def weights_at(self, round_: int, ids: list[str]) -> dict[str, float]:
+        """Metropolis–Hastings weights w_ij for this round (self excluded)."""
+        n = len(ids)
+        if n < 2 or self.me not in ids:
+            return {}
+        i = ids.index(self.me)
+        w = metropolis_hastings_weights(i, lambda k: self.topology.neighbors(k, n, round_))
+        return {ids[j]: wij for j, wij in w.items() if j != i}
+
+    # ------------------------------------------------------------------ sending
+
+    def header(self, peer: str, kind: int, payload: bytes, **fields) -> pb.UpdateHeader:
+        """An update header to ``peer``, stamped with who we are and what we train."""
+        ident = self.identity
+        return pb.UpdateHeader(
+            swarm=ident.swarm,
+            sender=ident.me,
+            receiver=peer,
+            kind=kind,
+            payload_size=len(payload),
+            model_fingerprint=ident.fingerprint,
+            dense_size=ident.dense_size,
+            **fields,
+        )
+
+    def push(self, peer: str, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
+        """Push one update now (blocking); count it. Raises what the sender raises."""
+        t0 = time.perf_counter()
+        reply, wire_bytes = self.sender.push(peer, header, payload)
+        if self.metrics is not None:
+            kind = "resync" if header.kind in (pb.RESYNC, pb.INIT) else "update"
+            self.metrics.observe_push(peer, time.perf_counter() - t0)
+            self.metrics.record_sent(peer, kind, wire_bytes, dense_bytes=header.dense_size)
+        return reply
+
+    def submit(self, fn: Callable[..., None], *args) -> None:
+        """Run ``fn(*args)`` on the push pool (pushes never block the training thread)."""
+        self._pool.submit(fn, *args)
+
+    # ------------------------------------------------------------------ receiving
+
+    def check(self, header: pb.UpdateHeader, kinds: tuple[int, ...]) -> None:
+        """Refuse an update for another model, another peer or a kind we do not take."""
+        ident = self.identity
+        if header.model_fingerprint != ident.fingerprint:
+            raise UpdateRejected(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "fingerprint",
+                f"model fingerprint {header.model_fingerprint!r} != ours {ident.fingerprint!r}",
+            )
+        if header.receiver != ident.me:
+            raise UpdateRejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "malformed",
+                f"update addressed to {header.receiver!r}, this is {ident.me!r}",
+            )
+        if header.kind not in kinds or (header.kind == pb.INIT and header.payload_size != 0):
+            raise UpdateRejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "malformed",
+                f"update kind {header.kind} is not one this algorithm takes",
+            )
+
+    def heard(self, peer: str) -> None:
+        """``peer`` sent something: count it and wake the waiting training thread."""
+        with self.arrived:
+            self._heard[peer] = self._heard.get(peer, 0) + 1
+            self._events += 1
+            self.arrived.notify_all()
+
+    def notify(self) -> None:
+        """Something changed (a push was answered): wake the waiting training thread."""
+        with self.arrived:
+            self._events += 1
+            self.arrived.notify_all()
+
+    def forget(self, peer: str) -> None:
+        """Drop the bookkeeping of a peer that left."""
+        with self.arrived:
+            self._heard.pop(peer, None)
+            self._lagging.pop(peer, None)
+
+    # ------------------------------------------------------------------ waiting
+
+    def wait(
+        self,
+        missing: Callable[[], list[str]],
+        timeout: float,
+        what: str,
+        on_wake: Callable[[], None] | None = None,
+    ) -> float:
+        """Block until ``missing()`` names no live, non-lagging peer, at most ``timeout``.
+
+        ``on_wake`` runs first and after every arrival (outside the lock): the caller's chance
+        to act on what came in (mix it, push the next update). A neighbour that misses the
+        deadline is not waited for again until it is heard from: a slow neighbour paces this
+        peer, only a silent one is left behind. Returns the seconds spent.
+        """
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        while True:
+            with self.arrived:
+                seen = self._events
+            if on_wake is not None:
+                on_wake()
+            with self.arrived:
+                waiting = [
+                    p for p in missing() if p not in self._lagging and self.view.is_alive(p)
+                ]
+                if not waiting:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("%s: nothing from %s in %.1fs", what, waiting, timeout)
+                    for p in waiting:
+                        self._lagging[p] = self._heard.get(p, 0)
+                    break
+                if self._events == seen:
+                    self.arrived.wait(timeout=min(left, 0.1))
+        with self.arrived:
+            for p, heard in list(self._lagging.items()):
+                if self._heard.get(p, 0) > heard:
+                    del self._lagging[p]
+        return time.monotonic() - t0
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
