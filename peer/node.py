@@ -156,7 +156,7 @@ class Peer:
         self.metrics = PeerMetrics(registry=registry)
         self.options = transport_options(cfg)
         self.security = transport_security(cfg)
-        if flat.nbytes + (1 << 16) > self.options.max_payload_bytes:
+        if flat.nbytes + 1024 > self.options.max_payload_bytes:  # + the envelope
             raise ValueError(
                 f"the model's dense copy ({flat.nbytes} bytes) does not fit "
                 f"transport.max_payload_bytes ({self.options.max_payload_bytes}): a resync "

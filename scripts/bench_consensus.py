@@ -42,7 +42,7 @@ def start_swarm(n: int, overrides: dict) -> list[Peer]:
 
 def rounds(peers: list[Peer], count: int) -> None:
     threads = [
-        threading.Thread(target=lambda p=p: [p.gossip.step_round() for _ in range(count)])
+        threading.Thread(target=lambda p=p: [p.algorithm.step_round() for _ in range(count)])
         for p in peers
     ]
     for t in threads:

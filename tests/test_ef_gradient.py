@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from gossipgrad.peer.config import build_config
-from gossipgrad.peer.ef_gradient import EFGradientExchange
+from gossipgrad.peer.algorithms import EFGradient, Identity, Neighbourhood, build_algorithm
 from gossipgrad.peer.flat import FlatParameters
+from gossipgrad.peer.topology import topology_from_name
 from gossipgrad.peer.optimizer import GossipOptimizer
 from gossipgrad.peer.swarm import LocalSwarm, summarize
 from gossipgrad.peer.tasks import TaskContext, train_centralized
@@ -42,28 +43,40 @@ def small_model() -> nn.Module:
     return nn.Sequential(nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
-def lone_exchange(
-    codec: str, momentum: float = 0.0, error_feedback: bool = True
-) -> EFGradientExchange:
-    """An exchange with no neighbours: only the (error-feedback) compression runs."""
+class LoneView:
+    """A swarm of one: no neighbours to exchange with."""
+
+    def present_ids(self) -> list[str]:
+        return ["me"]
+
+    def is_alive(self, peer: str) -> bool:
+        return True
+
+
+class NoSender:
+    def push(self, *args):
+        raise AssertionError("no neighbours to push to")
+
+
+def lone_exchange(codec: str, momentum: float = 0.0, error_feedback: bool = True) -> EFGradient:
+    """An ef-gradient algorithm with no neighbours: only the (error-feedback) compression runs."""
     flat = FlatParameters(small_model())
     overrides = {
+        "gossip.algorithm": "ef-gradient",
         "gossip.codec": codec,
         "gossip.ef_momentum": momentum,
         "gossip.error_feedback": error_feedback,
     }
     cfg = build_config({}, overrides).gossip
-    return EFGradientExchange(
-        flat,
-        cfg,
-        "me",
-        "s",
-        neighbors_at=lambda step, ids: [],
-        weights_at=lambda step, ids: {},
-        present_ids=lambda: ["me"],
-        is_alive=lambda p: True,
-        push=lambda *a: (_ for _ in ()).throw(AssertionError("no neighbours to push to")),
+    nb = Neighbourhood(
+        Identity("me", "s", flat.fingerprint, flat.nbytes),
+        LoneView(),
+        topology_from_name("ring"),
+        NoSender(),
     )
+    algorithm = build_algorithm(cfg, flat, nb, threading.RLock())
+    assert isinstance(algorithm, EFGradient)
+    return algorithm
 
 
 @pytest.mark.timeout(120)
@@ -83,13 +96,13 @@ def test_error_feedback_loses_nothing(codec: str, steps: int, seed: int) -> None
             g = torch.randn(ex.flat.numel, generator=gen)
             ex.flat.set_grad(g)
             fed += g.double()
-            ex.exchange()
+            ex.before_step()
             sent += ex.flat.grad().double()  # alone: the gradient is its own decoded c
         # sum of sent c + residual == sum of gradients fed in (up to fp32 rounding)
         err = (sent + ex.residual.double() - fed).abs().max()
         assert float(err) <= 1e-5 * (1 + float(fed.abs().max())), (codec, float(err))
         if codec != "none":
-            assert ex.step == steps
+            assert ex.average.step == steps
     finally:
         ex.close()
 
@@ -100,7 +113,7 @@ def test_momentum_correction_keeps_velocity_of_unsent_coordinates() -> None:
     try:
         g = torch.linspace(-1, 1, ex.flat.numel)
         ex.flat.set_grad(g)
-        ex.exchange()
+        ex.before_step()
         sent = ex.flat.grad() != 0
         assert 0 < int(sent.sum()) < ex.flat.numel
         # DGC momentum factor masking: sent coordinates restart, the others keep g.
@@ -180,7 +193,7 @@ def test_neighbours_gradients_are_averaged(codec: str) -> None:
                 assert torch.allclose(got[i], mean_fed, atol=1e-5)
             else:
                 # Lossy: the average of what was fed in, minus the residuals still held back.
-                held = sum(p.exchange.residual.double() for p in opts) / 3
+                held = sum(p.algorithm.residual.double() for p in opts) / 3
                 assert torch.allclose(got[i] + held, mean_fed, atol=1e-4)
                 assert float(held.norm()) > 0
         sent = sum(
@@ -202,7 +215,8 @@ def test_missing_neighbour_does_not_block_forever() -> None:
     try:
         opts[0].flat.set_grad(torch.ones(opts[0].flat.numel))
         t0 = time.monotonic()
-        stats = opts[0].exchange_gradients()  # p1 never sends
+        opts[0].exchange_gradients()  # p1 never sends
+        stats = opts[0].last_exchange
         assert time.monotonic() - t0 < 5
         assert stats.averaged == []
         # Alone, the peer steps with its own (decoded) gradient.
@@ -266,7 +280,7 @@ def test_gradient_routing_and_rejections_over_grpc() -> None:
     codec = from_spec("int8")
     payload = codec.encode(torch.ones(ef.flat.numel))
     try:
-        for target, expect in ((ef, None), (choco, "ef-gradient")):
+        for target, expect in ((ef, None), (choco, "algorithm choco")):
             header = pb.UpdateHeader(
                 swarm=cfg.peer.swarm,
                 sender="x",
@@ -288,7 +302,7 @@ def test_gradient_routing_and_rejections_over_grpc() -> None:
                         client.push_detailed(header, payload, timeout=10)
             finally:
                 client.close()
-        assert len(ef.exchange._inbox["x"]) == 1
+        assert ef.algorithm.average.queued("x") == 1
     finally:
         ef.close()
         choco.close()

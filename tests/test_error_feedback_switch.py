@@ -29,7 +29,7 @@ def choco_peers(n: int, error_feedback: bool, **extra) -> list[Peer]:
 def edge_gap(peers: list[Peer]) -> float:
     """Largest ||x_i - xhat_{i->j}|| over all out-edges: what the receivers have not got."""
     return max(
-        float((p.flat.data - e.public).norm()) for p in peers for e in p.gossip.out_edges.values()
+        float((p.flat.data - e.public).norm()) for p in peers for e in p.algorithm.edges.values()
     )
 
 
@@ -40,14 +40,14 @@ def test_copies_agree_without_error_feedback_and_resync_resets_the_base() -> Non
         quiesce(peers)
         assert assert_mirrors_exact(peers) == 6
         for p in peers:
-            for other, edge in p.gossip.out_edges.items():
+            for other, edge in p.algorithm.edges.items():
                 assert resyncs(p, other) == 1.0  # only the opening one (seeds differ)
                 assert edge.last_sent is not None
         # A resync restarts the difference from the model it sends: b = x = xhat.
         p0 = peers[0]
-        edge = p0.gossip.out_edges["p1"]
+        edge = p0.algorithm.edges["p1"]
         assert not torch.equal(edge.public, edge.last_sent)
-        p0.gossip.reset_peer("p1")
+        p0.algorithm.forget("p1")  # as if p1 had restarted: a new session
         run_rounds(peers, 1)
         quiesce(peers)
         assert resyncs(p0, "p1") == 2.0
@@ -82,7 +82,7 @@ def test_default_keeps_no_extra_copy() -> None:
     try:
         run_rounds(peers, 3)
         quiesce(peers)
-        assert all(e.last_sent is None for p in peers for e in p.gossip.out_edges.values())
+        assert all(e.last_sent is None for p in peers for e in p.algorithm.edges.values())
     finally:
         close_all(peers)
 
@@ -136,7 +136,8 @@ def test_ef_gradient_without_error_feedback_sends_q_of_g(codec: str) -> None:
             g = torch.randn(ex.flat.numel, generator=gen)
             expected = q.decode(q.encode(g, seed=step + 1))
             ex.flat.set_grad(g)
-            stats = ex.exchange()
+            ex.before_step()
+            stats = ex.last_exchange
             assert torch.equal(ex.flat.grad(), expected)  # alone: its own decoded Q(g)
             assert torch.count_nonzero(ex.residual) == 0 and stats.residual_norm == 0.0
             fed += g.double()
@@ -162,7 +163,7 @@ def test_ef_gradient_swarm_without_error_feedback_averages_compressed_gradients(
             want += sum(q.decode(q.encode(g, seed=step + 1)).double() for g in grads) / 3
             for i, o in enumerate(opts):
                 assert len(o.last_exchange.averaged) == 2
-                assert torch.count_nonzero(o.exchange.residual) == 0
+                assert torch.count_nonzero(o.algorithm.residual) == 0
                 got[i] += o.flat.grad().double()
         # Full graph of 3 (weights 1/3): the sum of what was exchanged is the average of
         # the compressed gradients alone.

@@ -70,18 +70,19 @@ def pair():
         assert time.monotonic() < deadline, "peers did not meet"
         time.sleep(0.05)
     recorded: list[tuple[pb.UpdateHeader, bytes]] = []
-    real = p1.gossip._push
+    real = p1.neighbourhood.sender
 
-    def recording_push(target: str, header: pb.UpdateHeader, payload: bytes):
-        if target == "p0":
-            copy = pb.UpdateHeader()
-            copy.CopyFrom(header)
-            recorded.append((copy, bytes(payload)))
-        return real(target, header, payload)
+    class Recording:
+        def push(self, target: str, header: pb.UpdateHeader, payload: bytes):
+            if target == "p0":
+                copy = pb.UpdateHeader()
+                copy.CopyFrom(header)
+                recorded.append((copy, bytes(payload)))
+            return real.push(target, header, payload)
 
-    p1.gossip._push = recording_push
+    p1.neighbourhood.sender = Recording()
     _rounds([p0, p1], 6)
-    p1.gossip._push = real
+    p1.neighbourhood.sender = real
     kinds = {h.kind for h, _ in recorded}
     # Different seeds: the INIT opening is refused and a dense RESYNC follows.
     assert {pb.RESYNC, pb.DELTA} <= kinds <= {pb.INIT, pb.RESYNC, pb.DELTA}, kinds
@@ -200,7 +201,7 @@ def test_mutated_messages_are_answered_and_change_nothing(pair) -> None:
             assert err.code() in ALLOWED, (err.code(), err.details(), case)
             stats["refused"] += 1
         assert torch.equal(p0.flat.data, model), "a message changed the model"
-        inn = p0.gossip.in_edges.get("p1")
+        inn = p0.algorithm.edges.get("p1")
         if inn is not None:
             with inn.lock:
                 ok = not inn.valid or tensor_checksum(inn.mirror) in legit
@@ -215,8 +216,8 @@ def test_mutated_messages_are_answered_and_change_nothing(pair) -> None:
     assert reply.responder.id == "p0"
     # And the edge heals: a few real rounds resync it to p1's public copy, bit for bit.
     _rounds([p0, p1], 6)
-    inn = p0.gossip.in_edges["p1"]
-    out = p1.gossip.out_edges["p0"]
+    inn = p0.algorithm.edges["p1"]
+    out = p1.algorithm.edges["p0"]
     assert inn.valid and torch.equal(inn.mirror, out.public)
 
 

@@ -147,7 +147,7 @@ def test_peers_gossip_over_mutual_tls(certs) -> None:
         def work(p: Peer) -> None:
             try:
                 for _ in range(25):
-                    p.gossip.step_round()
+                    p.algorithm.step_round()
             except BaseException as err:
                 errors.append(err)
 
@@ -259,7 +259,7 @@ def test_valid_certificate_but_wrong_claims_is_refused_and_counted(
     before = server_peer.flat.data.clone()
     fingerprint = server_peer.flat.fingerprint if good_fingerprint else "not-our-model"
     header = _update(sender, fingerprint, swarm_name)
-    payload = server_peer.gossip.dense_codec.encode(torch.zeros_like(before))
+    payload = server_peer.algorithm.dense_codec.encode(torch.zeros_like(before))
     count0 = rejected(server_peer, reason)
     with (
         PeerClient(server_peer.address, FAST, sec_of(swarm, client, token)) as c,
@@ -270,9 +270,8 @@ def test_valid_certificate_but_wrong_claims_is_refused_and_counted(
     assert err.value.reason == reason
     assert rejected(server_peer, reason) == count0 + 1
     assert torch.equal(server_peer.flat.data, before)
-    assert server_peer.gossip.in_edges.get(sender) is None or not (
-        server_peer.gossip.in_edges[sender].synced
-    )
+    edge = server_peer.algorithm.edges.get(sender)
+    assert edge is None or not edge.valid
 
 
 @pytest.mark.timeout(60)

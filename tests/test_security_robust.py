@@ -39,7 +39,7 @@ def _attack(clip: float) -> list[float]:
         def attacker() -> None:
             try:
                 for _ in range(ROUNDS):
-                    p1.gossip.step_round()
+                    p1.algorithm.step_round()
                     with torch.no_grad():
                         p1.flat.data.fill_(1e4)  # ignore the consensus pull: stay hostile
             except BaseException as err:
@@ -49,7 +49,7 @@ def _attack(clip: float) -> list[float]:
         t.start()
         for _ in range(ROUNDS):
             before = p0.flat.data.clone()
-            p0.gossip.step_round()
+            p0.algorithm.step_round()
             moves.append(float((p0.flat.data - before).norm()))
         t.join(60)
         assert not errors, errors

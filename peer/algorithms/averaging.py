@@ -120,6 +120,11 @@ class CompressedAverage:
         with self._lock:
             self._inbox.clear()
 
+    def queued(self, peer: str) -> int:
+        """Vectors from ``peer`` waiting to be averaged."""
+        with self._lock:
+            return len(self._inbox.get(peer, ()))
+
     def forget(self, peer: str) -> None:
         """Drop what is queued from a peer that left or restarted."""
         with self._lock:

@@ -133,6 +133,11 @@ class Edge:
         self.held = None
 
     @property
+    def valid(self) -> bool:
+        """The mirror holds the neighbour's public copy of this session (as of ``received``)."""
+        return self.epoch != 0 and self.received > 0
+
+    @property
     def fresh(self) -> bool:
         """Nothing of this session exchanged yet beyond (at most) our opening."""
         return self.sent <= 1 and self.acked == 0 and self.received == 0

@@ -203,13 +203,15 @@ class Neighbourhood:
         timeout: float,
         what: str,
         on_wake: Callable[[], None] | None = None,
+        mark_lagging: bool = True,
     ) -> float:
         """Block until ``missing()`` names no live, non-lagging peer, at most ``timeout``.
 
         ``on_wake`` runs first and after every arrival (outside the lock): the caller's chance
         to act on what came in (mix it, push the next update). A neighbour that misses the
         deadline is not waited for again until it is heard from: a slow neighbour paces this
-        peer, only a silent one is left behind. Returns the seconds spent.
+        peer, only a silent one is left behind (``mark_lagging`` False: a last wait that leaves
+        no such mark). Returns the seconds spent.
         """
         t0 = time.monotonic()
         deadline = t0 + timeout
@@ -227,7 +229,7 @@ class Neighbourhood:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     log.warning("%s: nothing from %s in %.1fs", what, waiting, timeout)
-                    for p in waiting:
+                    for p in waiting if mark_lagging else ():
                         self._lagging[p] = self._heard.get(p, 0)
                     break
                 if self._events == seen:
