@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from gossipgrad.peer.config import build_config
 from gossipgrad.peer.algorithms import EFGradient, Identity, Neighbourhood, build_algorithm
+from gossipgrad.peer.config import build_config
 from gossipgrad.peer.flat import FlatParameters
-from gossipgrad.peer.topology import topology_from_name
 from gossipgrad.peer.optimizer import GossipOptimizer
 from gossipgrad.peer.swarm import LocalSwarm, summarize
 from gossipgrad.peer.tasks import TaskContext, train_centralized
+from gossipgrad.peer.topology import topology_from_name
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_swarm import BASE as SWARM_BASE

@@ -221,9 +221,7 @@ class Neighbourhood:
             if on_wake is not None:
                 on_wake()
             with self.arrived:
-                waiting = [
-                    p for p in missing() if p not in self._lagging and self.view.is_alive(p)
-                ]
+                waiting = [p for p in missing() if p not in self._lagging and self.view.is_alive(p)]
                 if not waiting:
                     break
                 left = deadline - time.monotonic()
