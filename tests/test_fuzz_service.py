@@ -22,10 +22,10 @@ import time
 import grpc
 import pytest
 import torch
-from gossipgrad.peer.chunking import data_prefix
+from gossipgrad.peer.network.framing import data_prefix
 from gossipgrad.peer.flat import tensor_checksum
 from gossipgrad.peer.node import Peer
-from gossipgrad.peer.transport import PeerClient
+from gossipgrad.peer.network import PeerClient
 from gossipgrad.proto import gossip_pb2 as pb
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -31,7 +31,7 @@ from gossipgrad.peer.security import (
     resolve_security,
     write_swarm_certs,
 )
-from gossipgrad.peer.transport import PeerClient, TransportError, TransportOptions
+from gossipgrad.peer.network import PeerClient, TransportError, TransportOptions
 from gossipgrad.proto import gossip_pb2 as pb
 from peer_harness import rejected, start_peer
 from torch import nn

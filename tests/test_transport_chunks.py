@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gossipgrad.peer.chunking import BufferPool, ChunkCodec, Malformed, varint
+from gossipgrad.peer.network.buffers import BufferPool
+from gossipgrad.peer.network.framing import ChunkCodec, Malformed, varint
 from gossipgrad.proto import gossip_pb2 as pb
 from hypothesis import given, settings
 from hypothesis import strategies as st
