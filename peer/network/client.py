@@ -28,17 +28,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import grpc
-from gossipgrad.peer.network import protocol
+from gossipgrad.peer.network import framing, protocol
 from gossipgrad.peer.network.errors import TransportError, from_rpc_error
-from gossipgrad.peer.network.framing import (
-    GRPC_FRAME_OVERHEAD,
-    FrameError,
-    WireTally,
-    as_bytes_view,
-    frames,
-    read_header,
-    receive_payload,
-)
 from gossipgrad.peer.network.malloc import tune_malloc
 from gossipgrad.peer.network.options import TransportOptions, client_channel_args
 from gossipgrad.peer.network.protocol import STATE_CODEC, UPDATE_CODEC
@@ -48,12 +39,6 @@ from gossipgrad.proto import gossip_pb2 as pb
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-#: Status of a downloaded state stream refused by the framing, by reject reason.
-_FRAME_STATUS = {
-    "malformed": grpc.StatusCode.DATA_LOSS,
-    "too_large": grpc.StatusCode.RESOURCE_EXHAUSTED,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,16 +137,16 @@ class PeerClient:
         ``header.payload_size`` must equal the payload length, or be 0 to have it filled in
         (on a copy; the caller's header is not modified).
         """
-        view = as_bytes_view(payload)
+        view = framing.as_bytes_view(payload)
         head = UPDATE_CODEC.header_bytes(_with_payload_size(header, view.nbytes))
         step = self.options.chunk_size
-        sent = WireTally()
+        sent = framing.WireTally()
         started = time.monotonic()
         reply, attempts = self._with_retries(
             protocol.PUSH,
             timeout if timeout is not None else self.options.push_timeout,
             lambda remaining: self._push(
-                frames(head, view, step, sent), timeout=remaining, metadata=self._metadata
+                framing.frames(head, view, step, sent), timeout=remaining, metadata=self._metadata
             ),
         )
         self.last_push_wire_bytes = sent.bytes
@@ -194,14 +179,15 @@ class PeerClient:
     ) -> tuple[pb.StateHeader, bytearray]:
         call = self._state(request, timeout=remaining, metadata=self._metadata)
         try:
-            header = read_header(call, STATE_CODEC)
-            blob, data_wire = receive_payload(
+            header = framing.read_header(call, STATE_CODEC)
+            blob, data_wire = framing.receive_payload(
                 call, header.payload_size, self.options.max_state_bytes, what="state"
             )
-        except FrameError as err:
+        except framing.FrameError as err:
             call.cancel()
-            raise TransportError(_FRAME_STATUS[err.reason], err.reason, err.why) from None
-        head_wire = len(STATE_CODEC.header_bytes(header)) + GRPC_FRAME_OVERHEAD
+            code = err.code(malformed=grpc.StatusCode.DATA_LOSS)
+            raise TransportError(code, err.reason, err.why) from None
+        head_wire = len(STATE_CODEC.header_bytes(header)) + framing.GRPC_FRAME_OVERHEAD
         self.last_state_wire_bytes = head_wire + data_wire
         return header, blob
 

@@ -25,6 +25,7 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import grpc
 from google.protobuf.message import DecodeError, Message
 
 #: Bytes a message costs on top of its serialized size: gRPC's length-prefixed framing
@@ -56,6 +57,11 @@ class FrameError(Exception):
         super().__init__(why)
         self.reason = reason
         self.why = why
+
+    def code(self, malformed: grpc.StatusCode) -> grpc.StatusCode:
+        """The status to end with: RESOURCE_EXHAUSTED if too large, else ``malformed``
+        (the server answers INVALID_ARGUMENT, a client reading a bad download DATA_LOSS)."""
+        return grpc.StatusCode.RESOURCE_EXHAUSTED if self.reason == "too_large" else malformed
 
 
 def varint(n: int) -> bytes:

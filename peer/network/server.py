@@ -50,12 +50,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Status of a received stream refused by the framing, by reject reason.
-_FRAME_STATUS = {
-    "malformed": grpc.StatusCode.INVALID_ARGUMENT,
-    "too_large": grpc.StatusCode.RESOURCE_EXHAUSTED,
-}
-
 
 class GossipServer:
     """The gossip gRPC server of one peer, delegating every call to a handler.
@@ -198,7 +192,8 @@ class GossipServer:
         abort(context, err)
 
     def _refuse_frame(self, context: grpc.ServicerContext, err: FrameError) -> NoReturn:
-        self._refuse(context, UpdateRejected(_FRAME_STATUS[err.reason], err.reason, err.why))
+        code = err.code(malformed=grpc.StatusCode.INVALID_ARGUMENT)
+        self._refuse(context, UpdateRejected(code, err.reason, err.why))
 
     def _parse(self, context: grpc.ServicerContext, message_cls: type[T], raw: bytes) -> T:
         try:
