@@ -23,6 +23,7 @@ from google.protobuf.message import DecodeError
 from gossipgrad.peer.network import GossipServer, TransportOptions, UpdateRejected
 from gossipgrad.peer.network.errors import REASON_METADATA_KEY
 from gossipgrad.peer.network.framing import data_prefix
+from gossipgrad.peer.security import TransportSecurity
 from gossipgrad.proto import gossip_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
@@ -223,3 +224,31 @@ def test_server_still_serves_after_the_garbage(target) -> None:
     raw = _valid_requests()["Heartbeat"]
     reply = pb.HeartbeatReply.FromString(channel.unary_unary(METHOD + "Heartbeat")(raw, timeout=5))
     assert reply.responder.id == "server"
+
+
+def test_a_caller_without_the_token_is_unauthenticated_whatever_it_sends() -> None:
+    rejects: list[str] = []
+    handler = SwarmCheck()
+    server = GossipServer(
+        handler,
+        options=TransportOptions(peer_rate=0),
+        on_reject=lambda reason, peer: rejects.append(reason),
+        security=TransportSecurity(b"", b"", b"", token="s3cret"),
+    )
+    server.start()
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            for method in ("Heartbeat", "DownloadState"):
+                for raw in [*NASTY, _valid_requests()[method]]:
+                    err = _call(channel, method, raw)
+                    assert err is not None and err.code() == grpc.StatusCode.UNAUTHENTICATED
+            push = channel.stream_unary(METHOD + "PushUpdate")
+            for stream in _push_cases(seed=3, n=10):
+                with pytest.raises(grpc.RpcError) as info:
+                    push(iter(stream), timeout=10)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        server.stop(grace=0.5)
+    calls = 2 * (len(NASTY) + 1) + len(_push_cases(seed=3, n=10))
+    assert rejects == ["unauthenticated"] * calls
+    assert handler.calls == 0

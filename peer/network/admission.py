@@ -3,11 +3,14 @@
 Every call is admitted in this order, before a buffer is allocated or the handler runs:
 
 1. swarm token (metadata), if one is configured -> UNAUTHENTICATED;
-2. under TLS, a client certificate whose common name equals the claimed sender
-   -> UNAUTHENTICATED (no certificate) / PERMISSION_DENIED (another name);
-3. the caller's limits (calls in flight, calls per second; :class:`PeerLimiter`)
+2. under TLS, a client certificate -> UNAUTHENTICATED;
+
+   (the request is parsed here: INVALID_ARGUMENT, ``malformed``, if it does not)
+
+3. under TLS, the claimed sender equals the certificate's common name -> PERMISSION_DENIED;
+4. the caller's limits (calls in flight, calls per second; :class:`PeerLimiter`)
    -> RESOURCE_EXHAUSTED, reason ``rate_limited``;
-4. for bulk calls (pushes, state downloads), a free bulk slot -> RESOURCE_EXHAUSTED.
+5. for bulk calls (pushes, state downloads), a free bulk slot -> RESOURCE_EXHAUSTED.
 
 Heartbeats and bulk calls have separate budgets: their own per-caller limiter each, and bulk
 calls take one of ``TransportOptions.max_concurrent_rpcs`` slots while the server keeps
@@ -19,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterable
 
 import grpc
 from gossipgrad.peer.network.errors import UpdateRejected
@@ -55,9 +57,43 @@ class Admission:
         self._bulk_slots = threading.BoundedSemaphore(o.max_concurrent_rpcs)
         self._slots = o.max_concurrent_rpcs
 
-    def enter(self, context: grpc.ServicerContext, claimed: str, bulk: bool) -> Ticket:
-        """Admit one call claiming sender ``claimed``; raises UpdateRejected if refused."""
-        key = self._authenticate(context, claimed)
+    def authenticate(self, context: grpc.ServicerContext) -> str | None:
+        """Check what needs no request body: the token and, under TLS, a certificate.
+
+        Called before a request is parsed, so a caller without credentials gets
+        UNAUTHENTICATED whatever it sends. Returns the certificate identity (None without
+        TLS); raises UpdateRejected if refused.
+        """
+        sec = self.security
+        if sec is None:
+            return None
+        if not sec.token_ok(context.invocation_metadata() or ()):
+            raise UpdateRejected(
+                grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", "missing or wrong swarm token"
+            )
+        if not sec.tls:
+            return None
+        identity = peer_identity(context)
+        if identity is None:
+            raise UpdateRejected(
+                grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", "no client certificate"
+            )
+        return identity
+
+    def enter(
+        self, context: grpc.ServicerContext, identity: str | None, claimed: str, bulk: bool
+    ) -> Ticket:
+        """Admit one call from ``identity`` (see :meth:`authenticate`) claiming to be sender
+        ``claimed``: the claim must match the certificate, then the call counts against its
+        caller's limits and, if ``bulk``, takes a bulk slot. Raises UpdateRejected if refused.
+        """
+        if identity is not None and claimed != identity:
+            raise UpdateRejected(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "unauthenticated",
+                f"sender {claimed!r} does not match the certificate of {identity!r}",
+            )
+        key = identity or claimed or host_of(context.peer())
         limiter = self.bulk if bulk else self.heartbeats
         why = limiter.enter(key)
         if why is not None:
@@ -78,35 +114,6 @@ class Admission:
             self.bulk.leave(ticket.key)
         else:
             self.heartbeats.leave(ticket.key)
-
-    def _authenticate(self, context: grpc.ServicerContext, claimed: str) -> str:
-        """The caller's limiter key: certificate identity, else claimed id, else its host."""
-        sec = self.security
-        identity = None
-        if sec is not None:
-            if not sec.token_ok(_metadata(context)):
-                raise UpdateRejected(
-                    grpc.StatusCode.UNAUTHENTICATED,
-                    "unauthenticated",
-                    "missing or wrong swarm token",
-                )
-            if sec.tls:
-                identity = peer_identity(context)
-                if identity is None:
-                    raise UpdateRejected(
-                        grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", "no client certificate"
-                    )
-                if claimed != identity:
-                    raise UpdateRejected(
-                        grpc.StatusCode.PERMISSION_DENIED,
-                        "unauthenticated",
-                        f"sender {claimed!r} does not match the certificate of {identity!r}",
-                    )
-        return identity or claimed or host_of(context.peer())
-
-
-def _metadata(context: grpc.ServicerContext) -> Iterable[tuple[str, str | bytes]]:
-    return context.invocation_metadata() or ()
 
 
 def host_of(context_peer: str) -> str:

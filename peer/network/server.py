@@ -2,11 +2,11 @@
 
 Every request arrives as raw bytes and is parsed here, so whatever a caller sends ends with a
 status that names the problem: bytes that are no valid request get INVALID_ARGUMENT, reason
-``malformed``, never gRPC's INTERNAL "Exception deserializing request". Then the call is
-admitted (:class:`~gossipgrad.peer.network.admission.Admission`: token, certificate
-identity, per-caller limits, the bulk budget), and only then is a buffer allocated or the
-handler run. Each refusal by the transport itself is reported to ``on_reject`` so the engine
-can count it.
+``malformed``, never gRPC's INTERNAL "Exception deserializing request". Around the parse the
+call is admitted (:class:`~gossipgrad.peer.network.admission.Admission`: token and
+certificate before it, claimed identity, per-caller limits and the bulk budget after it),
+and only then is a buffer allocated or the handler run. Each refusal by the transport itself
+is reported to ``on_reject`` so the engine can count it.
 
 Handlers refuse a call by raising :class:`UpdateRejected`; the call ends with its status,
 detail and the reason token in trailing metadata. Any other handler exception ends the call
@@ -195,15 +195,23 @@ class GossipServer:
         code = err.code(malformed=grpc.StatusCode.INVALID_ARGUMENT)
         self._refuse(context, UpdateRejected(code, err.reason, err.why))
 
+    def _authenticate(self, context: grpc.ServicerContext) -> str | None:
+        try:
+            return self.admission.authenticate(context)
+        except UpdateRejected as err:
+            self._refuse(context, err)
+
     def _parse(self, context: grpc.ServicerContext, message_cls: type[T], raw: bytes) -> T:
         try:
             return protocol.parse_request(message_cls, raw)
         except UpdateRejected as err:
             self._refuse(context, err)
 
-    def _admit(self, context: grpc.ServicerContext, claimed: str, bulk: bool) -> Ticket:
+    def _admit(
+        self, context: grpc.ServicerContext, identity: str | None, claimed: str, bulk: bool
+    ) -> Ticket:
         try:
-            return self.admission.enter(context, claimed, bulk)
+            return self.admission.enter(context, identity, claimed, bulk)
         except UpdateRejected as err:
             self._refuse(context, err)
 
@@ -225,11 +233,12 @@ class GossipServer:
     # --- calls -----------------------------------------------------------------------------
 
     def _push_update(self, chunks: Iterator[Any], context: grpc.ServicerContext) -> pb.PushReply:
+        identity = self._authenticate(context)
         try:
             header = read_header(chunks, UPDATE_CODEC)
         except FrameError as err:
             self._refuse_frame(context, err)
-        ticket = self._admit(context, header.sender, bulk=True)
+        ticket = self._admit(context, identity, header.sender, bulk=True)
         try:
             return self._receive_and_deliver(header, chunks, context)
         finally:
@@ -261,8 +270,9 @@ class GossipServer:
         return reply
 
     def _heartbeat(self, raw: bytes, context: grpc.ServicerContext) -> pb.HeartbeatReply:
+        identity = self._authenticate(context)
         request = self._parse(context, pb.HeartbeatRequest, raw)
-        ticket = self._admit(context, request.sender.id, bulk=False)
+        ticket = self._admit(context, identity, request.sender.id, bulk=False)
         try:
             return self._guarded(
                 protocol.HEARTBEAT, context, lambda: self.handler.handle_heartbeat(request)
@@ -271,8 +281,9 @@ class GossipServer:
             self.admission.leave(ticket)
 
     def _download_state(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
+        identity = self._authenticate(context)
         request = self._parse(context, pb.StateRequest, raw)
-        ticket = self._admit(context, request.requester, bulk=True)
+        ticket = self._admit(context, identity, request.requester, bulk=True)
         try:
             header, view = self._guarded(protocol.STATE, context, lambda: self._state_for(request))
             yield from frames(STATE_CODEC.header_bytes(header), view, self.options.chunk_size)
