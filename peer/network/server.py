@@ -30,7 +30,7 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 from gossipgrad.peer.network import protocol
-from gossipgrad.peer.network.admission import Admission, Ticket
+from gossipgrad.peer.network.admission import Admission
 from gossipgrad.peer.network.buffers import BufferPool
 from gossipgrad.peer.network.errors import UpdateRejected, abort
 from gossipgrad.peer.network.framing import (
@@ -42,7 +42,12 @@ from gossipgrad.peer.network.framing import (
 )
 from gossipgrad.peer.network.malloc import tune_malloc
 from gossipgrad.peer.network.options import TransportOptions, server_channel_args
-from gossipgrad.peer.network.protocol import STATE_CODEC, UPDATE_CODEC, GossipHandler
+from gossipgrad.peer.network.protocol import (
+    STATE_CODEC,
+    UPDATE_CODEC,
+    GossipHandler,
+    parse_request,
+)
 from gossipgrad.peer.security import TransportSecurity
 from gossipgrad.proto import gossip_pb2 as pb
 
@@ -195,23 +200,10 @@ class GossipServer:
         code = err.code(malformed=grpc.StatusCode.INVALID_ARGUMENT)
         self._refuse(context, UpdateRejected(code, err.reason, err.why))
 
-    def _authenticate(self, context: grpc.ServicerContext) -> str | None:
+    def _or_refuse(self, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+        """``fn()``, or end the call with the UpdateRejected it raises (see :meth:`_refuse`)."""
         try:
-            return self.admission.authenticate(context)
-        except UpdateRejected as err:
-            self._refuse(context, err)
-
-    def _parse(self, context: grpc.ServicerContext, message_cls: type[T], raw: bytes) -> T:
-        try:
-            return protocol.parse_request(message_cls, raw)
-        except UpdateRejected as err:
-            self._refuse(context, err)
-
-    def _admit(
-        self, context: grpc.ServicerContext, identity: str | None, claimed: str, bulk: bool
-    ) -> Ticket:
-        try:
-            return self.admission.enter(context, identity, claimed, bulk)
+            return fn()
         except UpdateRejected as err:
             self._refuse(context, err)
 
@@ -233,12 +225,14 @@ class GossipServer:
     # --- calls -----------------------------------------------------------------------------
 
     def _push_update(self, chunks: Iterator[Any], context: grpc.ServicerContext) -> pb.PushReply:
-        identity = self._authenticate(context)
+        identity = self._or_refuse(context, lambda: self.admission.authenticate(context))
         try:
             header = read_header(chunks, UPDATE_CODEC)
         except FrameError as err:
             self._refuse_frame(context, err)
-        ticket = self._admit(context, identity, header.sender, bulk=True)
+        ticket = self._or_refuse(
+            context, lambda: self.admission.enter(context, identity, header.sender, bulk=True)
+        )
         try:
             return self._receive_and_deliver(header, chunks, context)
         finally:
@@ -270,9 +264,11 @@ class GossipServer:
         return reply
 
     def _heartbeat(self, raw: bytes, context: grpc.ServicerContext) -> pb.HeartbeatReply:
-        identity = self._authenticate(context)
-        request = self._parse(context, pb.HeartbeatRequest, raw)
-        ticket = self._admit(context, identity, request.sender.id, bulk=False)
+        identity = self._or_refuse(context, lambda: self.admission.authenticate(context))
+        request = self._or_refuse(context, lambda: parse_request(pb.HeartbeatRequest, raw))
+        ticket = self._or_refuse(
+            context, lambda: self.admission.enter(context, identity, request.sender.id, bulk=False)
+        )
         try:
             return self._guarded(
                 protocol.HEARTBEAT, context, lambda: self.handler.handle_heartbeat(request)
@@ -281,9 +277,11 @@ class GossipServer:
             self.admission.leave(ticket)
 
     def _download_state(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
-        identity = self._authenticate(context)
-        request = self._parse(context, pb.StateRequest, raw)
-        ticket = self._admit(context, identity, request.requester, bulk=True)
+        identity = self._or_refuse(context, lambda: self.admission.authenticate(context))
+        request = self._or_refuse(context, lambda: parse_request(pb.StateRequest, raw))
+        ticket = self._or_refuse(
+            context, lambda: self.admission.enter(context, identity, request.requester, bulk=True)
+        )
         try:
             header, view = self._guarded(protocol.STATE, context, lambda: self._state_for(request))
             yield from frames(STATE_CODEC.header_bytes(header), view, self.options.chunk_size)
