@@ -248,7 +248,8 @@ class PeerClient:
     def _attempt_once(
         self, attempt: Callable[[float], T], deadline: float, attempts: int
     ) -> T | TransportError:
-        """One attempt: its result, or the retryable failure; final errors are raised."""
+        """One attempt: its result, or how the gRPC call failed (the caller decides whether to
+        retry). Errors of our own (closed client, spent deadline, a bad stream) are raised."""
         remaining = deadline - time.monotonic()
         if self.closed:
             raise TransportError(grpc.StatusCode.CANCELLED, "", "client closed", attempts)
