@@ -120,7 +120,10 @@ def test_heartbeats_are_answered_while_bulk_pushes_fill_the_server() -> None:
         server.stop(grace=0.5)
     assert [r.detail for r in results] == [str(24 * MiB)] * 2, results
     assert streaming >= 1, "no heartbeat overlapped the chunk streams"
-    assert max(latencies) < 1.0, sorted(latencies)[-5:]
+    # Promptly: a heartbeat queued behind the pushes would wait for them to end, which they do
+    # only after this loop, and miss its deadline. The bounds leave room for a loaded machine.
+    ordered = sorted(latencies)
+    assert ordered[len(ordered) // 2] < 0.1 and ordered[-1] < 3.0, ordered[-5:]
     print(
         f"heartbeats under load: n={len(latencies)} (during streaming {streaming}), "
         f"median {sorted(latencies)[len(latencies) // 2] * 1e3:.1f} ms, "
