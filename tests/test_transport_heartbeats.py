@@ -102,7 +102,7 @@ def test_heartbeats_are_answered_while_bulk_pushes_fill_the_server() -> None:
                 entered += 1
             streaming += entered < 2
             time.sleep(0.02)
-        assert entered == 2, "the pushes never reached the handler"
+        assert entered == 2, ("the pushes never reached the handler", results)
         # Both bulk slots are taken: a third push (another peer) is refused, not queued ...
         with pytest.raises(TransportError) as info:
             other.push(_header("b"), b"x" * 100, timeout=5)
