@@ -34,6 +34,7 @@ import math
 import threading
 from collections.abc import Mapping
 
+from gossipgrad.peer.network.errors import REJECT_REASONS
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 log = logging.getLogger(__name__)
@@ -42,19 +43,6 @@ PREFIX = "gossipgrad"
 
 #: Kinds of gossip messages, the ``kind`` label of the byte counters.
 MESSAGE_KINDS: tuple[str, ...] = ("update", "resync", "state", "heartbeat")
-
-#: Why an incoming update was refused, the ``reason`` label of ``rejected_updates_total``.
-REJECT_REASONS: tuple[str, ...] = (
-    "malformed",
-    "too_large",
-    "unknown_swarm",
-    "unknown_sender",
-    "fingerprint",
-    "decode_error",
-    "stale",
-    "rate_limited",
-    "unauthenticated",
-)
 
 #: Membership states of the other peers as this peer sees them, the ``state`` label of ``peers``.
 PEER_STATES: tuple[str, ...] = ("alive", "suspect", "dead")

@@ -11,7 +11,7 @@ the whole payload sits in the receiver's buffer; 1 GB = 1e9 bytes of payload.
 Variants (``--variants``): ``fast`` is PeerClient as shipped; ``protobuf`` wraps every chunk
 in a protobuf ``UpdateChunk`` with the generated stub; ``nopool`` allocates a fresh receive
 buffer per push (``recv_pool_bytes=0``). ``--no-tune-malloc`` runs everything with glibc's
-default malloc thresholds (see ``gossipgrad.peer.channel.tune_malloc``).
+default malloc thresholds (see ``gossipgrad.peer.network.malloc.tune_malloc``).
 
 Example::
 
@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 
 import grpc
-from gossipgrad.peer.transport import GossipServer, PeerClient, TransportOptions
+from gossipgrad.peer.network import GossipServer, PeerClient, TransportOptions
 from gossipgrad.proto import gossip_pb2 as pb
 from gossipgrad.proto import gossip_pb2_grpc as pb_grpc
 

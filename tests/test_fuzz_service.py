@@ -22,14 +22,14 @@ import time
 import grpc
 import pytest
 import torch
-from gossipgrad.peer.chunking import data_prefix
 from gossipgrad.peer.flat import tensor_checksum
+from gossipgrad.peer.network import PeerClient
+from gossipgrad.peer.network.framing import data_prefix
 from gossipgrad.peer.node import Peer
-from gossipgrad.peer.transport import PeerClient
 from gossipgrad.proto import gossip_pb2 as pb
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from peer_harness import quiesce, run_rounds, start_peer
+from peer_harness import quiesce, rejected, run_rounds, start_peer
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -224,16 +224,26 @@ def test_mutated_messages_are_answered_and_change_nothing(pair) -> None:
 def test_garbage_on_every_method_is_refused(pair) -> None:
     p0, _, _, _, _ = pair
     model = p0.flat.data.clone()
+    # (bytes, status): no parse -> INVALID_ARGUMENT (counted as malformed); a request that
+    # parses but names another swarm -> PERMISSION_DENIED from the engine.
+    cases = (
+        (b"\xff\xff\xff", grpc.StatusCode.INVALID_ARGUMENT),
+        (b"\x0a\x05gossi", grpc.StatusCode.PERMISSION_DENIED),
+        (b"\x12\x80\x80\x80\x80\x10", grpc.StatusCode.INVALID_ARGUMENT),
+    )
     with grpc.insecure_channel(p0.address) as channel:
         for method, kind in (
             ("Heartbeat", channel.unary_unary),
             ("DownloadState", channel.unary_stream),
         ):
             call = kind(f"/gossipgrad.v1.Gossip/{method}", request_serializer=None)
-            for blob in (b"\xff\xff\xff", b"\x0a\x05gossi", b"\x12\x80\x80\x80\x80\x10"):
+            for blob, status in cases:
+                malformed = rejected(p0, "malformed")
                 with pytest.raises(grpc.RpcError) as err:
                     result = call(blob, timeout=5)
                     if method == "DownloadState":
                         list(result)
-                assert err.value.code() not in (grpc.StatusCode.OK, grpc.StatusCode.UNKNOWN)
+                assert err.value.code() == status, (method, blob, err.value.details())
+                counted = rejected(p0, "malformed") - malformed
+                assert counted == (status == grpc.StatusCode.INVALID_ARGUMENT), (method, blob)
     assert torch.equal(p0.flat.data, model)

@@ -23,6 +23,7 @@ import torch
 from cryptography import x509
 from gossipgrad.peer.config import ConfigError, build_config
 from gossipgrad.peer.flat import FlatParameters
+from gossipgrad.peer.network import PeerClient, TransportError, TransportOptions
 from gossipgrad.peer.node import Peer
 from gossipgrad.peer.security import (
     TransportSecurity,
@@ -31,7 +32,6 @@ from gossipgrad.peer.security import (
     resolve_security,
     write_swarm_certs,
 )
-from gossipgrad.peer.transport import PeerClient, TransportError, TransportOptions
 from gossipgrad.proto import gossip_pb2 as pb
 from peer_harness import rejected, start_peer
 from torch import nn

@@ -10,7 +10,7 @@ import time
 
 import grpc
 import pytest
-from gossipgrad.peer.transport import (
+from gossipgrad.peer.network import (
     GossipServer,
     PeerClient,
     TransportError,

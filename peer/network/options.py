@@ -1,4 +1,4 @@
-"""Transport settings, errors and the gRPC channel/server arguments derived from them.
+"""Transport settings and the gRPC channel/server arguments derived from them.
 
 Everything tunable about the gRPC transport lives in :class:`TransportOptions`; the gRPC
 channel and server arguments are built from it in one place (:func:`client_channel_args`,
@@ -7,27 +7,12 @@ channel and server arguments are built from it in one place (:func:`client_chann
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
-import logging
-import platform
-import threading
 
 import grpc
-from gossipgrad.peer.metrics import REJECT_REASONS
-
-log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 GiB = 1 << 30
-
-#: Trailing-metadata key carrying the reject reason token of a refused call.
-REASON_METADATA_KEY = "gossipgrad-reject-reason"
-
-#: Bytes a message costs on top of its serialized size: gRPC's length-prefixed framing
-#: (1 compressed-flag byte + 4 length bytes). HTTP/2 frame headers are not counted.
-GRPC_FRAME_OVERHEAD = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +64,18 @@ class TransportOptions:
     keepalive_time: float = 30.0
     keepalive_timeout: float = 10.0
     keepalive_permit_without_calls: bool = True
-    #: Worker threads of the (synchronous) gRPC server: one per in-flight call.
+    #: Worker threads of the (synchronous) gRPC server for bulk calls. Every admitted call
+    #: gets a thread at once (a call queued for a thread is what would starve heartbeats), so
+    #: the server runs ``max(server_threads, max_concurrent_rpcs) + heartbeat_slots``.
     server_threads: int = 16
-    #: Calls the server runs at once; more are refused with RESOURCE_EXHAUSTED by gRPC
-    #: (bounds memory: each in-flight push may hold up to ``max_payload_bytes``).
+    #: Bulk calls (pushes and state downloads) the server runs at once; more are refused
+    #: with RESOURCE_EXHAUSTED, reason ``rate_limited`` (bounds memory: each in-flight push
+    #: may hold up to ``max_payload_bytes``).
     max_concurrent_rpcs: int = 16
+    #: Threads and call slots reserved for heartbeats on top of the bulk budget: however
+    #: many pushes and downloads are in flight, a heartbeat is served at once, so bulk
+    #: transfers never starve liveness.
+    heartbeat_slots: int = 4
     #: HTTP/2 streams one connection may carry at once.
     max_concurrent_streams: int = 32
     #: Calls one caller (certificate identity, else claimed peer id) may have in flight on
@@ -129,8 +121,8 @@ class TransportOptions:
             raise ValueError("need 0 <= backoff_initial <= backoff_max")
         if self.backoff_multiplier < 1 or self.backoff_jitter < 0:
             raise ValueError("need backoff_multiplier >= 1 and backoff_jitter >= 0")
-        if self.server_threads < 1 or self.max_concurrent_rpcs < 1:
-            raise ValueError("server_threads and max_concurrent_rpcs must be >= 1")
+        if self.server_threads < 1 or self.max_concurrent_rpcs < 1 or self.heartbeat_slots < 1:
+            raise ValueError("server_threads, max_concurrent_rpcs and heartbeat_slots must be >= 1")
         if self.max_concurrent_streams < 1:
             raise ValueError("max_concurrent_streams must be >= 1")
         if self.max_streams_per_peer < 0 or self.peer_rate < 0 or self.peer_burst < 1:
@@ -138,6 +130,11 @@ class TransportOptions:
         unknown = [c for c in self.retry_codes if c not in grpc.StatusCode.__members__]
         if unknown:
             raise ValueError(f"retry_codes {unknown} are not grpc.StatusCode names")
+
+    @property
+    def worker_threads(self) -> int:
+        """Threads of the server's pool: one per bulk call it admits, plus the heartbeats'."""
+        return max(self.server_threads, self.max_concurrent_rpcs) + self.heartbeat_slots
 
     @property
     def retry_status_codes(self) -> frozenset[grpc.StatusCode]:
@@ -160,9 +157,15 @@ def _common_args(o: TransportOptions) -> list[tuple[str, int]]:
 
 
 def client_channel_args(o: TransportOptions) -> list[tuple[str, int]]:
-    """gRPC arguments of a client channel to a peer."""
+    """gRPC arguments of a client channel to a peer.
+
+    Each channel gets its own subchannel pool, hence its own TCP connection: two channels
+    to one address (bulk and heartbeats, see ``PeerClient``) never share HTTP/2 flow
+    control or stream limits.
+    """
     return [
         *_common_args(o),
+        ("grpc.use_local_subchannel_pool", 1),
         ("grpc.keepalive_time_ms", _ms(o.keepalive_time)),
         ("grpc.keepalive_timeout_ms", _ms(o.keepalive_timeout)),
         ("grpc.keepalive_permit_without_calls", int(o.keepalive_permit_without_calls)),
@@ -186,91 +189,3 @@ def server_channel_args(o: TransportOptions) -> list[tuple[str, int]]:
         # One server per port: a second bind must fail rather than share the port.
         ("grpc.so_reuseport", 0),
     ]
-
-
-_malloc_lock = threading.Lock()
-_malloc_tuned: bool | None = None
-
-#: glibc ``mallopt`` parameters and the values :func:`tune_malloc` sets.
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-MALLOC_MMAP_THRESHOLD = 8 * MiB
-MALLOC_TRIM_THRESHOLD = 64 * MiB
-
-
-def tune_malloc() -> bool:
-    """Keep chunk-sized allocations on glibc's heap instead of fresh mmaps; idempotent.
-
-    Every streamed chunk allocates and frees a few buffers of ``chunk_size`` (gRPC read
-    slices, the Python ``bytes`` of the message). With glibc's defaults these are served by
-    ``mmap``/``munmap`` or trimmed off the heap again, so each one is page-faulted afresh --
-    on loopback that was the largest CPU cost of a push after the copies. Fixing the mmap
-    threshold at 8 MiB (above any gRPC message we allow by default) and the trim threshold at
-    64 MiB -- the same bounds glibc's own dynamic thresholds may grow to -- lets freed chunks be
-    reused. Process-wide; returns False (and changes nothing) off glibc.
-    """
-    global _malloc_tuned
-    with _malloc_lock:
-        if _malloc_tuned is not None:
-            return _malloc_tuned
-        _malloc_tuned = False
-        if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-            return False
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            ok = libc.mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD) == 1
-            ok = libc.mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD) == 1 and ok
-        except (OSError, AttributeError) as err:
-            log.debug("mallopt unavailable: %s", err)
-            return False
-        _malloc_tuned = ok
-        log.debug("malloc thresholds tuned: %s", ok)
-        return ok
-
-
-class TransportError(grpc.RpcError):
-    """A gossip call that failed: the gRPC status, its detail and, if any, the reason token.
-
-    A :class:`grpc.RpcError` with the methods of a failed call (``code()``, ``details()``),
-    so code that branches on ``err.code()`` works unchanged.
-
-    Attributes:
-        reason: the reject reason token (from :data:`REJECT_REASONS`) when the remote
-            handler refused the call, else ``""`` (network failure, deadline, ...).
-        detail: human-readable explanation (also ``details()``).
-        attempts: how many attempts were made (client side).
-    """
-
-    def __init__(self, code: grpc.StatusCode, reason: str, detail: str, attempts: int = 1) -> None:
-        super().__init__(f"{code.name}: {reason + ': ' if reason else ''}{detail}")
-        self._code = code
-        self.reason = reason
-        self.detail = detail
-        self.attempts = attempts
-
-    def code(self) -> grpc.StatusCode:
-        """The gRPC status code the call ended with."""
-        return self._code
-
-    def details(self) -> str:
-        """The status detail message."""
-        return self.detail
-
-
-class UpdateRejected(TransportError):
-    """Raised by a handler to refuse a call; the client receives it as the same class.
-
-    Args:
-        code: gRPC status the call ends with (e.g. ``INVALID_ARGUMENT``).
-        reason: short token from :data:`gossipgrad.peer.metrics.REJECT_REASONS` (it labels
-            a Prometheus counter, so the set is closed).
-        detail: human-readable explanation sent to the caller.
-    """
-
-    def __init__(
-        self, code: grpc.StatusCode, reason: str, detail: str = "", attempts: int = 1
-    ) -> None:
-        if reason not in REJECT_REASONS:
-            raise ValueError(f"reject reason {reason!r} is not one of {REJECT_REASONS}")
-        if code == grpc.StatusCode.OK:
-            raise ValueError("a rejection needs an error status code, not OK")
-        super().__init__(code, reason, detail, attempts)

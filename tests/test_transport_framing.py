@@ -1,10 +1,22 @@
-"""Chunk framing laws (fast path == protobuf encoding) and the receive buffer pool."""
+"""Chunk framing laws (fast path == protobuf encoding, send/reassemble round trip, wire-byte
+count, checks before allocation) and the receive buffer pool."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from gossipgrad.peer.chunking import BufferPool, ChunkCodec, Malformed, varint
+from gossipgrad.peer.network.buffers import BufferPool
+from gossipgrad.peer.network.framing import (
+    ChunkCodec,
+    FrameError,
+    Malformed,
+    WireTally,
+    frames,
+    read_header,
+    receive_payload,
+    stream_wire_bytes,
+    varint,
+)
 from gossipgrad.proto import gossip_pb2 as pb
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -64,6 +76,80 @@ def test_varint_matches_protobuf(n):
     # A header with only payload_size (field 8) serializes as tag 0x40 + varint(n).
     expected = pb.UpdateHeader(payload_size=n).SerializeToString()
     assert (b"\x40" + varint(n) if n else b"") == expected
+
+
+def _over_the_wire(codec: ChunkCodec, items) -> list:
+    """What a receiver's iterator yields for ``items``: each encoded, then decoded."""
+    return [codec.decode(codec.encode(item)) for item in items]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", sorted(CODECS))
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(data=st.binary(max_size=5000), chunk=st.integers(1, 700))
+def test_frames_reassemble_to_the_payload_and_count_their_wire_bytes(kind, data, chunk):
+    codec, _, header_cls = CODECS[kind]
+    header = header_cls(payload_size=len(data))
+    head = codec.header_bytes(header)
+    tally = WireTally()
+    sent = list(frames(head, memoryview(data), chunk, tally))
+    assert len(sent) == 1 + -(-len(data) // chunk)
+    # The tally is exactly what goes on the wire: serialized chunks plus 5 bytes of framing.
+    assert tally.bytes == sum(len(codec.encode(item)) + 5 for item in sent)
+    assert tally.bytes == stream_wire_bytes(len(head), len(data), chunk)
+    chunks = iter(_over_the_wire(codec, sent))
+    assert read_header(chunks, codec) == header
+    buf, wire = receive_payload(chunks, len(data), limit=len(data))
+    assert bytes(buf) == data
+    assert wire + len(head) + 5 == tally.bytes
+
+
+def test_declared_size_over_the_cap_is_refused_before_allocating():
+    allocated: list[int] = []
+
+    def allocate(n: int) -> bytearray:
+        allocated.append(n)
+        return bytearray(n)
+
+    with pytest.raises(FrameError) as info:
+        receive_payload(iter([]), 1 << 60, limit=1 << 20, allocate=allocate, what="state")
+    assert info.value.reason == "too_large" and "state of" in info.value.why
+    assert allocated == []
+
+
+@pytest.mark.parametrize(
+    ("parts", "why"),
+    [
+        ([b"abc"], "3 bytes"),
+        ([b"abcdef", b"gh"], "longer"),
+        ([b"abc", pb.UpdateHeader()], "second header"),
+        ([Malformed("bad chunk")], "bad chunk"),
+    ],
+    ids=["short", "long", "second-header", "undecodable"],
+)
+def test_streams_that_do_not_add_up_are_malformed_and_the_buffer_goes_back(parts, why):
+    released: list[bytearray] = []
+    items = [memoryview(p) if isinstance(p, bytes) else p for p in parts]
+    with pytest.raises(FrameError) as info:
+        receive_payload(iter(items), 6, limit=100, release=released.append)
+    assert info.value.reason == "malformed" and why in info.value.why
+    assert len(released) == 1 and len(released[0]) == 6
+
+
+@pytest.mark.parametrize(
+    ("first", "why"),
+    [
+        (None, "empty stream"),
+        (memoryview(b"x"), "not an UpdateHeader"),
+        (Malformed("undecodable chunk"), "undecodable"),
+        (pb.StateHeader(), "not an UpdateHeader"),
+    ],
+)
+def test_a_stream_must_start_with_its_header(first, why):
+    codec = CODECS["update"][0]
+    with pytest.raises(FrameError) as info:
+        read_header(iter([] if first is None else [first]), codec)
+    assert info.value.reason == "malformed" and why in info.value.why
 
 
 def test_pool_reuses_free_buffers_smallest_fit_first():

@@ -1,0 +1,121 @@
+"""Who may call the gossip server, and how many calls at once: admission before any work.
+
+Every call is admitted in this order, before a buffer is allocated or the handler runs:
+
+1. swarm token (metadata), if one is configured -> UNAUTHENTICATED;
+2. under TLS, a client certificate -> UNAUTHENTICATED;
+
+   (the request is parsed here: INVALID_ARGUMENT, ``malformed``, if it does not)
+
+3. under TLS, the claimed sender equals the certificate's common name -> PERMISSION_DENIED;
+4. the caller's limits (calls in flight, calls per second; :class:`PeerLimiter`)
+   -> RESOURCE_EXHAUSTED, reason ``rate_limited``;
+5. for bulk calls (pushes, state downloads), a free bulk slot -> RESOURCE_EXHAUSTED.
+
+Heartbeats and bulk calls have separate budgets: their own per-caller limiter each, and bulk
+calls take one of ``TransportOptions.max_concurrent_rpcs`` slots while the server keeps
+``heartbeat_slots`` threads and gRPC call slots beyond those. A peer in the middle of a burst
+of resyncs to us therefore never has its heartbeats refused or queued behind its transfers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import grpc
+from gossipgrad.peer.network.errors import UpdateRejected
+from gossipgrad.peer.network.limits import PeerLimiter
+from gossipgrad.peer.network.options import TransportOptions
+from gossipgrad.peer.security import TransportSecurity, peer_identity
+
+
+@dataclasses.dataclass(frozen=True)
+class Ticket:
+    """An admitted call; hand it back to :meth:`Admission.leave` when the call ends."""
+
+    key: str
+    bulk: bool
+
+
+class Admission:
+    """Authenticates calls and counts them against their caller's and the server's budgets.
+
+    Args:
+        options: per-caller limits (``max_streams_per_peer``, ``peer_rate``, ``peer_burst``)
+            and the bulk budget (``max_concurrent_rpcs``).
+        security: TLS material and/or swarm token (None: anyone may call).
+    """
+
+    def __init__(self, options: TransportOptions, security: TransportSecurity | None) -> None:
+        o = options
+        self.security = security
+        #: Per-caller limits of pushes and state downloads.
+        self.bulk = PeerLimiter(o.max_streams_per_peer, o.peer_rate, o.peer_burst)
+        #: Per-caller limits of heartbeats (a separate budget: see the module docstring).
+        self.heartbeats = PeerLimiter(o.max_streams_per_peer, o.peer_rate, o.peer_burst)
+        self._bulk_slots = threading.BoundedSemaphore(o.max_concurrent_rpcs)
+        self._slots = o.max_concurrent_rpcs
+
+    def authenticate(self, context: grpc.ServicerContext) -> str | None:
+        """Check what needs no request body: the token and, under TLS, a certificate.
+
+        Called before a request is parsed, so a caller without credentials gets
+        UNAUTHENTICATED whatever it sends. Returns the certificate identity (None without
+        TLS); raises UpdateRejected if refused.
+        """
+        sec = self.security
+        if sec is None:
+            return None
+        if not sec.token_ok(context.invocation_metadata() or ()):
+            raise UpdateRejected(
+                grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", "missing or wrong swarm token"
+            )
+        if not sec.tls:
+            return None
+        identity = peer_identity(context)
+        if identity is None:
+            raise UpdateRejected(
+                grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", "no client certificate"
+            )
+        return identity
+
+    def enter(
+        self, context: grpc.ServicerContext, identity: str | None, claimed: str, bulk: bool
+    ) -> Ticket:
+        """Admit one call from ``identity`` (see :meth:`authenticate`) claiming to be sender
+        ``claimed``: the claim must match the certificate, then the call counts against its
+        caller's limits and, if ``bulk``, takes a bulk slot. Raises UpdateRejected if refused.
+        """
+        if identity is not None and claimed != identity:
+            raise UpdateRejected(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "unauthenticated",
+                f"sender {claimed!r} does not match the certificate of {identity!r}",
+            )
+        key = identity or claimed or host_of(context.peer())
+        limiter = self.bulk if bulk else self.heartbeats
+        why = limiter.enter(key)
+        if why is not None:
+            raise UpdateRejected(grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limited", why)
+        if bulk and not self._bulk_slots.acquire(blocking=False):
+            limiter.leave(key)
+            raise UpdateRejected(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "rate_limited",
+                f"server busy: {self._slots} pushes/downloads in flight",
+            )
+        return Ticket(key, bulk)
+
+    def leave(self, ticket: Ticket) -> None:
+        """Release a call admitted by :meth:`enter`."""
+        if ticket.bulk:
+            self._bulk_slots.release()
+            self.bulk.leave(ticket.key)
+        else:
+            self.heartbeats.leave(ticket.key)
+
+
+def host_of(context_peer: str) -> str:
+    """``ipv4:1.2.3.4:5678`` -> ``ipv4:1.2.3.4`` (one limiter key per host, not per socket)."""
+    return context_peer.rsplit(":", 1)[0] if context_peer.count(":") > 1 else context_peer

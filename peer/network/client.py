@@ -1,0 +1,284 @@
+"""The client side of the gossip service: :class:`PeerClient`, one per remote peer.
+
+A client holds two gRPC channels to its peer, each on its own TCP connection: one for bulk
+calls (pushes, state downloads) and one for heartbeats. A heartbeat therefore never waits
+behind the data frames of a large push in the same connection's HTTP/2 flow-control window
+or stream limit; the server keeps a separate budget for heartbeats too (see
+:mod:`~gossipgrad.peer.network.admission`), so a burst of resyncs cannot starve liveness
+into false deaths. The heartbeat connection costs one idle socket per peer; the bulk one is
+opened only on the first push or download (gRPC channels connect lazily), so a far peer
+that is only heartbeated costs one connection.
+
+Example::
+
+    client = PeerClient("127.0.0.1:7000")
+    reply = client.push(header, payload)          # PushReply; wire bytes in
+    client.last_push_wire_bytes                   # ... or use push_detailed()
+    client.close()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+from gossipgrad.peer.network import framing, protocol
+from gossipgrad.peer.network.errors import TransportError, from_rpc_error
+from gossipgrad.peer.network.malloc import tune_malloc
+from gossipgrad.peer.network.options import TransportOptions, client_channel_args
+from gossipgrad.peer.network.protocol import STATE_CODEC, UPDATE_CODEC
+from gossipgrad.peer.security import TransportSecurity
+from gossipgrad.proto import gossip_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class PushResult:
+    """Outcome of one :meth:`PeerClient.push_detailed`.
+
+    Attributes:
+        reply: the receiver's answer.
+        wire_bytes: bytes put on the wire by all attempts, counted as in
+            :func:`~gossipgrad.peer.network.protocol.push_wire_bytes` (feed this to the
+            ``sent_bytes`` metric).
+        attempts: attempts made (1 = no retry).
+        seconds: wall time of the whole call, retries included.
+    """
+
+    reply: pb.PushReply
+    wire_bytes: int
+    attempts: int
+    seconds: float
+
+
+class PeerClient:
+    """Channels to one peer's gossip server, with deadlines and retries on every call.
+
+    Every call takes ``timeout`` (seconds, retries included; default from the options) and
+    raises :class:`TransportError` on failure, or :class:`UpdateRejected` when the remote
+    handler refused the call. Calls failing with a code in ``options.retry_codes`` are
+    retried up to ``options.retries`` times with exponential backoff. Thread-safe, except
+    that ``last_*`` attributes describe whichever call finished last. After :meth:`close`,
+    every call raises TransportError with CANCELLED.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        options: TransportOptions | None = None,
+        security: TransportSecurity | None = None,
+    ) -> None:
+        self.address = address
+        self.options = options or TransportOptions()
+        if self.options.tune_malloc:
+            tune_malloc()
+        self._security = security
+        self._metadata = (security.call_metadata() if security is not None else ()) or None
+        self._bulk = self._open_channel()
+        self._beat = self._open_channel()
+        self._push = self._bulk.stream_unary(
+            protocol.method_path(protocol.PUSH),
+            request_serializer=UPDATE_CODEC.encode,
+            response_deserializer=pb.PushReply.FromString,
+        )
+        self._state = self._bulk.unary_stream(
+            protocol.method_path(protocol.STATE),
+            request_serializer=pb.StateRequest.SerializeToString,
+            response_deserializer=STATE_CODEC.decode,
+        )
+        self._heartbeat = self._beat.unary_unary(
+            protocol.method_path(protocol.HEARTBEAT),
+            request_serializer=pb.HeartbeatRequest.SerializeToString,
+            response_deserializer=pb.HeartbeatReply.FromString,
+        )
+        self._random = random.Random()
+        self._closed = threading.Event()
+        #: Wire bytes of the last completed push (see ``push_wire_bytes``).
+        self.last_push_wire_bytes = 0
+        #: Wire bytes received by the last completed state download.
+        self.last_state_wire_bytes = 0
+
+    def _open_channel(self) -> grpc.Channel:
+        args: list[tuple[str, Any]] = list(client_channel_args(self.options))
+        sec = self._security
+        if sec is not None and sec.tls:
+            args += sec.channel_args()
+            return grpc.secure_channel(self.address, sec.channel_credentials(), options=args)
+        return grpc.insecure_channel(self.address, options=args)
+
+    # --- calls -----------------------------------------------------------------------------
+
+    def push(
+        self,
+        header: pb.UpdateHeader,
+        payload: bytes | bytearray | memoryview,
+        timeout: float | None = None,
+    ) -> pb.PushReply:
+        """Stream one update to the peer; returns its reply (see :meth:`push_detailed`)."""
+        return self.push_detailed(header, payload, timeout).reply
+
+    def push_detailed(
+        self,
+        header: pb.UpdateHeader,
+        payload: bytes | bytearray | memoryview,
+        timeout: float | None = None,
+    ) -> PushResult:
+        """Stream one update: the header chunk, then the payload in ``chunk_size`` chunks.
+
+        ``header.payload_size`` must equal the payload length, or be 0 to have it filled in
+        (on a copy; the caller's header is not modified).
+        """
+        view = framing.as_bytes_view(payload)
+        head = UPDATE_CODEC.header_bytes(_with_payload_size(header, view.nbytes))
+        step = self.options.chunk_size
+        sent = framing.WireTally()
+        started = time.monotonic()
+        reply, attempts = self._with_retries(
+            protocol.PUSH,
+            timeout if timeout is not None else self.options.push_timeout,
+            lambda remaining: self._push(
+                framing.frames(head, view, step, sent), timeout=remaining, metadata=self._metadata
+            ),
+        )
+        self.last_push_wire_bytes = sent.bytes
+        return PushResult(reply, sent.bytes, attempts, time.monotonic() - started)
+
+    def heartbeat(
+        self, request: pb.HeartbeatRequest, timeout: float | None = None
+    ) -> pb.HeartbeatReply:
+        """One heartbeat round trip (peer exchange), on the heartbeat connection."""
+        reply, _ = self._with_retries(
+            protocol.HEARTBEAT,
+            timeout if timeout is not None else self.options.heartbeat_timeout,
+            lambda remaining: self._heartbeat(request, timeout=remaining, metadata=self._metadata),
+        )
+        return reply
+
+    def download_state(
+        self, request: pb.StateRequest, timeout: float | None = None
+    ) -> tuple[pb.StateHeader, bytearray]:
+        """Download the peer's state: its StateHeader and the blob (a ``bytearray``)."""
+        result, _ = self._with_retries(
+            protocol.STATE,
+            timeout if timeout is not None else self.options.state_timeout,
+            lambda remaining: self._download_once(request, remaining),
+        )
+        return result
+
+    def _download_once(
+        self, request: pb.StateRequest, remaining: float
+    ) -> tuple[pb.StateHeader, bytearray]:
+        call = self._state(request, timeout=remaining, metadata=self._metadata)
+        try:
+            header = framing.read_header(call, STATE_CODEC)
+            blob, data_wire = framing.receive_payload(
+                call, header.payload_size, self.options.max_state_bytes, what="state"
+            )
+        except framing.FrameError as err:
+            call.cancel()
+            code = err.code(malformed=grpc.StatusCode.DATA_LOSS)
+            raise TransportError(code, err.reason, err.why) from None
+        head_wire = len(STATE_CODEC.header_bytes(header)) + framing.GRPC_FRAME_OVERHEAD
+        self.last_state_wire_bytes = head_wire + data_wire
+        return header, blob
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed.is_set()
+
+    def close(self) -> None:
+        """Close both channels (in-flight calls are cancelled); idempotent."""
+        self._closed.set()
+        self._bulk.close()
+        self._beat.close()
+
+    def __enter__(self) -> PeerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- retries ---------------------------------------------------------------------------
+
+    def _with_retries(
+        self, what: str, timeout: float, attempt: Callable[[float], T]
+    ) -> tuple[T, int]:
+        """Run ``attempt(remaining_seconds)`` until success, a final error, or the deadline."""
+        deadline = time.monotonic() + timeout
+        delay = self.options.backoff_initial
+        attempts = 0
+        while True:
+            attempts += 1
+            outcome = self._attempt_once(attempt, deadline, attempts)
+            if not isinstance(outcome, TransportError):
+                return outcome, attempts
+            failure = outcome
+            pause = min(delay, self.options.backoff_max)
+            pause *= 1 + self.options.backoff_jitter * self._random.random()
+            if (
+                failure.code() not in self.options.retry_status_codes
+                or attempts > self.options.retries
+                or time.monotonic() + pause >= deadline
+                or self.closed
+            ):
+                raise failure
+            log.info(
+                "%s to %s failed (%s); retry %d in %.2fs",
+                what,
+                self.address,
+                failure,
+                attempts,
+                pause,
+            )
+            time.sleep(pause)
+            delay *= self.options.backoff_multiplier
+
+    def _attempt_once(
+        self, attempt: Callable[[float], T], deadline: float, attempts: int
+    ) -> T | TransportError:
+        """One attempt: its result, or how the gRPC call failed (the caller decides whether to
+        retry). Errors of our own (closed client, spent deadline, a bad stream) are raised."""
+        remaining = deadline - time.monotonic()
+        if self.closed:
+            raise TransportError(grpc.StatusCode.CANCELLED, "", "client closed", attempts)
+        if remaining <= 0:
+            raise TransportError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "", "deadline spent on retries", attempts
+            )
+        try:
+            return attempt(remaining)
+        except TransportError as err:  # raised by us: final (before grpc.RpcError!)
+            err.attempts = attempts
+            raise
+        except grpc.RpcError as err:
+            return from_rpc_error(err, attempts)
+        except ValueError:
+            if self.closed:  # gRPC refuses calls on a channel closed under our feet
+                raise TransportError(
+                    grpc.StatusCode.CANCELLED, "", "client closed", attempts
+                ) from None
+            raise
+
+
+def _with_payload_size(header: pb.UpdateHeader, size: int) -> pb.UpdateHeader:
+    """``header`` with ``payload_size == size``: as is, or a filled-in copy if it was 0."""
+    if header.payload_size == size:
+        return header
+    if header.payload_size != 0:
+        raise ValueError(f"header.payload_size={header.payload_size} but payload has {size} bytes")
+    filled = pb.UpdateHeader()
+    filled.CopyFrom(header)
+    filled.payload_size = size
+    return filled

@@ -1,0 +1,253 @@
+"""Chunk framing of the streamed calls, written once for PushUpdate and DownloadState.
+
+A streamed call carries one ``oneof part {Header header = 1; bytes data = 2;}`` message per
+chunk: first the header, then data chunks adding up to ``header.payload_size``. Both streams
+and both directions use the same three pieces:
+
+1. :class:`ChunkCodec`, the gRPC (de)serializer of one chunk type. Wrapping each data chunk
+   in a protobuf object costs a copy and an allocation per chunk, so it writes and reads data
+   chunks itself: a data chunk on the wire is exactly the protobuf encoding of ``{data:
+   ...}`` (tag byte 0x12, varint length, bytes), which any protobuf implementation reads;
+   any other encoding a foreign sender produces falls back to the protobuf parser.
+2. :func:`frames`, the sending side: the header chunk, then ``chunk_size`` slices of the
+   payload, each counted in a :class:`WireTally`.
+3. :func:`read_header` and :func:`receive_payload`, the receiving side: the first chunk must
+   be the header; its declared size is checked against the receiver's cap *before* a buffer
+   is allocated, and the running total against the declared size on every chunk.
+
+Receive-side problems raise :class:`FrameError` with a reject reason (``malformed`` or
+``too_large``); each end maps it to its own status.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+#: Bytes a message costs on top of its serialized size: gRPC's length-prefixed framing
+#: (1 compressed-flag byte + 4 length bytes). HTTP/2 frame headers are not counted.
+GRPC_FRAME_OVERHEAD = 5
+
+#: Wire tag of field 2 (``data``), length-delimited: (2 << 3) | 2.
+_DATA_TAG = 0x12
+#: Longest varint of a 64-bit length.
+_MAX_VARINT_BYTES = 10
+
+
+class Malformed:
+    """What :meth:`ChunkCodec.decode` returns for bytes that are no valid chunk."""
+
+    __slots__ = ("why",)
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def __repr__(self) -> str:
+        return f"Malformed({self.why!r})"
+
+
+class FrameError(Exception):
+    """A received chunk stream that is refused: ``reason`` is ``malformed`` or ``too_large``."""
+
+    def __init__(self, reason: str, why: str) -> None:
+        super().__init__(why)
+        self.reason = reason
+        self.why = why
+
+    def code(self, malformed: grpc.StatusCode) -> grpc.StatusCode:
+        """The status to end with: RESOURCE_EXHAUSTED if too large, else ``malformed``
+        (the server answers INVALID_ARGUMENT, a client reading a bad download DATA_LOSS)."""
+        return grpc.StatusCode.RESOURCE_EXHAUSTED if self.reason == "too_large" else malformed
+
+
+def varint(n: int) -> bytes:
+    """Protobuf base-128 varint encoding of a non-negative integer."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _read_varint(raw: bytes, pos: int) -> tuple[int, int] | None:
+    """(value, position after it) of the varint at ``raw[pos:]``, None if cut off or too long."""
+    value, shift = 0, 0
+    for i in range(pos, min(len(raw), pos + _MAX_VARINT_BYTES)):
+        value |= (raw[i] & 0x7F) << shift
+        if raw[i] < 0x80:
+            return value, i + 1
+        shift += 7
+    return None
+
+
+def data_prefix(n: int) -> bytes:
+    """Bytes preceding an ``n``-byte data chunk in its serialized chunk message."""
+    return bytes((_DATA_TAG,)) + varint(n)
+
+
+def data_chunk_wire_bytes(n: int) -> int:
+    """Wire bytes of one ``n``-byte data chunk: prefix, data and gRPC message framing."""
+    return len(data_prefix(n)) + n + GRPC_FRAME_OVERHEAD
+
+
+def stream_wire_bytes(header_bytes: int, payload_size: int, chunk_size: int) -> int:
+    """Wire bytes of a whole stream: a serialized header chunk of ``header_bytes``, then
+    ``payload_size`` bytes in ``chunk_size`` chunks (what :func:`frames` counts)."""
+    full, rest = divmod(payload_size, chunk_size)
+    total = header_bytes + GRPC_FRAME_OVERHEAD + full * data_chunk_wire_bytes(chunk_size)
+    return total + (data_chunk_wire_bytes(rest) if rest else 0)
+
+
+class ChunkCodec:
+    """(De)serializer of one chunk message type (``UpdateChunk`` or ``StateChunk``).
+
+    ``encode`` takes either a protobuf header message (sent wrapped in the chunk's
+    ``header`` field), pre-serialized ``bytes`` (sent as is), or a ``memoryview`` of payload
+    (sent as a ``data`` chunk). ``decode`` returns the header message, a ``memoryview`` of
+    the data (zero-copy on the fast path), or :class:`Malformed`; it never raises.
+    """
+
+    def __init__(self, chunk_cls: type[Message], header_field: str = "header") -> None:
+        self._chunk_cls = chunk_cls
+        self._header_field = header_field
+        field = chunk_cls.DESCRIPTOR.fields_by_name[header_field]
+        #: The header message class, e.g. ``UpdateHeader``.
+        self.header_cls: type[Message] = getattr(chunk_cls(), header_field).__class__
+        self.header_name: str = field.message_type.name
+
+    def header_bytes(self, header: Message) -> bytes:
+        """The serialized chunk message carrying ``header``."""
+        chunk = self._chunk_cls()
+        getattr(chunk, self._header_field).CopyFrom(header)
+        return chunk.SerializeToString()
+
+    def encode(self, item: Any) -> bytes:
+        """Serialize one outgoing chunk (see the class docstring for accepted items)."""
+        if isinstance(item, memoryview):
+            return b"".join((data_prefix(item.nbytes), item))
+        if isinstance(item, bytes):
+            return item
+        return self.header_bytes(item)
+
+    def decode(self, raw: bytes) -> Message | memoryview | Malformed:
+        """Parse one incoming chunk; never raises on bad input."""
+        if len(raw) >= 2 and raw[0] == _DATA_TAG:
+            parsed = _read_varint(raw, 1)
+            if parsed is not None and parsed[1] + parsed[0] == len(raw):
+                return memoryview(raw)[parsed[1] :]
+        try:
+            chunk = self._chunk_cls.FromString(raw)
+        except DecodeError as err:
+            return Malformed(f"undecodable chunk: {err}")
+        which = chunk.WhichOneof("part")
+        if which == self._header_field:
+            return getattr(chunk, self._header_field)
+        if which == "data":
+            return memoryview(chunk.data)
+        return Malformed("chunk carries neither header nor data")
+
+
+# ---------------------------------------------------------------------------------- sending
+
+
+@dataclasses.dataclass
+class WireTally:
+    """Wire bytes sent so far by :func:`frames` (summed over every stream it is given to)."""
+
+    bytes: int = 0
+
+
+def frames(
+    head: bytes, payload: memoryview, chunk_size: int, tally: WireTally | None = None
+) -> Iterator[bytes | memoryview]:
+    """The chunks of one stream: the serialized header chunk ``head``, then ``payload`` in
+    ``chunk_size`` slices (zero-copy views), adding each one's wire bytes to ``tally``."""
+    if tally is not None:
+        tally.bytes += len(head) + GRPC_FRAME_OVERHEAD
+    yield head
+    for offset in range(0, payload.nbytes, chunk_size):
+        piece = payload[offset : offset + chunk_size]
+        if tally is not None:
+            tally.bytes += data_chunk_wire_bytes(piece.nbytes)
+        yield piece
+
+
+def as_bytes_view(payload: bytes | bytearray | memoryview) -> memoryview:
+    """A flat unsigned-byte view of any bytes-like payload (no copy)."""
+    view = memoryview(payload)
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+
+# ---------------------------------------------------------------------------------- receiving
+
+
+def read_header(chunks: Iterator[Any], codec: ChunkCodec) -> Message:
+    """The first chunk of a stream, which must be ``codec``'s header; else FrameError."""
+    first = next(chunks, None)
+    if isinstance(first, codec.header_cls):
+        return first
+    if first is None:
+        raise FrameError("malformed", "empty stream")
+    if isinstance(first, Malformed):
+        raise FrameError("malformed", first.why)
+    article = "an" if codec.header_name[0] in "AEIOU" else "a"
+    raise FrameError("malformed", f"first chunk is not {article} {codec.header_name}")
+
+
+def receive_payload(
+    chunks: Iterator[Any],
+    size: int,
+    limit: int,
+    allocate: Callable[[int], bytearray] = bytearray,
+    release: Callable[[bytearray], object] | None = None,
+    what: str = "payload",
+) -> tuple[bytearray, int]:
+    """Reassemble the data chunks after a header declaring ``size`` bytes, under ``limit``.
+
+    Steps: 1. refuse ``size > limit`` (reason ``too_large``) before allocating anything;
+    2. ``allocate(size)`` a buffer (it may be larger); 3. copy each data chunk in, refusing a
+    second header, an undecodable chunk or a total past ``size`` as soon as it arrives;
+    4. refuse a total short of ``size``. On a refusal the buffer goes to ``release``
+    (FrameError, reason ``malformed``).
+
+    Returns the buffer (its first ``size`` bytes are the payload) and the wire bytes of the
+    data chunks received.
+    """
+    if size > limit:
+        raise FrameError(
+            "too_large", f"{what} of {size} bytes exceeds the receiver's limit of {limit}"
+        )
+    buf = allocate(size)
+    wire, why = _fill(buf, size, chunks, what)
+    if why is None:
+        return buf, wire
+    if release is not None:
+        release(buf)
+    raise FrameError("malformed", why)
+
+
+def _fill(buf: bytearray, size: int, chunks: Iterator[Any], what: str) -> tuple[int, str | None]:
+    """Copy data chunks into ``buf``: their wire bytes and why they do not add up (or None).
+
+    Returns rather than raises, so no traceback keeps this frame (and ``buf``) alive when
+    the caller hands the buffer back to a pool.
+    """
+    wire = offset = 0
+    with memoryview(buf) as view:
+        for part in chunks:
+            if not isinstance(part, memoryview):
+                return wire, part.why if isinstance(part, Malformed) else "second header in stream"
+            end = offset + part.nbytes
+            if end > size:
+                return wire, f"{what} longer than header.payload_size={size}"
+            view[offset:end] = part
+            wire += data_chunk_wire_bytes(part.nbytes)
+            offset = end
+    if offset != size:
+        return wire, f"{what} of {offset} bytes, header.payload_size={size}"
+    return wire, None

@@ -1,0 +1,302 @@
+"""The gossip gRPC server of one peer: admission, then dispatch to a :class:`GossipHandler`.
+
+Every request arrives as raw bytes and is parsed here, so whatever a caller sends ends with a
+status that names the problem: bytes that are no valid request get INVALID_ARGUMENT, reason
+``malformed``, never gRPC's INTERNAL "Exception deserializing request". Around the parse the
+call is admitted (:class:`~gossipgrad.peer.network.admission.Admission`: token and
+certificate before it, claimed identity, per-caller limits and the bulk budget after it),
+and only then is a buffer allocated or the handler run. Each refusal by the transport itself
+is reported to ``on_reject`` so the engine can count it.
+
+Handlers refuse a call by raising :class:`UpdateRejected`; the call ends with its status,
+detail and the reason token in trailing metadata. Any other handler exception ends the call
+with INTERNAL (logged; the server stays up): that is a bug, not a hostile request.
+
+Example::
+
+    server = GossipServer(handler, bind="127.0.0.1:0")
+    port = server.start()
+    ...
+    server.stop(grace=2.0)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+from gossipgrad.peer.network import protocol
+from gossipgrad.peer.network.admission import Admission
+from gossipgrad.peer.network.buffers import BufferPool
+from gossipgrad.peer.network.errors import UpdateRejected, abort
+from gossipgrad.peer.network.framing import (
+    FrameError,
+    as_bytes_view,
+    frames,
+    read_header,
+    receive_payload,
+)
+from gossipgrad.peer.network.malloc import tune_malloc
+from gossipgrad.peer.network.options import TransportOptions, server_channel_args
+from gossipgrad.peer.network.protocol import (
+    STATE_CODEC,
+    UPDATE_CODEC,
+    GossipHandler,
+    parse_request,
+)
+from gossipgrad.peer.security import TransportSecurity
+from gossipgrad.proto import gossip_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class GossipServer:
+    """The gossip gRPC server of one peer, delegating every call to a handler.
+
+    Args:
+        handler: the engine (:class:`GossipHandler`).
+        bind: ``host:port`` to listen on; port 0 picks a free port (read it from
+            :meth:`start` or :attr:`address`).
+        options: transport settings (limits, threads, buffer pool, gRPC arguments).
+        on_reject: called as ``on_reject(reason, context_peer)`` whenever the transport
+            itself refuses a call (``malformed``, ``too_large``, ``unauthenticated``,
+            ``rate_limited``) before the handler sees it, so the engine can count it;
+            handler-raised rejections are the handler's to count.
+        security: TLS material and/or swarm token (None: plaintext, anyone may call).
+    """
+
+    def __init__(
+        self,
+        handler: GossipHandler,
+        bind: str = "127.0.0.1:0",
+        options: TransportOptions | None = None,
+        on_reject: Callable[[str, str], None] | None = None,
+        security: TransportSecurity | None = None,
+    ) -> None:
+        self.handler = handler
+        self.bind = bind
+        self.options = options or TransportOptions()
+        self.on_reject = on_reject
+        self.security = security
+        self.admission = Admission(self.options, security)
+        self._pool = BufferPool(self.options.recv_pool_bytes)
+        self._server: grpc.Server | None = None
+        self._port = 0
+        self._lock = threading.Lock()
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> int:
+        """Bind and start serving; returns the bound port. Raises OSError if binding fails."""
+        with self._lock:
+            if self._server is not None:
+                return self._port
+            o = self.options
+            if o.tune_malloc:
+                tune_malloc()
+            server = grpc.server(
+                futures.ThreadPoolExecutor(
+                    max_workers=o.worker_threads, thread_name_prefix="gossip-server"
+                ),
+                handlers=(self._rpc_handlers(),),
+                options=server_channel_args(o),
+                maximum_concurrent_rpcs=o.worker_threads,
+            )
+            self._port = self._bind(server)
+            server.start()
+            self._server = server
+            log.info(
+                "gossip server listening on %s (%s)",
+                self.address,
+                "mutual TLS" if self._tls else "plaintext",
+            )
+            return self._port
+
+    @property
+    def _tls(self) -> bool:
+        return self.security is not None and self.security.tls
+
+    def _bind(self, server: grpc.Server) -> int:
+        try:
+            if self._tls:
+                port = server.add_secure_port(self.bind, self.security.server_credentials())
+            else:
+                port = server.add_insecure_port(self.bind)
+        except RuntimeError as err:
+            raise OSError(f"cannot bind gossip server to {self.bind}: {err}") from err
+        if port == 0:
+            raise OSError(f"cannot bind gossip server to {self.bind}")
+        return port
+
+    @property
+    def port(self) -> int:
+        """The bound port (0 before :meth:`start`)."""
+        return self._port
+
+    @property
+    def address(self) -> str:
+        """``host:port`` clients dial: the bind host with the bound port."""
+        host = self.bind.rsplit(":", 1)[0]
+        return f"{host}:{self._port}"
+
+    def stop(self, grace: float | None = 2.0) -> None:
+        """Stop accepting calls, let in-flight ones finish for ``grace`` seconds, cancel the
+        rest, and wait until the server is down. Idempotent."""
+        with self._lock:
+            server, self._server = self._server, None
+        if server is None:
+            return
+        server.stop(grace).wait()
+        log.info("gossip server on %s stopped", self.address)
+
+    def __enter__(self) -> GossipServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- plumbing --------------------------------------------------------------------------
+
+    def _rpc_handlers(self) -> grpc.GenericRpcHandler:
+        # Requests are deserialized in the handlers (identity deserializers here): see the
+        # module docstring. Chunk decoding never raises, so it may stay in gRPC's hands.
+        return grpc.method_handlers_generic_handler(
+            protocol.SERVICE,
+            {
+                protocol.PUSH: grpc.stream_unary_rpc_method_handler(
+                    self._push_update,
+                    request_deserializer=UPDATE_CODEC.decode,
+                    response_serializer=pb.PushReply.SerializeToString,
+                ),
+                protocol.HEARTBEAT: grpc.unary_unary_rpc_method_handler(
+                    self._heartbeat,
+                    response_serializer=pb.HeartbeatReply.SerializeToString,
+                ),
+                protocol.STATE: grpc.unary_stream_rpc_method_handler(
+                    self._download_state,
+                    response_serializer=STATE_CODEC.encode,
+                ),
+            },
+        )
+
+    def _refuse(self, context: grpc.ServicerContext, err: UpdateRejected) -> NoReturn:
+        """End a call the transport itself refuses, reporting it to ``on_reject``."""
+        log.debug("call from %s refused: %s", context.peer(), err)
+        if self.on_reject is not None:
+            try:
+                self.on_reject(err.reason, context.peer())
+            except Exception:
+                log.exception("on_reject callback failed")
+        abort(context, err)
+
+    def _refuse_frame(self, context: grpc.ServicerContext, err: FrameError) -> NoReturn:
+        code = err.code(malformed=grpc.StatusCode.INVALID_ARGUMENT)
+        self._refuse(context, UpdateRejected(code, err.reason, err.why))
+
+    def _or_refuse(self, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+        """``fn()``, or end the call with the UpdateRejected it raises (see :meth:`_refuse`)."""
+        try:
+            return fn()
+        except UpdateRejected as err:
+            self._refuse(context, err)
+
+    def _guarded(self, what: str, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+        """Run the handler in ``fn``: UpdateRejected to its status, anything else to INTERNAL."""
+        try:
+            return fn()
+        except UpdateRejected as err:
+            log.debug("%s from %s rejected: %s", what, context.peer(), err)
+            abort(context, err)
+        except Exception as err:
+            if not context.is_active():  # caller went away (cancelled, deadline): not a bug
+                log.debug("%s from %s ended early: %r", what, context.peer(), err)
+                raise
+            log.exception("%s handler failed (peer %s)", what, context.peer())
+            context.abort(grpc.StatusCode.INTERNAL, f"{what} failed: {type(err).__name__}")
+        raise AssertionError("unreachable")  # context.abort always raises
+
+    # --- calls -----------------------------------------------------------------------------
+
+    def _push_update(self, chunks: Iterator[Any], context: grpc.ServicerContext) -> pb.PushReply:
+        identity = self._or_refuse(context, lambda: self.admission.authenticate(context))
+        try:
+            header = read_header(chunks, UPDATE_CODEC)
+        except FrameError as err:
+            self._refuse_frame(context, err)
+        ticket = self._or_refuse(
+            context, lambda: self.admission.enter(context, identity, header.sender, bulk=True)
+        )
+        try:
+            return self._receive_and_deliver(header, chunks, context)
+        finally:
+            self.admission.leave(ticket)
+
+    def _receive_and_deliver(
+        self, header: pb.UpdateHeader, chunks: Iterator[Any], context: grpc.ServicerContext
+    ) -> pb.PushReply:
+        size = header.payload_size
+        try:
+            buf, _ = receive_payload(
+                chunks, size, self.options.max_payload_bytes, self._pool.acquire, self._pool.release
+            )
+        except FrameError as err:
+            self._refuse_frame(context, err)
+        try:
+            return self._guarded(
+                protocol.PUSH, context, lambda: self._deliver(header, buf, size, context.peer())
+            )
+        finally:
+            self._pool.release(buf)
+
+    def _deliver(self, header: pb.UpdateHeader, buf: bytearray, size: int, peer: str) -> Any:
+        with memoryview(buf) as whole:
+            payload = whole[:size].toreadonly()
+        reply = self.handler.handle_update(header, payload, peer)
+        if not isinstance(reply, pb.PushReply):
+            raise TypeError(f"handle_update returned {type(reply).__name__}, not PushReply")
+        return reply
+
+    def _heartbeat(self, raw: bytes, context: grpc.ServicerContext) -> pb.HeartbeatReply:
+        identity = self._or_refuse(context, lambda: self.admission.authenticate(context))
+        request = self._or_refuse(context, lambda: parse_request(pb.HeartbeatRequest, raw))
+        ticket = self._or_refuse(
+            context, lambda: self.admission.enter(context, identity, request.sender.id, bulk=False)
+        )
+        try:
+            return self._guarded(
+                protocol.HEARTBEAT, context, lambda: self.handler.handle_heartbeat(request)
+            )
+        finally:
+            self.admission.leave(ticket)
+
+    def _download_state(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
+        identity = self._or_refuse(context, lambda: self.admission.authenticate(context))
+        request = self._or_refuse(context, lambda: parse_request(pb.StateRequest, raw))
+        ticket = self._or_refuse(
+            context, lambda: self.admission.enter(context, identity, request.requester, bulk=True)
+        )
+        try:
+            header, view = self._guarded(protocol.STATE, context, lambda: self._state_for(request))
+            yield from frames(STATE_CODEC.header_bytes(header), view, self.options.chunk_size)
+        finally:
+            self.admission.leave(ticket)
+
+    def _state_for(self, request: pb.StateRequest) -> tuple[pb.StateHeader, memoryview]:
+        """The handler's state as a header with payload_size set and a byte view of the blob."""
+        header, blob = self.handler.handle_state_request(request)
+        view = as_bytes_view(blob)
+        if header.payload_size not in (0, view.nbytes):
+            raise ValueError(
+                f"state header says {header.payload_size} bytes, blob has {view.nbytes}"
+            )
+        out = pb.StateHeader()
+        out.CopyFrom(header)
+        out.payload_size = view.nbytes
+        return out, view
