@@ -269,7 +269,7 @@ def test_four_peer_swarm_ef_gradient_matches_centralized(tmp_path: Path) -> None
 def test_gradient_routing_and_rejections_over_grpc() -> None:
     """GRADIENT goes to the exchange; a choco peer and a bad payload refuse it."""
     from gossipgrad.compression import from_spec
-    from gossipgrad.peer.transport import PeerClient
+    from gossipgrad.peer.network import PeerClient
     from gossipgrad.proto import gossip_pb2 as pb
 
     ef = start_optimizers(1, codec="int8")[0]

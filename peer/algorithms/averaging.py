@@ -29,7 +29,7 @@ import grpc
 import torch
 from gossipgrad.compression import DecodeError, ErrorFeedback, from_spec
 from gossipgrad.peer.algorithms.neighbours import Neighbourhood
-from gossipgrad.peer.transport import UpdateRejected
+from gossipgrad.peer.network.errors import UpdateRejected
 from gossipgrad.proto import gossip_pb2 as pb
 
 log = logging.getLogger(__name__)

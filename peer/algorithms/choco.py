@@ -33,7 +33,7 @@ from gossipgrad.peer.algorithms.mixing import Pair, consensus_step, neighbourhoo
 from gossipgrad.peer.algorithms.neighbours import Neighbourhood
 from gossipgrad.peer.config import GossipSection
 from gossipgrad.peer.flat import tensor_checksum
-from gossipgrad.peer.transport import UpdateRejected
+from gossipgrad.peer.network.errors import UpdateRejected
 from gossipgrad.proto import gossip_pb2 as pb
 
 log = logging.getLogger(__name__)
