@@ -1,0 +1,255 @@
+"""Algorithm diloco: local phases, compressed pseudo-gradients, an outer optimizer.
+
+Laws: the outer step is torch's SGD with Nesterov momentum; with H = 1, outer lr 1 and no
+momentum on a complete graph it is plain parameter averaging; error feedback on the
+pseudo-gradient loses nothing; the anchors' edges stay bit-identical with every codec family;
+a checkpoint resumes the anchor, momentum and residual, and a joiner takes anchor and momentum
+but no residual. Real gRPC peers on 127.0.0.1 throughout.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from gossipgrad.peer.algorithms import DiLoCo, Identity, Neighbourhood
+from gossipgrad.peer.algorithms.averaging import CompressedAverage
+from gossipgrad.peer.algorithms.outer import OuterSettings, outer_step
+from gossipgrad.peer.config import build_config
+from gossipgrad.peer.optimizer import GossipOptimizer
+from gossipgrad.peer.topology import topology_from_name
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_ef_gradient import LoneView, NoSender, small_model
+from torch import nn
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# ---------------------------------------------------------------------- the outer step
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lr=st.floats(0.1, 1.5),
+    momentum=st.floats(0.0, 0.95),
+    nesterov=st.booleans(),
+    steps=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_outer_step_is_torch_sgd(lr, momentum, nesterov, steps, seed) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    anchor = torch.randn(50, generator=gen, dtype=torch.float64)
+    param = nn.Parameter(anchor.clone())
+    opt = torch.optim.SGD([param], lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
+    buf = torch.zeros_like(anchor)
+    s = OuterSettings(local_steps=1, lr=lr, momentum=momentum, nesterov=nesterov, overlap=False)
+    for _ in range(steps):
+        delta = torch.randn(50, generator=gen, dtype=torch.float64)
+        outer_step(anchor, delta, buf, s)
+        param.grad = delta.clone()
+        opt.step()
+    assert torch.allclose(anchor, param.detach(), atol=1e-10)
+
+
+# ---------------------------------------------------------------------- error feedback
+
+
+def lone_average(codec: str) -> CompressedAverage:
+    like = torch.zeros(97)
+    nb = Neighbourhood(Identity("me", "s", "fp", 388), LoneView(), topology_from_name("ring"), NoSender())
+    return CompressedAverage(like, codec, True, nb, round_timeout=1.0)
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=25, deadline=None)
+@given(
+    codec=st.sampled_from(["none", "int8", "topk:0.1", "topk:0.1+int8", "sign", "randomk:0.2"]),
+    rounds=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_error_feedback_on_pseudo_gradients_loses_nothing(codec, rounds, seed) -> None:
+    avg = lone_average(codec)
+    gen = torch.Generator().manual_seed(seed)
+    fed = torch.zeros(97, dtype=torch.float64)
+    sent = torch.zeros(97, dtype=torch.float64)
+    for r in range(rounds):
+        delta = torch.randn(97, generator=gen)
+        fed += delta.double()
+        out, _ = avg.average(delta, r)  # alone: the average is its own decoded c
+        sent += out.double()
+    err = float((sent + avg.residual.double() - fed).abs().max())
+    assert err <= 1e-5 * (1 + float(fed.abs().max())), (codec, err)
+
+
+# ---------------------------------------------------------------------- real peers
+
+
+def start_diloco(n: int, **gossip) -> list[GossipOptimizer]:
+    """n peers seeded alike (one shared initial model), plain SGD inner optimizer."""
+    opts: list[GossipOptimizer] = []
+    for i in range(n):
+        torch.manual_seed(7)
+        model = small_model()
+        overrides = {
+            "peer.id": f"p{i}",
+            "peer.bootstrap": [opts[0].peer.address] if opts else [],
+            "metrics.enabled": False,
+            "membership.heartbeat_interval": 0.1,
+            "gossip.algorithm": "diloco",
+            "gossip.round_timeout": 10.0,
+            **{f"gossip.{k}": v for k, v in gossip.items()},
+        }
+        cfg = build_config({}, overrides)
+        opts.append(GossipOptimizer(model, torch.optim.SGD(model.parameters(), lr=1.0), cfg))
+    for o in opts:
+        assert o.wait_for_peers(n, 20), "peers did not discover each other"
+    return opts
+
+
+def close(opts: list[GossipOptimizer]) -> None:
+    for o in opts:
+        o.close()
+
+
+def step_all(opts: list[GossipOptimizer], targets: list[torch.Tensor]) -> None:
+    """Each peer takes one SGD(lr=1) step that lands its parameters on its target."""
+    errors: list[BaseException] = []
+
+    def work(o: GossipOptimizer, target: torch.Tensor) -> None:
+        try:
+            o.flat.set_grad(o.flat.data - target)
+            o.step()
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=a) for a in zip(opts, targets, strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+
+
+def test_h1_outer_lr1_no_momentum_is_parameter_averaging() -> None:
+    opts = start_diloco(
+        3, topology="full", codec="none", local_steps=1, outer_lr=1.0, outer_momentum=0.0
+    )
+    try:
+        gen = torch.Generator().manual_seed(1)
+        numel = opts[0].flat.numel
+        for _ in range(3):
+            targets = [o.flat.data + torch.randn(numel, generator=gen) for o in opts]
+            step_all(opts, targets)
+            mean = torch.stack(targets).mean(0)
+            for o in opts:
+                assert torch.allclose(o.flat.data, mean, atol=1e-5)
+                assert torch.equal(o.algorithm.anchor, o.flat.data)
+        assert all(o.round == 3 for o in opts)
+    finally:
+        close(opts)
+
+
+def anchors_exact(opts: list[GossipOptimizer]) -> None:
+    """The anchors' CHOCO edges: one session, mirrors bit-identical to the public copies."""
+    by_id = {o.peer.id: o for o in opts}
+    for o in opts:
+        for peer, edge in o.algorithm.anchors.edges.items():
+            other = by_id[peer].algorithm.anchors.edges[o.peer.id]
+            assert edge.epoch == other.epoch != 0
+            assert other.received == edge.sent > 0
+            assert torch.equal(other.mirror, edge.public)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "int8", "topk:0.1+int8", "sign", "qsgd:16"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_every_codec_keeps_anchors_together(codec: str, overlap: bool) -> None:
+    opts = start_diloco(
+        2, topology="ring", codec=codec, local_steps=2, outer_lr=0.7, outer_momentum=0.5,
+        overlap=overlap,
+    )
+    try:
+        gen = torch.Generator().manual_seed(2)
+        numel = opts[0].flat.numel
+        for _ in range(8):  # 4 phases of 2 inner steps, each peer drifting its own way
+            step_all(opts, [o.flat.data + 0.05 * torch.randn(numel, generator=gen) for o in opts])
+        for o in opts:
+            o.finish()
+        anchors_exact(opts)
+        a, b = (o.algorithm.anchor for o in opts)
+        moved = float((a - opts[0].flat.initial).norm())
+        assert moved > 0
+        assert float((a - b).norm()) < 0.5 * moved, (codec, float((a - b).norm()), moved)
+        for o in opts:
+            assert torch.isfinite(o.flat.data).all()
+            assert torch.equal(o.flat.data, o.algorithm.anchor)  # finish: θ ends on the anchor
+    finally:
+        close(opts)
+
+
+def test_checkpoint_resumes_outer_state_and_a_joiner_takes_no_residual() -> None:
+    opts = start_diloco(2, topology="ring", codec="topk:0.1+int8", local_steps=2)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        numel = opts[0].flat.numel
+        for _ in range(6):
+            step_all(opts, [o.flat.data + 0.05 * torch.randn(numel, generator=gen) for o in opts])
+        donor = opts[0]
+        algo: DiLoCo = donor.algorithm
+        assert float(algo.momentum.norm()) > 0 and float(algo.residual.norm()) > 0
+        saved = donor.state_dict()
+        joiner_state = donor.state_dict(for_joiner=True)
+        assert "feedback" not in joiner_state["gossip"]["average"]
+        # Resume into a fresh peer of the same model: everything comes back.
+        torch.manual_seed(7)
+        model = small_model()
+        cfg = build_config(
+            {}, {"peer.id": "r", "metrics.enabled": False, "gossip.algorithm": "diloco"}
+        )
+        with GossipOptimizer(model, torch.optim.SGD(model.parameters(), lr=1.0), cfg) as again:
+            again.load_state_dict(saved)
+            assert again.local_step == donor.local_step and again.round == donor.round
+            assert torch.equal(again.algorithm.anchor, algo.anchor)
+            assert torch.equal(again.algorithm.momentum, algo.momentum)
+            assert torch.equal(again.algorithm.residual, algo.residual)
+            # A joiner: anchor and momentum, but its residual starts empty.
+            again.load_state_dict(joiner_state)
+            assert torch.equal(again.algorithm.anchor, algo.anchor)
+            assert torch.equal(again.algorithm.momentum, algo.momentum)
+            assert float(again.algorithm.residual.norm()) == 0.0
+    finally:
+        close(opts)
+
+
+def test_late_joiner_downloads_the_anchor_over_grpc() -> None:
+    opts = start_diloco(2, topology="ring", codec="int8", local_steps=2)
+    try:
+        gen = torch.Generator().manual_seed(4)
+        numel = opts[0].flat.numel
+        for _ in range(4):
+            step_all(opts, [o.flat.data + 0.05 * torch.randn(numel, generator=gen) for o in opts])
+        torch.manual_seed(7)
+        model = small_model()
+        cfg = build_config(
+            {},
+            {
+                "peer.id": "p9",
+                "peer.bootstrap": [opts[0].peer.address],
+                "metrics.enabled": False,
+                "membership.heartbeat_interval": 0.1,
+                "gossip.algorithm": "diloco",
+            },
+        )
+        with GossipOptimizer(model, torch.optim.SGD(model.parameters(), lr=1.0), cfg) as joiner:
+            assert joiner.wait_for_peers(3, 20)
+            joiner.peer.membership.beat_once()
+            assert joiner.join_from_swarm(timeout=20)
+            donor = max(opts, key=lambda o: o.local_step)
+            assert joiner.local_step == donor.local_step == 4
+            assert torch.equal(joiner.algorithm.anchor, donor.algorithm.anchor)
+            assert torch.equal(joiner.algorithm.momentum, donor.algorithm.momentum)
+            assert torch.equal(joiner.flat.data, donor.flat.data)
+            assert float(joiner.algorithm.residual.norm()) == 0.0
+    finally:
+        close(opts)
