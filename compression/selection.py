@@ -1,6 +1,6 @@
 """Top-k magnitude selection: exact, and a fast sampled-threshold approximation.
 
-``torch.topk`` on a CPU tensor with k in the millions spends seconds (DESIGN.md: 2.7 s for 1% of
+``torch.topk`` on a CPU tensor with k in the millions spends seconds (2.7 s for 1% of
 100M). Deep Gradient Compression (Lin et al., ICLR 2018) estimates the threshold from a sample
 instead; we do the same and then make one streaming pass:
 
