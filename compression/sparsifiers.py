@@ -10,7 +10,11 @@ from gossipgrad.compression.base import Sparsifier
 from gossipgrad.compression.bitpack import pack_uint, unpack_uint
 from gossipgrad.compression.errors import DecodeError
 from gossipgrad.compression.registry import register
-from gossipgrad.compression.selection import approx_topk_indices, exact_topk_indices
+from gossipgrad.compression.selection import (
+    approx_topk_indices,
+    block_topk_indices,
+    exact_topk_indices,
+)
 from gossipgrad.compression.stage_args import StageArgs
 
 __all__ = ["ChunkTopK", "RandomK", "TopK", "randomk_indices"]
@@ -83,7 +87,7 @@ class ChunkTopK(Sparsifier):
     SparseLoCo (2025). Selection is one batched ``torch.topk`` over the blocks (no global
     sort), and each index travels as its offset in its block in ``log2(N)`` bits (fewer for a
     tensor shorter than N), so the index section has a fixed size. Ties within a block are
-    broken by ``torch.topk``.
+    broken towards lower indices (:func:`.selection.block_topk_indices`).
     """
 
     name = "chunktopk"
@@ -121,17 +125,15 @@ class ChunkTopK(Sparsifier):
     def select(self, flat: torch.Tensor, seed: int) -> torch.Tensor:
         n, b = flat.numel(), self.block
         full = n // b
-        mags = flat.abs()
+        mags = flat.abs() if flat.dtype in (torch.float32, torch.float64) else flat.float().abs()
         parts = []
         if full:
             rows = mags[: full * b].view(full, b)
-            off = torch.topk(rows, self.keep_per_block(b), dim=1, sorted=False).indices
-            base = torch.arange(full, device=flat.device)[:, None] * b
-            parts.append((torch.sort(off, dim=1).values + base).view(-1))
+            parts.append(block_topk_indices(rows, self.keep_per_block(b)))
         if n > full * b:
             tail = mags[full * b :]
-            off = torch.topk(tail, self.keep_per_block(tail.numel()), sorted=False).indices
-            parts.append(torch.sort(off).values + full * b)
+            off = block_topk_indices(tail.view(1, -1), self.keep_per_block(tail.numel()))
+            parts.append(off + full * b)
         if not parts:
             return torch.empty(0, dtype=torch.int64, device=flat.device)
         return torch.cat(parts) if len(parts) > 1 else parts[0]

@@ -15,6 +15,7 @@ import zstandard
 from gossipgrad.compression import ChunkTopK, DecodeError, Int2, from_spec
 from gossipgrad.compression.bitpack import pack_uint, unpack_uint
 from gossipgrad.compression.envelope_pb2 import TensorEnvelope
+from gossipgrad.compression.selection import block_topk_indices
 from gossipgrad.compression.wire import _header_crc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -155,6 +156,26 @@ def test_chunktopk_keeps_exactly_k_largest_per_block(block: int, ratio: float, x
             assert float(xb[kb].min()) >= float(xb[~kb].max())
     d = codec.decode(data)
     assert torch.equal(d[kept], x[kept]) and bool((d[~kept] == 0).all())
+
+
+@given(
+    rows=st.integers(1, 6),
+    width=st.integers(1, 40),
+    k=st.integers(0, 41),
+    data=st.data(),
+)
+@SETTINGS
+def test_block_topk_ties_go_to_lower_indices_on_both_paths(rows, width, k, data) -> None:
+    """Few distinct values, so ties are everywhere: both paths equal a stable-sort reference."""
+    vals = data.draw(st.lists(st.integers(0, 3), min_size=rows * width, max_size=rows * width))
+    mags = torch.tensor(vals, dtype=torch.float32).view(rows, width)
+    expected = []
+    for r in range(rows):
+        order = sorted(range(width), key=lambda c: (-float(mags[r, c]), c))[: min(k, width)]
+        expected += sorted(r * width + c for c in order)
+    for use_numpy in (True, False):
+        got = block_topk_indices(mags, k, use_numpy=use_numpy)
+        assert got.tolist() == expected, use_numpy
 
 
 def test_chunktopk_index_width_and_section_size() -> None:
