@@ -132,6 +132,7 @@ def _import_alone(module: str) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow
 def test_each_module_imports_alone() -> None:
     """One fresh interpreter per module (a few at a time: each one imports torch)."""
     reports, errors = {}, {}
