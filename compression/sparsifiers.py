@@ -84,8 +84,8 @@ class ChunkTopK(Sparsifier):
     The flat tensor is cut into blocks of ``N`` (default 4096, a power of two in 8..65536; the
     last block may be shorter) and each block keeps exactly its ``round(RATIO * size)`` (at
     least 1) largest magnitudes, as the chunked top-k of DeMo (Peng et al., 2024) and
-    SparseLoCo (2025). Selection is one batched ``torch.topk`` over the blocks (no global
-    sort), and each index travels as its offset in its block in ``log2(N)`` bits (fewer for a
+    SparseLoCo (2025). Selection is a partial selection within each block, batched over the
+    blocks (no global sort), and each index travels as its offset in its block in ``log2(N)`` bits (fewer for a
     tensor shorter than N), so the index section has a fixed size. Ties within a block are
     broken towards lower indices (:func:`.selection.block_topk_indices`).
     """
