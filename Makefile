@@ -21,7 +21,7 @@ lint:
 	$(PY) -m ruff check --fix .
 	$(PY) -m ruff format .
 
-## Regenerate the protobuf/gRPC stubs in proto/ from proto/*.proto.
+## Regenerate the protobuf/gRPC stubs of compression/*.proto and proto/*.proto.
 proto:
 	$(PY) scripts/gen_proto.py
 

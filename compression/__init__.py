@@ -10,14 +10,11 @@ Quick use::
 Spec grammar, codecs, wire format and error bounds: docs/compression.md.
 """
 
-from gossipgrad.compression import quantizers as _quantizers  # noqa: F401  (registers codecs)
-from gossipgrad.compression import sparsifiers as _sparsifiers  # noqa: F401
-from gossipgrad.compression.base import Codec, Composed, Quantizer, Sparsifier
-from gossipgrad.compression.chunks import iter_chunks, join_chunks
+from gossipgrad.compression.base import Codec, Composed, Identity, Quantizer, Sparsifier
 from gossipgrad.compression.error_feedback import ErrorFeedback
 from gossipgrad.compression.errors import DecodeError
-from gossipgrad.compression.quantizers import BF16, FP16, QSGD, Identity, Int4, Int8, Sign
-from gossipgrad.compression.sparsifiers import RandomK, TopK
+from gossipgrad.compression.quantizers import BF16, FP16, QSGD, Int2, Int4, Int8, Sign
+from gossipgrad.compression.sparsifiers import ChunkTopK, RandomK, TopK
 from gossipgrad.compression.spec import REGISTRY, from_spec, valid_forms
 from gossipgrad.compression.wire import DEFAULT_MAX_NUMEL
 
@@ -27,11 +24,13 @@ __all__ = [
     "FP16",
     "QSGD",
     "REGISTRY",
+    "ChunkTopK",
     "Codec",
     "Composed",
     "DecodeError",
     "ErrorFeedback",
     "Identity",
+    "Int2",
     "Int4",
     "Int8",
     "Quantizer",
@@ -40,7 +39,5 @@ __all__ = [
     "Sparsifier",
     "TopK",
     "from_spec",
-    "iter_chunks",
-    "join_chunks",
     "valid_forms",
 ]

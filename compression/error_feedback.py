@@ -17,7 +17,8 @@ import logging
 from typing import Any
 
 import torch
-from gossipgrad.compression.base import Codec, _all_finite
+from gossipgrad.compression.base import Codec
+from gossipgrad.compression.finite import all_finite
 from gossipgrad.compression.spec import from_spec
 
 __all__ = ["ErrorFeedback"]
@@ -66,7 +67,7 @@ class ErrorFeedback:
                 f"{name!r}: gradient {tuple(g.shape)} on {g.device} does not match the residual "
                 f"{tuple(e.shape)} on {e.device}"
             )
-        if not _all_finite(g):
+        if not all_finite(g):
             raise ValueError(f"gradient {name!r} has NaN or infinite values; residual unchanged")
         e.add_(g)  # in place: a new residual per step would page-fault a model-sized buffer
         try:

@@ -10,12 +10,15 @@ import math
 from typing import ClassVar
 
 import torch
-from gossipgrad.compression.base import CHUNK, Quantizer, _all_finite
+from gossipgrad.compression.base import Identity, Quantizer
 from gossipgrad.compression.bitpack import pack_bits, pack_uint, unpack_bits, unpack_uint
+from gossipgrad.compression.engine import CHUNK
 from gossipgrad.compression.errors import DecodeError
-from gossipgrad.compression.spec import StageArgs, register
+from gossipgrad.compression.finite import all_finite
+from gossipgrad.compression.registry import register
+from gossipgrad.compression.stage_args import StageArgs
 
-__all__ = ["BF16", "FP16", "QSGD", "Identity", "Int4", "Int8", "Sign"]
+__all__ = ["BF16", "FP16", "QSGD", "Identity", "Int2", "Int4", "Int8", "Sign"]
 
 _MAX_BLOCK = 1 << 16
 
@@ -52,42 +55,7 @@ def _blocks(v: torch.Tensor, block: int) -> torch.Tensor:
     return v.view(-1, block)
 
 
-@register
-class Identity(Quantizer):
-    """``none``: values travel in the tensor's own dtype. Lossless."""
-
-    name = "none"
-    grammar = "none"
-    lossless = True
-
-    @classmethod
-    def from_args(cls, args: StageArgs) -> Identity:
-        args.expect()
-        return cls()
-
-    @property
-    def spec(self) -> str:
-        return "none"
-
-    def value_bits(self, dtype: torch.dtype) -> int:
-        return torch.finfo(dtype).bits
-
-    def quantize(
-        self, v: torch.Tensor, gen: torch.Generator | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return v.contiguous().view(torch.uint8), None
-
-    def dequantize(
-        self, values: torch.Tensor, scales: torch.Tensor | None, count: int, dtype: torch.dtype
-    ) -> torch.Tensor:
-        return values.view(dtype)[:count]
-
-    def check(
-        self, values: torch.Tensor, scales: torch.Tensor | None, count: int, dtype: torch.dtype
-    ) -> None:
-        for lo in range(0, values.numel(), CHUNK * 8):
-            if not _all_finite(values[lo : lo + CHUNK * 8].view(dtype)):
-                raise DecodeError("non-finite value in payload")
+register(Identity)  # defined in base: every bare sparsifier runs it
 
 
 class _Float16Like(Quantizer):
@@ -126,7 +94,7 @@ class _Float16Like(Quantizer):
         self, values: torch.Tensor, scales: torch.Tensor | None, count: int, dtype: torch.dtype
     ) -> None:
         for lo in range(0, values.numel(), CHUNK * 2):
-            if not _all_finite(values[lo : lo + CHUNK * 2].view(self.target)):
+            if not all_finite(values[lo : lo + CHUNK * 2].view(self.target)):
                 raise DecodeError("non-finite value in payload")
 
 
@@ -243,6 +211,57 @@ class Int4(_BlockInt):
     def _unpack(self, values: torch.Tensor, count: int) -> torch.Tensor:
         pairs = torch.stack([values >> 4, values & 15], 1).view(-1)[:count]
         return pairs.to(torch.int8) - 8
+
+
+@register
+class Int2(_BlockInt):
+    """``int2[:sr][:block=N]``: ternary blockwise, four 2-bit codes per byte (default block 64).
+
+    With ``qmax = 1`` the levels are ``{-1, 0, +1} * max|v|`` per block (the ternary grid of
+    TernGrad, Wen et al., NeurIPS 2017, with blockwise instead of per-tensor scales). Bounds,
+    per element of a block with absmax ``s``:
+
+    * round to nearest (default, deterministic): ``|v - d| <= s / 2`` and ``|v - d| <= |v|``
+      (an element rounds to 0 or to the sign of itself), so ``||v - d|| <= ||v||``: the
+      compressor is contractive, which is what error feedback needs (Karimireddy et al.,
+      ICML 2019);
+    * ``sr``: ``E[d] = v`` (unbiased) and ``|v - d| < s``.
+
+    Codes are ``q + 2`` (1, 2, 3), high bits first; code 0 is never written and rejected.
+    """
+
+    name = "int2"
+    grammar = "int2[:sr][:block=N]"
+    bits = 2
+    default_block = 64
+
+    def _pack(self, q: torch.Tensor) -> torch.Tensor:
+        u = (q + 2).to(torch.uint8)
+        pad = (-u.numel()) % 4
+        if pad:
+            u = torch.cat([u, u.new_zeros(pad)])
+        u = u.view(-1, 4)
+        return (u[:, 0] << 6) | (u[:, 1] << 4) | (u[:, 2] << 2) | u[:, 3]
+
+    def _unpack(self, values: torch.Tensor, count: int) -> torch.Tensor:
+        codes = torch.stack([values >> 6, (values >> 4) & 3, (values >> 2) & 3, values & 3], 1)
+        return codes.view(-1)[:count].to(torch.int8) - 2
+
+    def check(
+        self, values: torch.Tensor, scales: torch.Tensor | None, count: int, dtype: torch.dtype
+    ) -> None:
+        super().check(values, scales, count, dtype)
+        # A field is non-zero iff (high bit | low bit) is set: fold each field onto its low bit.
+        full = count // 4
+        for lo in range(0, full, CHUNK):
+            chunk = values[lo : min(full, lo + CHUNK)]
+            if bool((((chunk | (chunk >> 1)) & 0x55) != 0x55).any()):
+                raise DecodeError("int2 code 0 in payload (never written)")
+        if count % 4:
+            mask = sum(1 << (6 - 2 * j) for j in range(count % 4))
+            last = int(values[full].item())
+            if ((last | (last >> 1)) & mask) != mask:
+                raise DecodeError("int2 code 0 in payload (never written)")
 
 
 @register

@@ -1,6 +1,6 @@
 """Top-k magnitude selection: exact, and a fast sampled-threshold approximation.
 
-``torch.topk`` on a CPU tensor with k in the millions spends seconds (DESIGN.md: 2.7 s for 1% of
+``torch.topk`` on a CPU tensor with k in the millions spends seconds (2.7 s for 1% of
 100M). Deep Gradient Compression (Lin et al., ICLR 2018) estimates the threshold from a sample
 instead; we do the same and then make one streaming pass:
 
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from gossipgrad.compression.bitpack import numpy_path
 
-__all__ = ["approx_topk_indices", "exact_topk_indices"]
+__all__ = ["approx_topk_indices", "block_topk_indices", "exact_topk_indices"]
 
 #: Below this many elements the exact selection is cheap enough and is always used.
 EXACT_BELOW = 1 << 16
@@ -144,3 +144,41 @@ def approx_topk_indices(
         if cand.numel() >= math.ceil((1.0 - TOLERANCE) * k):
             return cand
     return exact_topk_indices(flat, k)
+
+
+def block_topk_indices(
+    mags: torch.Tensor, k: int, *, use_numpy: bool | None = None
+) -> torch.Tensor:
+    """Sorted flat int64 indices of exactly the ``k`` largest entries of each row of ``mags``.
+
+    ``mags`` is 2-D and non-negative (magnitudes, one block per row). Per row: the k-th largest
+    value ``t`` is found by a partial selection (``np.partition`` on CPU, ``torch.topk``
+    elsewhere), entries ``> t`` are kept and entries ``== t`` fill up to k in column order, so
+    ties go towards lower indices and both paths return the same indices. No sort is needed:
+    the kept mask read in row-major order is already sorted.
+    """
+    rows, b = mags.shape
+    if k >= b:
+        return torch.arange(rows * b, device=mags.device)
+    if k <= 0:
+        return torch.empty(0, dtype=torch.int64, device=mags.device)
+    if numpy_path(mags) if use_numpy is None else use_numpy:
+        m = mags.numpy()
+        kth_np = np.partition(m, b - k, axis=1)[:, b - k : b - k + 1]
+        keep_np = m >= kth_np
+        over_np = np.flatnonzero(keep_np.sum(1) > k)
+        if over_np.size:  # ties at the k-th value: keep the first ones in column order
+            sub, th = m[over_np], kth_np[over_np]
+            tie = sub == th
+            need = k - (sub > th).sum(1, keepdims=True)
+            keep_np[over_np] = (sub > th) | (tie & (np.cumsum(tie, 1) <= need))
+        return torch.from_numpy(np.flatnonzero(keep_np))
+    kth = torch.topk(mags, k, dim=1, sorted=False).values.amin(1, keepdim=True)
+    keep = mags >= kth
+    over = torch.nonzero(keep.sum(1) > k).reshape(-1)
+    if over.numel():
+        sub, th = mags[over], kth[over]
+        tie = sub == th
+        need = k - (sub > th).sum(1, keepdim=True)
+        keep[over] = (sub > th) | (tie & (torch.cumsum(tie, 1) <= need))
+    return torch.nonzero(keep.reshape(-1)).reshape(-1)

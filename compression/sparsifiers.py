@@ -7,10 +7,20 @@ import math
 import numpy as np
 import torch
 from gossipgrad.compression.base import Sparsifier
-from gossipgrad.compression.selection import approx_topk_indices, exact_topk_indices
-from gossipgrad.compression.spec import StageArgs, register
+from gossipgrad.compression.bitpack import pack_uint, unpack_uint
+from gossipgrad.compression.errors import DecodeError
+from gossipgrad.compression.registry import register
+from gossipgrad.compression.selection import (
+    approx_topk_indices,
+    block_topk_indices,
+    exact_topk_indices,
+)
+from gossipgrad.compression.stage_args import StageArgs
 
-__all__ = ["RandomK", "TopK", "randomk_indices"]
+__all__ = ["ChunkTopK", "RandomK", "TopK", "randomk_indices"]
+
+
+_MAX_BLOCK = 1 << 16
 
 
 def _parse_ratio(args: StageArgs) -> float:
@@ -65,6 +75,99 @@ class TopK(Sparsifier):
         if self.exact:
             return exact_topk_indices(x, k)
         return approx_topk_indices(x, k, seed=seed)
+
+
+@register
+class ChunkTopK(Sparsifier):
+    """``chunktopk:RATIO[:block=N]``: the largest magnitudes within each block of N elements.
+
+    The flat tensor is cut into blocks of ``N`` (default 4096, a power of two in 8..65536; the
+    last block may be shorter) and each block keeps exactly its ``round(RATIO * size)`` (at
+    least 1) largest magnitudes, as the chunked top-k of DeMo (Peng et al., 2024) and
+    SparseLoCo (2025). Selection is a partial selection within each block, batched over the
+    blocks (no global sort), and each index travels as its offset in its block in ``log2(N)`` bits (fewer for a
+    tensor shorter than N), so the index section has a fixed size. Ties within a block are
+    broken towards lower indices (:func:`.selection.block_topk_indices`).
+    """
+
+    name = "chunktopk"
+    grammar = "chunktopk:RATIO[:block=N] (0 < RATIO <= 1)"
+    default_block = 4096
+
+    def __init__(self, ratio: float, *, block: int | None = None) -> None:
+        self.ratio = _check_ratio(ratio)
+        self.block = self.default_block if block is None else block
+        if self.block < 8 or self.block > _MAX_BLOCK or self.block & (self.block - 1):
+            raise ValueError(f"block={self.block} must be a power of two in 8..{_MAX_BLOCK}")
+
+    @classmethod
+    def from_args(cls, args: StageArgs) -> ChunkTopK:
+        args.expect(positional=1, options=("block",))
+        return cls(_parse_ratio(args), block=args.int_option("block", cls.default_block))
+
+    @property
+    def spec(self) -> str:
+        suffix = "" if self.block == self.default_block else f":block={self.block}"
+        return f"chunktopk:{self.ratio!r}{suffix}"
+
+    def keep_per_block(self, size: int) -> int:
+        """Entries kept from a block of ``size`` elements."""
+        return min(size, max(1, round(self.ratio * size))) if size else 0
+
+    def k_for(self, numel: int) -> int:
+        full, tail = divmod(numel, self.block)
+        return full * self.keep_per_block(self.block) + self.keep_per_block(tail)
+
+    def offset_bits(self, numel: int) -> int:
+        """Bits per in-block offset: ``log2(block)``, or fewer when numel < block."""
+        return (min(self.block, numel) - 1).bit_length() if numel else 0
+
+    def select(self, flat: torch.Tensor, seed: int) -> torch.Tensor:
+        n, b = flat.numel(), self.block
+        full = n // b
+        mags = flat.abs() if flat.dtype in (torch.float32, torch.float64) else flat.float().abs()
+        parts = []
+        if full:
+            rows = mags[: full * b].view(full, b)
+            parts.append(block_topk_indices(rows, self.keep_per_block(b)))
+        if n > full * b:
+            tail = mags[full * b :]
+            off = block_topk_indices(tail.view(1, -1), self.keep_per_block(tail.numel()))
+            parts.append(off + full * b)
+        if not parts:
+            return torch.empty(0, dtype=torch.int64, device=flat.device)
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def encode_indices(self, idx: torch.Tensor, numel: int) -> tuple[int, torch.Tensor]:
+        bits = self.offset_bits(numel)
+        return bits, pack_uint(idx & (self.block - 1), bits)
+
+    def max_index_bytes(self, count: int, numel: int, index_bits: int) -> int:
+        if index_bits != self.offset_bits(numel):
+            raise DecodeError(
+                f"{self.spec} needs index_bits {self.offset_bits(numel)} for {numel} elements, "
+                f"payload has {index_bits}"
+            )
+        return (count * index_bits + 7) // 8
+
+    def decode_indices(
+        self, raw: torch.Tensor, index_bits: int, count: int, numel: int
+    ) -> torch.Tensor:
+        """Offsets back to indices, checking each block's are in range and strictly rising."""
+        if raw.numel() != self.max_index_bytes(count, numel, index_bits):
+            raise DecodeError(f"index section has {raw.numel()} bytes for {count} offsets")
+        off = unpack_uint(raw, index_bits, count)
+        b = self.block
+        full, tail = divmod(numel, b)
+        kb = self.keep_per_block(b)
+        head = off[: full * kb].view(full, kb)
+        rest = off[full * kb :]
+        if bool((head[:, 1:] <= head[:, :-1]).any()) or bool((rest[1:] <= rest[:-1]).any()):
+            raise DecodeError("block offsets are not strictly increasing")
+        if rest.numel() and int(rest[-1]) >= tail:
+            raise DecodeError(f"offset {int(rest[-1])} out of range for a block of {tail}")
+        base = torch.arange(full, device=off.device)[:, None] * b
+        return torch.cat([(head + base).view(-1), rest + full * b])
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

@@ -1,4 +1,4 @@
-"""Spec-string grammar and the codec registry: the single list of codecs that exist.
+"""Spec strings: the grammar, and building a codec from one against the registry.
 
 Grammar (whitespace around tokens is ignored)::
 
@@ -8,86 +8,26 @@ Grammar (whitespace around tokens is ignored)::
             | FLAG              a word switching an option on, e.g. int8:sr, topk:0.01:exact
             | KEY "=" NUMBER    a named option, e.g. int8:block=128
 
-A spec has at most one sparsifier (topk, randomk) followed by at most one quantizer (none, fp16,
-bf16, int8, int4, qsgd, sign). Codec classes register themselves with :func:`register`; the
-registry is what :func:`from_spec` parses against and what error messages list.
+A spec has at most one sparsifier (topk, chunktopk, randomk) followed by at most one quantizer
+(none, fp16, bf16, int8, int4, int2, qsgd, sign). This module imports the codec modules, which
+fill :data:`~.registry.REGISTRY` as they load, so importing it is enough to parse any spec.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
 
-if TYPE_CHECKING:
-    from gossipgrad.compression.base import Codec
+from gossipgrad.compression import quantizers, sparsifiers
+from gossipgrad.compression.base import Codec
+from gossipgrad.compression.registry import REGISTRY, register, valid_forms
+from gossipgrad.compression.stage_args import StageArgs
 
 __all__ = ["REGISTRY", "StageArgs", "from_spec", "register", "valid_forms"]
 
-#: name -> codec class. Filled by the @register decorator when the codec modules import.
-REGISTRY: dict[str, type[Codec]] = {}
+#: The modules whose classes register themselves (imported for that; named so it is explicit).
+CODEC_MODULES = (quantizers, sparsifiers)
 
-_NAME = re.compile(r"[a-z][a-z0-9]*\Z")
 _WORD = re.compile(r"[a-z][a-z0-9_]*\Z")
-
-C = TypeVar("C", bound="type[Codec]")
-
-
-def register(cls: C) -> C:
-    """Class decorator adding a codec class to :data:`REGISTRY` under ``cls.name``."""
-    name = cls.name
-    if not _NAME.match(name):
-        raise ValueError(f"codec name {name!r} must match {_NAME.pattern}")
-    if name in REGISTRY:
-        raise ValueError(f"codec name {name!r} registered twice")
-    REGISTRY[name] = cls
-    return cls
-
-
-def valid_forms() -> str:
-    """Human-readable list of every registered stage form plus composition examples."""
-    forms = ", ".join(REGISTRY[n].grammar for n in sorted(REGISTRY))
-    return f"{forms}; compose as SPARSIFIER+QUANTIZER, e.g. 'topk:0.01+int8'"
-
-
-@dataclass
-class StageArgs:
-    """The arguments of one stage: ``topk:0.01:exact`` -> positional ['0.01'], flags {'exact'}."""
-
-    stage: str
-    positional: list[str] = field(default_factory=list)
-    flags: list[str] = field(default_factory=list)
-    options: dict[str, str] = field(default_factory=dict)
-
-    def expect(
-        self, *, positional: int = 0, flags: tuple[str, ...] = (), options: tuple[str, ...] = ()
-    ) -> None:
-        """Raise ValueError if anything beyond the given shape was passed."""
-        if len(self.positional) != positional:
-            raise ValueError(
-                f"{self.stage!r} takes {positional} positional argument(s), "
-                f"got {len(self.positional)}"
-            )
-        for f in self.flags:
-            if f not in flags:
-                allowed = ", ".join(flags) or "none"
-                raise ValueError(f"unknown flag {f!r} in {self.stage!r} (allowed: {allowed})")
-        if len(set(self.flags)) != len(self.flags):
-            raise ValueError(f"repeated flag in {self.stage!r}")
-        for k in self.options:
-            if k not in options:
-                allowed = ", ".join(options) or "none"
-                raise ValueError(f"unknown option {k!r} in {self.stage!r} (allowed: {allowed})")
-
-    def int_option(self, key: str, default: int) -> int:
-        """Parse the integer option ``key=N`` (ValueError naming it when not an integer)."""
-        raw = self.options.get(key)
-        if raw is None:
-            return default
-        try:
-            return int(raw)
-        except ValueError:
-            raise ValueError(f"option {key}={raw!r} in {self.stage!r} is not an integer") from None
 
 
 def _is_number(text: str) -> bool:
@@ -129,7 +69,7 @@ def from_spec(spec: str) -> Codec:
     if not isinstance(spec, str):
         raise ValueError(f"codec spec must be a str, got {type(spec).__name__}")
     try:
-        stages = [s for s in spec.split("+")]
+        stages = spec.split("+")
         if not spec.strip() or any(not s.strip() for s in stages):
             raise ValueError("empty stage")
         codec: Codec | None = None

@@ -1,10 +1,10 @@
 """The TensorEnvelope wire format: building it, and parsing it without trusting it.
 
-An encoded tensor is one serialized ``gossipgrad.proto.gossip_pb2.TensorEnvelope`` with up to
+An encoded tensor is one serialized ``TensorEnvelope`` (compression/envelope.proto) with up to
 three sections (indices, values, scales). Each section is stored raw or as one zstd frame,
 whichever the policy in :func:`_store` picks: zstd is tried on index streams, scales and small
 sections (where it pays); a large dense value array is compressed only when a 1 MiB prefix
-shrinks by 15% or more (fp16/fp32 shrink ~1.1x at ~700 MB/s, DESIGN.md: not worth it; int8 of
+shrinks by 15% or more (fp16/fp32 shrink ~1.1x at ~700 MB/s: not worth it; int8 of
 heavy-tailed gradients shrinks ~1.25x). A CRC32 covers a fixed serialization of every header
 field followed by the stored section bytes, so an edited field is caught like a flipped
 payload bit.
@@ -30,8 +30,9 @@ import torch
 import zstandard
 from google.protobuf import message as pb_message
 from google.protobuf.unknown_fields import UnknownFieldSet
+from gossipgrad.compression.envelope_pb2 import DType, TensorEnvelope
 from gossipgrad.compression.errors import DecodeError
-from gossipgrad.proto.gossip_pb2 import DType, TensorEnvelope
+from gossipgrad.compression.varint import encode_varint, read_varint
 
 __all__ = [
     "DEFAULT_MAX_NUMEL",
@@ -124,19 +125,7 @@ def _store(sec: TensorEnvelope.Section, raw: memoryview, *, try_zstd: bool) -> b
     return stored
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-#: Field numbers of the sections in TensorEnvelope and of ``data`` in Section (gossip.proto).
+#: Field numbers of the sections in TensorEnvelope and of ``data`` in Section (envelope.proto).
 _SECTION_FIELDS = (("indices", 11), ("values", 12), ("scales", 13))
 _SECTION_DATA_FIELD = 3
 _LEN = 2  # protobuf wire type "length-delimited"
@@ -149,8 +138,8 @@ def _frame_data(field: int, stored: bytes | memoryview) -> bytes:
     sections' storage and raw_size) can be serialized by protobuf and each payload appended
     after it, with one copy of the payload in total instead of three.
     """
-    inner = _varint((_SECTION_DATA_FIELD << 3) | _LEN) + _varint(len(stored))
-    return _varint((field << 3) | _LEN) + _varint(len(inner) + len(stored)) + inner
+    inner = encode_varint((_SECTION_DATA_FIELD << 3) | _LEN) + encode_varint(len(stored))
+    return encode_varint((field << 3) | _LEN) + encode_varint(len(inner) + len(stored)) + inner
 
 
 def _header_crc(env: TensorEnvelope, datas: tuple[bytes | memoryview, ...] | None = None) -> int:
@@ -214,21 +203,6 @@ def build_envelope(
     return b"".join(parts)
 
 
-def _read_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= end:
-            raise DecodeError("not a TensorEnvelope: truncated varint")
-        b = buf[pos]
-        pos += 1
-        value |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return value, pos
-        shift += 7
-        if shift > 63:
-            raise DecodeError("not a TensorEnvelope: varint longer than 10 bytes")
-
-
 #: A valid envelope has ~15 top-level fields (unpacked shape dims at most 64 more) and 3 per
 #: section; the caps keep a hostile message of millions of tiny fields from costing seconds.
 _MAX_FIELDS = 256
@@ -243,17 +217,17 @@ def _scan(buf: bytes, pos: int, end: int, max_fields: int) -> list[tuple[int, in
         if len(fields) >= max_fields:
             raise DecodeError(f"not a TensorEnvelope: more than {max_fields} fields")
         start = pos
-        key, pos = _read_varint(buf, pos, end)
+        key, pos = read_varint(buf, pos, end)
         field, wt = key >> 3, key & 7
         value_start = pos
         if wt == 0:
-            _, pos = _read_varint(buf, pos, end)
+            _, pos = read_varint(buf, pos, end)
         elif wt == 1:
             pos += 8
         elif wt == 5:
             pos += 4
         elif wt == 2:
-            length, value_start = _read_varint(buf, pos, end)
+            length, value_start = read_varint(buf, pos, end)
             pos = value_start + length
         else:
             raise DecodeError(f"not a TensorEnvelope: wire type {wt} (field {field})")
@@ -285,7 +259,7 @@ def _split_payloads(data: bytes) -> tuple[bytes, dict[int, memoryview]]:
                 payloads[field] = view[vs:e]
             else:
                 inner += view[s:e]
-        head += _varint((field << 3) | _LEN) + _varint(len(inner)) + inner
+        head += encode_varint((field << 3) | _LEN) + encode_varint(len(inner)) + inner
     return bytes(head), payloads
 
 

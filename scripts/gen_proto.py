@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
-"""Generate (or, with --check, verify) the Python stubs in proto/ from proto/*.proto.
+"""Generate (or, with --check, verify) the Python stubs of every .proto in the repository.
 
-The generated modules import each other as ``gossipgrad.proto.*``; the grpcio-tools version
-is pinned in pyproject.toml so that regeneration is byte-identical and CI can check freshness.
+Two packages own protos: ``gossipgrad.compression`` (compression/envelope.proto, the codec
+library's wire envelope: message stubs only) and ``gossipgrad.proto`` (proto/gossip.proto, the
+gossip service: message and gRPC stubs). Each stub is written next to its .proto and imports
+others by its absolute ``gossipgrad.*`` module name. The grpcio-tools version is pinned in
+pyproject.toml so that regeneration is byte-identical and CI can check freshness.
 """
 
 from __future__ import annotations
@@ -12,24 +15,50 @@ import filecmp
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-PROTO_DIR = Path(__file__).resolve().parent.parent / "proto"
-OUTPUTS = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def generate(out_dir: Path) -> list[Path]:
-    """Run protoc over every proto/*.proto, writing stubs into out_dir; return their paths."""
+@dataclass(frozen=True)
+class ProtoPackage:
+    """One directory of .proto sources and the stubs generated from them."""
+
+    #: Source directory, relative to the repository root (the stubs are written there too).
+    directory: str
+    #: Python package the directory installs as.
+    package: str
+    #: Whether to generate gRPC service stubs (``*_pb2_grpc.py``) as well.
+    grpc: bool
+
+    @property
+    def path(self) -> Path:
+        return ROOT / self.directory
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py") if self.grpc else ("_pb2.py", "_pb2.pyi")
+
+
+PACKAGES = (
+    ProtoPackage("compression", "gossipgrad.compression", grpc=False),
+    ProtoPackage("proto", "gossipgrad.proto", grpc=True),
+)
+
+
+def generate(pkg: ProtoPackage, out_dir: Path) -> list[Path]:
+    """Run protoc over ``pkg``'s .proto files, writing stubs into out_dir; return their paths."""
     from grpc_tools import protoc  # test extra; imported here so --help works without it
 
     with tempfile.TemporaryDirectory() as tmp:
-        # Lay the sources out under gossipgrad/proto/ so generated imports are absolute.
+        # Lay the sources out under their package path so generated imports are absolute.
         src_root = Path(tmp) / "src"
-        pkg = src_root / "gossipgrad" / "proto"
-        pkg.mkdir(parents=True)
-        protos = sorted(PROTO_DIR.glob("*.proto"))
+        rel = Path(*pkg.package.split("."))
+        (src_root / rel).mkdir(parents=True)
+        protos = sorted(pkg.path.glob("*.proto"))
         for p in protos:
-            shutil.copy(p, pkg / p.name)
+            shutil.copy(p, src_root / rel / p.name)
         gen_root = Path(tmp) / "gen"
         gen_root.mkdir()
         args = [
@@ -37,34 +66,40 @@ def generate(out_dir: Path) -> list[Path]:
             f"-I{src_root}",
             f"--python_out={gen_root}",
             f"--pyi_out={gen_root}",
-            f"--grpc_python_out={gen_root}",
-            *(str(Path("gossipgrad/proto") / p.name) for p in protos),
+            *([f"--grpc_python_out={gen_root}"] if pkg.grpc else []),
+            *(str(rel / p.name) for p in protos),
         ]
         if protoc.main(args) != 0:
-            raise SystemExit("protoc failed")
+            raise SystemExit(f"protoc failed on {pkg.directory}/")
         written = []
-        for f in sorted((gen_root / "gossipgrad" / "proto").iterdir()):
-            if f.name.endswith(OUTPUTS):
+        for f in sorted((gen_root / rel).iterdir()):
+            if f.name.endswith(pkg.outputs):
                 shutil.copy(f, out_dir / f.name)
                 written.append(out_dir / f.name)
         return written
 
 
+def stale_stubs(pkg: ProtoPackage) -> list[str]:
+    """Names of ``pkg``'s stubs that are missing or differ from a fresh generation."""
+    with tempfile.TemporaryDirectory() as tmp:
+        fresh = generate(pkg, Path(tmp))
+        return [
+            f"{pkg.directory}/{f.name}"
+            for f in fresh
+            if not (pkg.path / f.name).exists() or not filecmp.cmp(f, pkg.path / f.name, False)
+        ]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--check", action="store_true", help="fail if proto/ stubs are stale")
+    parser.add_argument("--check", action="store_true", help="fail if any generated stub is stale")
     args = parser.parse_args()
     if not args.check:
-        for path in generate(PROTO_DIR):
-            print(f"wrote {path.relative_to(PROTO_DIR.parent)}")
+        for pkg in PACKAGES:
+            for path in generate(pkg, pkg.path):
+                print(f"wrote {path.relative_to(ROOT)}")
         return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        fresh = generate(Path(tmp))
-        stale = [
-            f.name
-            for f in fresh
-            if not (PROTO_DIR / f.name).exists() or not filecmp.cmp(f, PROTO_DIR / f.name, False)
-        ]
+    stale = [name for pkg in PACKAGES for name in stale_stubs(pkg)]
     if stale:
         print(f"stale generated stubs: {', '.join(stale)} -- run `make proto`", file=sys.stderr)
         return 1

@@ -21,8 +21,8 @@ from gossipgrad.compression import (
     TopK,
     from_spec,
 )
+from gossipgrad.compression.envelope_pb2 import TensorEnvelope
 from gossipgrad.compression.sparsifiers import randomk_indices
-from gossipgrad.proto.gossip_pb2 import TensorEnvelope
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -49,6 +49,12 @@ ALL_SPECS = [
     "randomk:0.01+fp16",
     "randomk:0.25",
     "randomk:0.1+int4:sr",
+    "int2",
+    "int2:sr:block=256",
+    "topk:0.01+int2",
+    "chunktopk:0.01",
+    "chunktopk:0.05:block=256+int8",
+    "chunktopk:0.01+int2:sr",
 ]
 
 FLOATS = st.floats(min_value=-1e4, max_value=1e4, allow_nan=False, width=32)
@@ -142,7 +148,8 @@ def test_composition_operator_matches_spec() -> None:
 
 def test_registry_is_the_single_list_of_codecs() -> None:
     assert set(REGISTRY) == {
-        "none", "fp16", "bf16", "int8", "int4", "qsgd", "sign", "topk", "randomk",
+        "none", "fp16", "bf16", "int8", "int4", "int2", "qsgd", "sign", "topk", "chunktopk",
+        "randomk",
     }  # fmt: skip
     for name, cls in REGISTRY.items():
         assert cls.name == name and cls.grammar.startswith(name)

@@ -8,8 +8,8 @@ import struct
 import pytest
 import torch
 from gossipgrad.compression import DecodeError, from_spec
+from gossipgrad.compression.envelope_pb2 import TensorEnvelope
 from gossipgrad.compression.wire import _header_crc
-from gossipgrad.proto.gossip_pb2 import TensorEnvelope
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,6 +27,10 @@ SPECS = [
     "topk:0.02+int8",
     "topk:0.1+qsgd:3",
     "randomk:0.1+fp16",
+    "int2",
+    "topk:0.05+int2",
+    "chunktopk:0.05:block=64",
+    "chunktopk:0.1:block=256+int2:sr",
 ]
 SHAPE = (37, 29)
 MAX_NUMEL = 10_000

@@ -10,7 +10,19 @@ from hypothesis import strategies as st
 
 pytestmark = pytest.mark.timeout(120)
 
-EF_SPECS = ["topk:0.1+int8", "topk:0.05", "randomk:0.2+fp16", "sign", "int4:sr", "qsgd:2"]
+EF_SPECS = [
+    "topk:0.1+int8",
+    "topk:0.05",
+    "randomk:0.2+fp16",
+    "sign",
+    "int4:sr",
+    "qsgd:2",
+    "int2",
+    "int2:sr:block=16",
+    "topk:0.1+int2",
+    "chunktopk:0.1:block=16",
+    "chunktopk:0.05:block=64+int2",
+]
 
 
 @pytest.mark.parametrize("spec", EF_SPECS)

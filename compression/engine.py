@@ -1,0 +1,220 @@
+"""The one encode/decode pipeline every codec runs: envelope, chunking, validation.
+
+A codec is a (sparsifier or None, quantizer) pair (see :mod:`.base`). Encoding selects the kept
+entries, codes their indices, quantizes their values chunk by chunk and builds the envelope;
+decoding validates every section against what the codec requires before writing anything, then
+dequantizes chunk by chunk. The stages are used only through their methods, so this module
+imports none of them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from gossipgrad.compression import wire
+from gossipgrad.compression.errors import DecodeError
+from gossipgrad.compression.finite import all_finite
+
+if TYPE_CHECKING:
+    from gossipgrad.compression.base import Codec, Quantizer
+
+__all__ = ["CHUNK", "decode", "decode_add", "encode"]
+
+#: Dense tensors are (de)quantized in chunks of this many elements: bounded temporaries, cache
+#: friendly, and a multiple of every block size and of 8 (so packed bits concatenate).
+CHUNK = 1 << 20
+_SEED_MAX = (1 << 63) - 1
+
+
+def encode(codec: Codec, t: torch.Tensor, seed: int | None) -> bytes:
+    """Compress ``t`` with ``codec`` into a serialized envelope (see :meth:`.Codec.encode`)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in wire.DTYPE_TO_WIRE:
+        raise ValueError(f"unsupported dtype {t.dtype}; use float32/16, bfloat16 or float64")
+    if seed is None:
+        seed = int(torch.randint(0, _SEED_MAX, (1,)).item())
+    if not 0 <= seed < (1 << 64):
+        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+    flat = t.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    if not all_finite(flat):
+        raise ValueError("cannot encode a tensor with NaN or infinite values")
+    sp, q = codec.stages()
+    index_bits, idx_bytes = 0, None
+    if sp is None:
+        count, vals = flat.numel(), flat
+    else:
+        idx = sp.select(flat, seed)
+        count = idx.numel()
+        vals = torch.index_select(flat, 0, idx)
+        if sp.sends_indices:
+            index_bits, idx_bytes = sp.encode_indices(idx, flat.numel())
+    values, scales = _quantize_chunked(q, vals, seed)
+    return wire.build_envelope(
+        shape=tuple(t.shape),
+        dtype=t.dtype,
+        spec=codec.spec,
+        seed=seed,
+        count=count,
+        index_bits=index_bits,
+        indices=idx_bytes,
+        values=values,
+        scales=scales,
+    )
+
+
+def decode(
+    codec: Codec,
+    data: bytes,
+    *,
+    device: torch.device | str | None,
+    max_numel: int | None,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """Rebuild the dense tensor (see :meth:`.Codec.decode`)."""
+    if out is not None:
+        if not out.is_contiguous():
+            raise DecodeError("decode(out=...) needs a contiguous tensor")
+        max_numel, dev = max(out.numel(), 1), out.device
+    else:
+        dev = torch.device("cpu") if device is None else torch.device(device)
+    env = wire.parse_envelope(data, codec.spec, max_numel)
+    if out is not None and (env.shape != tuple(out.shape) or env.dtype != out.dtype):
+        raise DecodeError(
+            f"payload {list(env.shape)} {env.dtype} != out {list(out.shape)} {out.dtype}"
+        )
+    parts = _read(codec, env, dev)
+    sp, q = codec.stages()
+    if out is None:
+        out = torch.empty(env.shape, dtype=env.dtype, device=dev)
+    flat = out.view(-1)
+    if sp is None:
+        _apply_dense(q, parts, flat, alpha=None)
+    else:
+        flat.zero_()
+        idx, vals = parts
+        if idx.numel():
+            flat.index_copy_(0, idx, vals)
+    return out
+
+
+def decode_add(codec: Codec, data: bytes, out: torch.Tensor, *, alpha: float) -> torch.Tensor:
+    """``out += alpha * decode(data)`` in place (see :meth:`.Codec.decode_add_`)."""
+    env = wire.parse_envelope(data, codec.spec, max(out.numel(), 1))
+    if env.shape != tuple(out.shape):
+        raise DecodeError(f"payload shape {list(env.shape)} != out shape {list(out.shape)}")
+    if env.dtype != out.dtype:
+        raise DecodeError(f"payload dtype {env.dtype} != out dtype {out.dtype}")
+    parts = _read(codec, env, out.device)
+    sp, q = codec.stages()
+    target = (
+        out.view(-1)
+        if out.is_contiguous()
+        else torch.zeros(out.numel(), dtype=out.dtype, device=out.device)
+    )
+    if sp is None:
+        _apply_dense(q, parts, target, alpha=alpha)
+    else:
+        idx, vals = parts
+        if idx.numel():
+            target.index_add_(0, idx, vals, alpha=alpha)
+    if not out.is_contiguous():
+        out.add_(target.view(out.shape))
+    return out
+
+
+def _read(codec: Codec, env: wire.Envelope, dev: torch.device) -> tuple:
+    """Validate and decode the sections. Dense: (values u8, scales); sparse: (idx, vals)."""
+    sp, q = codec.stages()
+    n, count = env.numel, env.count
+    if sp is None and count != n:
+        raise DecodeError(f"dense codec with count {count} for {n} elements")
+    if sp is not None:
+        lo, hi = sp.count_range(n)
+        if not lo <= count <= hi:
+            raise DecodeError(f"{sp.spec} keeps {lo}..{hi} of {n} elements, payload has {count}")
+    vbytes = q.value_bytes(count, env.dtype)
+    values = wire.bytes_to_tensor(wire.read_section(env, "values", exact=vbytes), dev)
+    nscales = q.scale_count(count)
+    sraw = wire.read_section(env, "scales", exact=4 * nscales)
+    scales = wire.bytes_to_tensor(sraw, dev).view(torch.float32) if nscales else None
+    q.check(values, scales, count, env.dtype)
+    carries_indices = bool(env.index_bits or env.msg.indices.raw_size)
+    if carries_indices and (sp is None or not sp.sends_indices):
+        raise DecodeError(f"{codec.spec} payload must not carry indices")
+    if sp is None:
+        return values, scales
+    if sp.sends_indices:
+        limit = sp.max_index_bytes(count, n, env.index_bits)
+        raw = wire.read_section(env, "indices", limit=limit)
+        idx = sp.decode_indices(wire.bytes_to_tensor(raw, dev), env.index_bits, count, n)
+    else:
+        idx = sp.indices_for(n, env.seed, dev)
+    vals = _dequantize_chunked(q, values, scales, count, env.dtype)
+    return idx, vals
+
+
+def _apply_dense(q: Quantizer, parts: tuple, flat: torch.Tensor, *, alpha: float | None) -> None:
+    values, scales = parts
+    n = flat.numel()
+    for lo in range(0, n, CHUNK):
+        hi = min(n, lo + CHUNK)
+        v, s = _chunk_inputs(q, values, scales, lo, hi, flat.dtype)
+        d = q.dequantize(v, s, hi - lo, flat.dtype)
+        if alpha is None:
+            flat[lo:hi].copy_(d)
+        else:
+            flat[lo:hi].add_(d, alpha=alpha)
+
+
+def _chunk_inputs(
+    q: Quantizer, values: torch.Tensor, scales: torch.Tensor | None, lo: int, hi: int, dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    bits = q.value_bits(dtype)
+    v = values[lo * bits // 8 : (hi * bits + 7) // 8]
+    s = None
+    if scales is not None:
+        s = scales[lo // q.block : (hi + q.block - 1) // q.block]
+    return v, s
+
+
+def _quantize_chunked(
+    q: Quantizer, vals: torch.Tensor, seed: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n = vals.numel()
+    if n == 0:
+        empty = torch.empty(0, dtype=torch.uint8, device=vals.device)
+        return empty, (empty.float() if q.block else None)
+    gen = None
+    if q.stochastic:
+        gen = torch.Generator(device=vals.device)
+        gen.manual_seed(seed)
+    if n <= CHUNK or q.lossless:  # lossless = a view of the input: no copy
+        return q.quantize(vals, gen)
+    values = torch.empty(q.value_bytes(n, vals.dtype), dtype=torch.uint8, device=vals.device)
+    nscales = q.scale_count(n)
+    scales = torch.empty(nscales, dtype=torch.float32, device=vals.device) if nscales else None
+    bits = q.value_bits(vals.dtype)
+    for lo in range(0, n, CHUNK):
+        hi = min(n, lo + CHUNK)
+        v, s = q.quantize(vals[lo:hi], gen)
+        values[lo * bits // 8 : lo * bits // 8 + v.numel()].copy_(v)
+        if scales is not None and s is not None:
+            scales[lo // q.block : lo // q.block + s.numel()].copy_(s)
+    return values, scales
+
+
+def _dequantize_chunked(
+    q: Quantizer, values: torch.Tensor, scales: torch.Tensor | None, count: int, dtype
+) -> torch.Tensor:
+    if count <= CHUNK:
+        return q.dequantize(values, scales, count, dtype)
+    out = torch.empty(count, dtype=dtype, device=values.device)
+    for lo in range(0, count, CHUNK):
+        hi = min(count, lo + CHUNK)
+        v, s = _chunk_inputs(q, values, scales, lo, hi, dtype)
+        out[lo:hi] = q.dequantize(v, s, hi - lo, dtype)
+    return out
