@@ -85,9 +85,9 @@ class ChunkTopK(Sparsifier):
     last block may be shorter) and each block keeps exactly its ``round(RATIO * size)`` (at
     least 1) largest magnitudes, as the chunked top-k of DeMo (Peng et al., 2024) and
     SparseLoCo (2025). Selection is a partial selection within each block, batched over the
-    blocks (no global sort), and each index travels as its offset in its block in ``log2(N)`` bits (fewer for a
-    tensor shorter than N), so the index section has a fixed size. Ties within a block are
-    broken towards lower indices (:func:`.selection.block_topk_indices`).
+    blocks (no global sort), and each index travels as its offset in its block in ``log2(N)``
+    bits (fewer for a tensor shorter than N), so the index section has a fixed size. Ties
+    within a block are broken towards lower indices (:func:`.selection.block_topk_indices`).
     """
 
     name = "chunktopk"

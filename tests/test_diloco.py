@@ -10,6 +10,7 @@ but no residual. Real gRPC peers on 127.0.0.1 throughout.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -58,7 +59,9 @@ def test_outer_step_is_torch_sgd(lr, momentum, nesterov, steps, seed) -> None:
 
 def lone_average(codec: str) -> CompressedAverage:
     like = torch.zeros(97)
-    nb = Neighbourhood(Identity("me", "s", "fp", 388), LoneView(), topology_from_name("ring"), NoSender())
+    nb = Neighbourhood(
+        Identity("me", "s", "fp", 388), LoneView(), topology_from_name("ring"), NoSender()
+    )
     return CompressedAverage(like, codec, True, nb, round_timeout=1.0)
 
 
@@ -153,6 +156,10 @@ def test_h1_outer_lr1_no_momentum_is_parameter_averaging() -> None:
 
 def anchors_exact(opts: list[GossipOptimizer]) -> None:
     """The anchors' CHOCO edges: one session, mirrors bit-identical to the public copies."""
+    deadline = time.monotonic() + 10
+    while any(e.busy for o in opts for e in o.algorithm.anchors.edges.values()):
+        assert time.monotonic() < deadline, "pushes still in flight"
+        time.sleep(0.02)
     by_id = {o.peer.id: o for o in opts}
     for o in opts:
         for peer, edge in o.algorithm.anchors.edges.items():
@@ -166,7 +173,12 @@ def anchors_exact(opts: list[GossipOptimizer]) -> None:
 @pytest.mark.parametrize("overlap", [False, True])
 def test_every_codec_keeps_anchors_together(codec: str, overlap: bool) -> None:
     opts = start_diloco(
-        2, topology="ring", codec=codec, local_steps=2, outer_lr=0.7, outer_momentum=0.5,
+        2,
+        topology="ring",
+        codec=codec,
+        local_steps=2,
+        outer_lr=0.7,
+        outer_momentum=0.5,
         overlap=overlap,
     )
     try:
@@ -205,7 +217,13 @@ def test_checkpoint_resumes_outer_state_and_a_joiner_takes_no_residual() -> None
         torch.manual_seed(7)
         model = small_model()
         cfg = build_config(
-            {}, {"peer.id": "r", "metrics.enabled": False, "gossip.algorithm": "diloco"}
+            {},
+            {
+                "peer.id": "r",
+                "metrics.enabled": False,
+                "gossip.algorithm": "diloco",
+                "gossip.codec": "topk:0.1+int8",
+            },
         )
         with GossipOptimizer(model, torch.optim.SGD(model.parameters(), lr=1.0), cfg) as again:
             again.load_state_dict(saved)
@@ -236,6 +254,7 @@ def test_late_joiner_downloads_the_anchor_over_grpc() -> None:
             {
                 "peer.id": "p9",
                 "peer.bootstrap": [opts[0].peer.address],
+                "peer.join_after_steps": 2,
                 "metrics.enabled": False,
                 "membership.heartbeat_interval": 0.1,
                 "gossip.algorithm": "diloco",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gossipgrad.compression.varint import encode_varint as varint
 from gossipgrad.peer.network.buffers import BufferPool
 from gossipgrad.peer.network.framing import (
     ChunkCodec,
@@ -15,7 +16,6 @@ from gossipgrad.peer.network.framing import (
     read_header,
     receive_payload,
     stream_wire_bytes,
-    varint,
 )
 from gossipgrad.proto import gossip_pb2 as pb
 from hypothesis import given, settings

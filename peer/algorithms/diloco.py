@@ -141,6 +141,10 @@ class DiLoCo(GossipAlgorithm):
             partial = not torch.equal(self.start, self.flat.data)
         if partial:
             self._outer_round(overlap=False)
+        self.anchors.finish()  # the anchors' last exchange, mixed at both ends
+        with torch.no_grad(), self.state_lock:
+            self.flat.data.copy_(self.anchor)
+            self.start.copy_(self.anchor)
 
     def handle_update(self, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
         if header.kind == pb.GRADIENT:

@@ -80,6 +80,9 @@ class EFGradient(GossipAlgorithm):
     def consensus_round(self) -> RoundStats:
         return self.consensus.step_round()
 
+    def finish(self) -> None:
+        self.consensus.finish()
+
     def handle_update(self, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
         if header.kind == pb.GRADIENT:
             return self.average.handle_update(header, payload)

@@ -27,6 +27,8 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError, Message
+from gossipgrad.compression import DecodeError as CompressionDecodeError
+from gossipgrad.compression.varint import encode_varint, read_varint
 
 #: Bytes a message costs on top of its serialized size: gRPC's length-prefixed framing
 #: (1 compressed-flag byte + 4 length bytes). HTTP/2 frame headers are not counted.
@@ -34,8 +36,6 @@ GRPC_FRAME_OVERHEAD = 5
 
 #: Wire tag of field 2 (``data``), length-delimited: (2 << 3) | 2.
 _DATA_TAG = 0x12
-#: Longest varint of a 64-bit length.
-_MAX_VARINT_BYTES = 10
 
 
 class Malformed:
@@ -64,30 +64,9 @@ class FrameError(Exception):
         return grpc.StatusCode.RESOURCE_EXHAUSTED if self.reason == "too_large" else malformed
 
 
-def varint(n: int) -> bytes:
-    """Protobuf base-128 varint encoding of a non-negative integer."""
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _read_varint(raw: bytes, pos: int) -> tuple[int, int] | None:
-    """(value, position after it) of the varint at ``raw[pos:]``, None if cut off or too long."""
-    value, shift = 0, 0
-    for i in range(pos, min(len(raw), pos + _MAX_VARINT_BYTES)):
-        value |= (raw[i] & 0x7F) << shift
-        if raw[i] < 0x80:
-            return value, i + 1
-        shift += 7
-    return None
-
-
 def data_prefix(n: int) -> bytes:
     """Bytes preceding an ``n``-byte data chunk in its serialized chunk message."""
-    return bytes((_DATA_TAG,)) + varint(n)
+    return bytes((_DATA_TAG,)) + encode_varint(n)
 
 
 def data_chunk_wire_bytes(n: int) -> int:
@@ -137,9 +116,12 @@ class ChunkCodec:
     def decode(self, raw: bytes) -> Message | memoryview | Malformed:
         """Parse one incoming chunk; never raises on bad input."""
         if len(raw) >= 2 and raw[0] == _DATA_TAG:
-            parsed = _read_varint(raw, 1)
-            if parsed is not None and parsed[1] + parsed[0] == len(raw):
-                return memoryview(raw)[parsed[1] :]
+            try:
+                length, start = read_varint(raw, 1, len(raw))
+            except CompressionDecodeError:
+                length, start = -1, 0  # cut off or too long: let protobuf say why
+            if start + length == len(raw):
+                return memoryview(raw)[start:]
         try:
             chunk = self._chunk_cls.FromString(raw)
         except DecodeError as err:
