@@ -188,7 +188,7 @@ class BaselineRun:
     def collect(self) -> dict[str, Any]:
         """Per-rank results and the baseline's headline figures (the first finished rank's
         evaluations, ``final`` and periodic ``evals``: DDP keeps every rank's model
-        identical)."""
+        identical, DiLoCo's ranks evaluate the same anchor)."""
         ranks = []
         for r in range(self.world):
             try:

@@ -174,7 +174,7 @@ class OuterOptimizer:
             mean = mean_int8(delta, self.world, self.quantizer)
         offset = 0
         for a in self.anchor:
-            a.grad = mean[offset : offset + a.numel()].view_as(a).clone()
+            a.grad = mean[offset : offset + a.numel()].view_as(a)
             offset += a.numel()
         self.optimizer.step()
         for p, a in zip(self.params, self.anchor, strict=True):
