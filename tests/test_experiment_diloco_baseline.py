@@ -2,11 +2,15 @@
 on 127.0.0.1, digits MLP, a few steps.
 
 - H = 1, outer lr 1, momentum 0 is plain parameter averaging after every step: the ranks'
-  saved parameters match a direct in-process computation of it.
+  saved parameters match a direct in-process computation of it (fp32, 2 ranks: to 1e-6; int8,
+  3 ranks: within 2% of the distance trained).
 - A short run from the CLI (2 peers, 24 steps, ``gossip.local_steps = 4`` reused as H) with
   ddp, diloco and diloco-int8: the report has their rows, evaluations and time to target; the
   byte counts per rank are H x fewer than DDP's for fp32 and about 4H x fewer for int8, and
   the kernel's TCP counters agree with the modelled counts; int8's model stays close to fp32's.
+
+About a minute of CPU in all; on a 2-core host shared with other work it takes several
+minutes of wall-clock (the timeouts allow for that).
 """
 
 from __future__ import annotations
@@ -114,8 +118,10 @@ def test_ss_output_is_parsed_per_process() -> None:
 # -- rank processes ------------------------------------------------------------------------
 
 
-def _run_baseline(name: str, train: TrainSection, out: Path, outer: OuterSettings) -> dict:
-    run = BaselineRun(name, 2, train, out, RankPlacement(), diloco=outer)
+def _run_baseline(
+    name: str, world: int, train: TrainSection, out: Path, outer: OuterSettings
+) -> dict[str, Any]:
+    run = BaselineRun(name, world, train, out, RankPlacement(), diloco=outer)
     try:
         run.start()
         deadline = time.monotonic() + 240
@@ -155,21 +161,36 @@ def _parameter_averaging(train: TrainSection, world: int, average: bool = True) 
     return torch.cat([p.detach().reshape(-1) for p in models[0].parameters()])
 
 
+def _start(train: TrainSection) -> torch.Tensor:
+    """The seeded initial parameters every rank starts from."""
+    model = build_task(train.task, task_context(train, 0, 2)).model
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
 @pytest.mark.timeout(300)
-def test_h1_lr1_momentum0_is_parameter_averaging_after_every_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "world"), [("diloco", 2), ("diloco-int8", 3)])
+def test_h1_lr1_momentum0_is_parameter_averaging_after_every_step(
+    tmp_path: Path, name: str, world: int
+) -> None:
     train = TrainSection(task="digits", steps=6, batch_size=16, lr=0.05, momentum=0.9,
                          schedule="cosine", seed=3, threads=1)  # fmt: skip
     outer = OuterSettings(local_steps=1, outer_lr=1.0, outer_momentum=0.0)
-    result = _run_baseline("diloco", train, tmp_path / "diloco", outer)
+    result = _run_baseline(name, world, train, tmp_path / name, outer)
     assert result["outer_steps"] == 6 and result["local_steps"] == 1
-    ranks = [_params(tmp_path / "diloco" / f"rank{r}.params.pt") for r in range(2)]
-    assert torch.equal(ranks[0], ranks[1]), "the ranks end on the same anchor"
-    expected = _parameter_averaging(train, 2)
-    # anchor - 1 * (anchor - mean) rounds differently from mean by a few ulps per step.
-    assert torch.allclose(ranks[0], expected, rtol=0, atol=1e-5)
+    ranks = [_params(tmp_path / name / f"rank{r}.params.pt") for r in range(world)]
+    assert all(torch.equal(ranks[0], p) for p in ranks), "the ranks end on the same anchor"
+    expected = _parameter_averaging(train, world)
+    moved = (expected - _start(train)).norm()
+    if name == "diloco":
+        # anchor - 1 * (anchor - mean) rounds differently from mean by a few ulps per step.
+        assert torch.allclose(ranks[0], expected, rtol=0, atol=1e-6)
+    else:
+        # Each step's mean is off by at most 2 x max|block|/254 a value (two int8 passes);
+        # six such steps move the end point by well under 2% of the distance trained.
+        assert 0 < (ranks[0] - expected).norm() < 0.02 * moved
     # The check can fail: rank 0 without averaging ends elsewhere.
-    alone = _parameter_averaging(train, 2, average=False)
-    assert (alone - expected).abs().max() > 1e-3
+    alone = _parameter_averaging(train, world, average=False)
+    assert (alone - expected).norm() > 0.05 * moved
 
 
 @pytest.fixture(scope="module")
@@ -240,13 +261,7 @@ def test_diloco_bytes_are_h_and_4h_times_fewer(diloco_run: tuple[Path, dict[str,
 @pytest.mark.timeout(600)
 def test_int8_pseudo_gradients_stay_close_to_fp32(diloco_run: tuple[Path, dict[str, Any]]) -> None:
     out, report = diloco_run
-    train = TrainSection(task="digits", batch_size=32, seed=report["seed"])
-    start = torch.cat(
-        [
-            p.detach().reshape(-1)
-            for p in build_task("digits", task_context(train, 0, 2)).model.parameters()
-        ]
-    )
+    start = _start(TrainSection(task="digits", batch_size=32, seed=report["seed"]))
     fp32 = _params(out / "baselines" / "diloco" / "rank0.params.pt")
     int8 = _params(out / "baselines" / "diloco-int8" / "rank0.params.pt")
     # Each outer step's mean pseudo-gradient is off by at most max|block|/254 per value and
