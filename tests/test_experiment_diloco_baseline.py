@@ -167,6 +167,7 @@ def _start(train: TrainSection) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("name", "world"), [("diloco", 2), ("diloco-int8", 3)])
 def test_h1_lr1_momentum0_is_parameter_averaging_after_every_step(
@@ -209,6 +210,7 @@ def diloco_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     return out, json.loads((out / "report.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_runner_reports_the_diloco_baselines(diloco_run: tuple[Path, dict[str, Any]]) -> None:
     out, report = diloco_run
@@ -234,6 +236,7 @@ def test_runner_reports_the_diloco_baselines(diloco_run: tuple[Path, dict[str, A
     assert f"| diloco (H={H}) |" in summary and f"| diloco-int8 (H={H}) |" in summary
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_diloco_bytes_are_h_and_4h_times_fewer(diloco_run: tuple[Path, dict[str, Any]]) -> None:
     _, report = diloco_run
@@ -258,6 +261,7 @@ def test_diloco_bytes_are_h_and_4h_times_fewer(diloco_run: tuple[Path, dict[str,
         assert b["mean_wire_sent_bytes"] == pytest.approx(b["mean_sent_bytes"], rel=0.1)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_int8_pseudo_gradients_stay_close_to_fp32(diloco_run: tuple[Path, dict[str, Any]]) -> None:
     out, report = diloco_run
