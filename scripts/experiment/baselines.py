@@ -1,5 +1,6 @@
 """Data-parallel baselines in the same run: DDP dense all-reduce and DDP + PowerSGD (gloo),
-and hivemind's collaborative optimizer.
+all-reduce DiLoCo with fp32 or int8 pseudo-gradients (gloo), and hivemind's collaborative
+optimizer.
 
 Each baseline starts ``n`` rank processes (``gossipgrad.experiment.ddp_worker``, or
 ``gossipgrad.experiment.hivemind_worker`` in the ``.venv-hivemind`` environment) where the
@@ -22,13 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gossipgrad.experiment.diloco import OuterSettings
 from gossipgrad.peer.config import TrainSection
 from gossipgrad.peer.swarm import reap
 
 log = logging.getLogger(__name__)
 
 HOOKS = {"ddp": "dense", "powersgd": "powersgd"}
-BASELINES = (*HOOKS, "hivemind")
+DILOCO = {"diloco": "fp32", "diloco-int8": "int8"}
+"""DiLoCo baselines and the dtype their pseudo-gradients travel as."""
+BASELINES = (*HOOKS, *DILOCO, "hivemind")
 HIVEMIND_VENV = Path(__file__).resolve().parents[2] / ".venv-hivemind"
 """hivemind pins its own protobuf and p2p daemon, so it lives in a venv of its own."""
 
@@ -68,8 +72,10 @@ def rank_command(
     place: RankPlacement,
     powersgd_rank: int = 2,
     powersgd_start: int = 10,
+    diloco: OuterSettings | None = None,
 ) -> list[str]:
-    """argv of one rank of baseline ``name`` ('ddp', 'powersgd' or 'hivemind')."""
+    """argv of one rank of baseline ``name`` (one of ``BASELINES``); ``diloco`` holds the
+    outer loop of the DiLoCo kinds (its dtype is the kind's)."""
     if name == "hivemind":
         worker = "gossipgrad.experiment.hivemind_worker"
         cmd = [*place.prefix(rank), hivemind_python(), "-m", worker]
@@ -80,7 +86,14 @@ def rank_command(
         return cmd
     cmd = [*place.prefix(rank), place.python, "-m", "gossipgrad.experiment.ddp_worker"]
     cmd += ["--rank", str(rank), "--world", str(world), "--host", place.host]
-    cmd += ["--out", str(out), "--train-json", str(out / "train.json"), "--hook", HOOKS[name]]
+    cmd += ["--out", str(out), "--train-json", str(out / "train.json")]
+    if name in DILOCO:
+        outer = diloco or OuterSettings()
+        cmd += ["--algorithm", "diloco", "--pseudo-gradient-dtype", DILOCO[name]]
+        cmd += ["--local-steps", str(outer.local_steps), "--outer-lr", repr(outer.outer_lr)]
+        cmd += ["--outer-momentum", repr(outer.outer_momentum)]
+        return cmd
+    cmd += ["--hook", HOOKS[name]]
     if name == "powersgd":
         cmd += ["--psgd-rank", str(powersgd_rank), "--psgd-start", str(powersgd_start)]
     return cmd
@@ -98,11 +111,13 @@ class BaselineRun:
         place: RankPlacement,
         powersgd_rank: int = 2,
         powersgd_start: int = 10,
+        diloco: OuterSettings | None = None,
     ) -> None:
         if name not in BASELINES:
             raise ValueError(f"unknown baseline {name!r}; valid: {', '.join(BASELINES)}")
         self.name, self.world, self.train, self.out, self.place = name, world, train, out, place
         self.psgd = (powersgd_rank, powersgd_start)
+        self.diloco = diloco or OuterSettings()
         self.procs: list[subprocess.Popen] = []
         self.logs: list[Any] = []
         self.t0 = 0.0
@@ -125,7 +140,9 @@ class BaselineRun:
         self.t0 = time.monotonic()
         with open(self.out / "commands.sh", "w") as script:
             for r in range(self.world):
-                cmd = rank_command(self.name, r, self.world, self.out, self.place, *self.psgd)
+                cmd = rank_command(
+                    self.name, r, self.world, self.out, self.place, *self.psgd, self.diloco
+                )
                 script.write(" ".join(cmd) + " &\n")
                 log_file = open(self.out / f"rank{r}.log", "w")  # noqa: SIM115 - closed in stop()
                 self.logs.append(log_file)
@@ -171,7 +188,7 @@ class BaselineRun:
     def collect(self) -> dict[str, Any]:
         """Per-rank results and the baseline's headline figures (the first finished rank's
         evaluations, ``final`` and periodic ``evals``: DDP keeps every rank's model
-        identical)."""
+        identical, DiLoCo's ranks evaluate the same anchor)."""
         ranks = []
         for r in range(self.world):
             try:
@@ -187,6 +204,13 @@ class BaselineRun:
         }
         if self.name == "powersgd":
             result["powersgd_rank"], result["powersgd_start_iter"] = self.psgd
+        if self.name in DILOCO:
+            d = self.diloco
+            result.update(local_steps=d.local_steps, outer_lr=d.outer_lr,
+                          outer_momentum=d.outer_momentum,
+                          pseudo_gradient_dtype=DILOCO[self.name])  # fmt: skip
+            if done:
+                result["outer_steps"] = done[0].get("outer_steps")
         if self.name == "hivemind" and done:
             # hivemind's epochs are global steps; these say what they cost each rank.
             for key in ("local_batches", "samples", "grad_averaging_rounds"):
@@ -207,6 +231,9 @@ class BaselineRun:
                 mean_received_bytes=_mean([x["received_bytes"] for x in done]),
                 dense_bytes_per_rank=first["dense_bytes"],
             )
+            wire = [x.get("wire_sent_bytes") for x in done]
+            if self.name != "hivemind":  # hivemind's own counts are its sent_bytes
+                result["mean_wire_sent_bytes"] = None if None in wire else _mean(wire)
         if not result["ok"]:
             log.error("baseline %s failed; see %s", self.name, self.out / "rank0.log")
         return result

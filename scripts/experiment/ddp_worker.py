@@ -1,20 +1,29 @@
 """One rank of a data-parallel baseline: ``python -m gossipgrad.experiment.ddp_worker``.
 
-Trains the experiment's task with torch DDP over gloo on this rank's shard (the same shard,
-seed, batch size, optimizer and step count as peer ``rank`` of the swarm), either with dense
-all-reduce or with PyTorch's PowerSGD communication hook (Vogels et al., NeurIPS 2019,
-"PowerSGD: Practical Low-Rank Gradient Compression for Distributed Optimization").
+Trains the experiment's task over gloo on this rank's shard (the same shard, seed, batch size,
+optimizer, schedule and step count as peer ``rank`` of the swarm), in one of three ways:
 
-Bytes on the wire are counted honestly at the one place every gradient collective goes
-through: ``torch.distributed.all_reduce`` (both DDP hooks call it), wrapped to add, per call,
-the bytes a ring all-reduce moves per rank: 2 (n-1)/n x payload bytes sent and as many
-received. Not counted: DDP's initial parameter broadcast (the swarm starts from the same seed
-without one) and gloo's own framing.
+- ``--algorithm ddp --hook dense``: torch DDP, dense gradient all-reduce every step;
+- ``--algorithm ddp --hook powersgd``: DDP with PyTorch's PowerSGD communication hook (Vogels
+  et al., NeurIPS 2019, "PowerSGD: Practical Low-Rank Gradient Compression for Distributed
+  Optimization");
+- ``--algorithm diloco``: all-reduce DiLoCo (``gossipgrad.experiment.diloco``): H local steps,
+  then an outer Nesterov step on the averaged pseudo-gradient, sent as fp32 or int8.
 
-Every ``eval_every`` steps each rank evaluates its model (DDP keeps the ranks' models
-identical; evaluating on all of them keeps them in step) into ``evals``. Their ``seconds``, the
-history's and ``wall_seconds`` are training time with evaluation time left out, the same clock
-as the swarm's peers (``gossipgrad.peer.daemon.TrainClock``).
+Bytes are counted at the one place every collective goes through: ``torch.distributed``'s
+``all_reduce`` (both DDP hooks and fp32 DiLoCo), ``all_to_all_single`` and ``all_gather``
+(int8 DiLoCo), wrapped to add, per call, what that collective moves per rank for the tensor it
+is handed (``COLLECTIVES``; ring all-reduce: 2 (n-1)/n x payload bytes sent and as many
+received). Not counted: DDP's initial parameter broadcast (the swarm starts from the same seed
+without one) and gloo's own framing. As a check on that model, each rank also reports what the
+kernel counted on its gloo TCP connections over the training loop (``wire_sent_bytes``, from
+``ss``; ``gossipgrad.experiment.socket_bytes``).
+
+Every ``eval_every`` steps each rank evaluates the global model (DDP keeps the ranks' models
+identical; DiLoCo's is the anchor; evaluating on all ranks keeps them in step) into ``evals``.
+Their ``seconds``, the history's and ``wall_seconds`` are training time with evaluation time
+left out, the same clock as the swarm's peers (``gossipgrad.peer.daemon.TrainClock``). At the
+end each rank saves its parameters as ``rank<r>.params.pt``.
 
 Rendezvous is race-free: rank 0 opens a TCPStore on port 0 and publishes the bound port in a
 file; the other ranks read it and connect.
@@ -29,12 +38,16 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from gossipgrad.experiment.diloco import PSEUDO_GRADIENT_DTYPES, OuterOptimizer, OuterSettings
+from gossipgrad.experiment.socket_bytes import ConnectionBytes
 from gossipgrad.peer.config import TrainSection
 from gossipgrad.peer.daemon import TrainClock, make_optimizer, task_context, write_json_atomic
 from gossipgrad.peer.schedule import make_scheduler
@@ -46,24 +59,62 @@ STATUS_EVERY_S = 0.5
 RENDEZVOUS_TIMEOUT_S = 120.0
 
 
+@dataclass(frozen=True)
+class Collective:
+    """How one counted collective's per-rank traffic follows from the tensor it is handed."""
+
+    arg: int
+    """Position of the payload tensor among the call's arguments."""
+    keyword: str
+    """Its keyword name."""
+    factor: Callable[[int], float]
+    """Bytes each rank sends (and receives) per payload byte, for n ranks."""
+
+
+# Ring all-reduce sends (and receives) 2 (n-1)/n x its tensor; all_to_all_single with equal
+# splits keeps 1/n of its input and sends the rest; all_gather sends the rank's own tensor to
+# the n-1 others (a ring forwards n-1 such tensors: the same bytes).
+COLLECTIVES = {
+    "all_reduce": Collective(0, "tensor", lambda n: 2 * (n - 1) / n),
+    "all_to_all_single": Collective(1, "input", lambda n: (n - 1) / n),
+    "all_gather": Collective(1, "tensor", lambda n: float(n - 1)),
+}
+
+
 class WireCounter:
-    """Counts ring all-reduce traffic per rank: 2 (n-1)/n x payload bytes each way."""
+    """Counts a rank's collective traffic from the tensors actually handed to
+    ``torch.distributed`` (their nbytes, so an int8 tensor counts one byte a value):
+    sent = received = factor x payload (``COLLECTIVES``)."""
 
     def __init__(self, world: int) -> None:
         self.world = world
         self.sent = 0.0
-        self.calls = 0
-        self.payload = 0
+        self.calls = dict.fromkeys(COLLECTIVES, 0)
+        self.payload = dict.fromkeys(COLLECTIVES, 0)
 
-    def wrap(self, fn: Any) -> Any:
-        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def wrap(self, name: str, fn: Any) -> Any:
+        """``fn``, the collective ``name``, counting each call."""
+        how = COLLECTIVES[name]
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            tensor = args[how.arg] if len(args) > how.arg else kwargs[how.keyword]
             nbytes = tensor.numel() * tensor.element_size()
-            self.payload += nbytes
-            self.sent += 2 * (self.world - 1) / self.world * nbytes
-            self.calls += 1
-            return fn(tensor, *args, **kwargs)
+            self.payload[name] += nbytes
+            self.calls[name] += 1
+            self.sent += how.factor(self.world) * nbytes
+            return fn(*args, **kwargs)
 
         return counted
+
+    def install(self) -> None:
+        """Wrap the collectives in ``torch.distributed``, where both DDP hooks and
+        ``gossipgrad.experiment.diloco`` look them up at call time."""
+        for name in COLLECTIVES:
+            setattr(dist, name, self.wrap(name, getattr(dist, name)))
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """Calls and payload bytes per collective."""
+        return {n: {"calls": self.calls[n], "payload_bytes": self.payload[n]} for n in COLLECTIVES}
 
 
 def rendezvous(rank: int, world: int, host: str, port_file: Path) -> dist.Store:
@@ -84,16 +135,9 @@ def rendezvous(rank: int, world: int, host: str, port_file: Path) -> dist.Store:
     return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
 
 
-def train(args: argparse.Namespace) -> dict[str, Any]:
-    cfg = TrainSection.model_validate(json.loads(Path(args.train_json).read_text()))
-    torch.set_num_threads(1)
-    out = Path(args.out)
-    store = rendezvous(args.rank, args.world, args.host, out / "store.json")
-    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world)
-    counter = WireCounter(args.world)
-    dist.all_reduce = counter.wrap(dist.all_reduce)  # both DDP hooks call it by this name
-    task = build_task(cfg.task, task_context(cfg, args.rank, args.world))
-    model = torch.nn.parallel.DistributedDataParallel(task.model, bucket_cap_mb=args.bucket_mb)
+def ddp_model(module: torch.nn.Module, args: argparse.Namespace, seed: int) -> torch.nn.Module:
+    """``module`` under DDP with the dense all-reduce or the PowerSGD hook."""
+    model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=args.bucket_mb)
     if args.hook == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
@@ -101,13 +145,49 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             process_group=None,
             matrix_approximation_rank=args.psgd_rank,
             start_powerSGD_iter=args.psgd_start,
-            random_seed=cfg.seed,
+            random_seed=seed,
         )
         model.register_comm_hook(state, psgd.powerSGD_hook)
     else:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         model.register_comm_hook(None, default_hooks.allreduce_hook)
+    return model
+
+
+def outer_settings(args: argparse.Namespace) -> OuterSettings:
+    return OuterSettings(
+        local_steps=args.local_steps,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+        pseudo_gradient_dtype=args.pseudo_gradient_dtype,
+    )
+
+
+def baseline_name(args: argparse.Namespace) -> str:
+    """The baseline this rank belongs to, as the runner names it."""
+    if args.algorithm == "diloco":
+        return "diloco" if args.pseudo_gradient_dtype == "fp32" else "diloco-int8"
+    return "ddp" if args.hook == "dense" else "powersgd"
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = TrainSection.model_validate(json.loads(Path(args.train_json).read_text()))
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    store = rendezvous(args.rank, args.world, args.host, out / "store.json")
+    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world)
+    counter = WireCounter(args.world)
+    counter.install()
+    task = build_task(cfg.task, task_context(cfg, args.rank, args.world))
+    outer: OuterOptimizer | None = None
+    if args.algorithm == "diloco":
+        # No broadcast: every rank builds the same seeded model, as the swarm's peers do.
+        model = module = task.model
+        outer = OuterOptimizer(list(module.parameters()), outer_settings(args), args.world)
+    else:
+        model = ddp_model(task.model, args, cfg.seed)
+        module = model.module
     optimizer = make_optimizer(model.parameters(), cfg)
     scheduler = make_scheduler(optimizer, cfg)
     params = sum(p.numel() for p in model.parameters())
@@ -115,6 +195,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     history: list[dict[str, float]] = []
     evals: list[dict[str, float]] = []
     status_path = out / f"rank{args.rank}.status.json"
+    # After DDP's initial broadcast (not counted by WireCounter either).
+    wire = ConnectionBytes(exclude_port=store.port)
+    wire.start()
     clock = TrainClock()
     last = 0.0
     loss_value = math.nan
@@ -124,6 +207,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         loss.backward()
         optimizer.step()
         scheduler.step()
+        if outer is not None and outer.phase_ends(step, cfg.steps):
+            outer.sync()
         loss_value = float(loss.detach())
         seconds = clock.seconds()
         history.append({"step": step, "loss": loss_value, "sent_bytes": counter.sent,
@@ -131,7 +216,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         # The last step's evaluation is ``final`` (at ``final_seconds``), as in the daemon.
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
             with clock.paused():
-                evals.append({"step": step, "seconds": seconds, **task.evaluate(model.module)})
+                evals.append({"step": step, "seconds": seconds, **evaluate(task, module, outer)})
         now = time.monotonic()
         if now - last > STATUS_EVERY_S or step == cfg.steps:
             last = now
@@ -141,11 +226,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                                             "sent_bytes": int(counter.sent)})  # fmt: skip
     wall = clock.seconds()
     dist.barrier()
-    final = task.evaluate(model.module)
+    wire_sent, wire_received = wire.totals()
+    final = task.evaluate(module)
+    torch.save(module.state_dict(), out / f"rank{args.rank}.params.pt")
     dist.destroy_process_group()
-    return {
+    result = {
         "id": f"rank{args.rank}",
-        "baseline": args.hook,
+        "baseline": baseline_name(args),
         "steps": cfg.steps,
         "params": params,
         "final": final,
@@ -155,28 +242,61 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "train_loss": loss_value,
         "wall_seconds": wall,
         "evals": evals,
-        # Ring all-reduce is symmetric: each rank receives what it sends.
+        # Every counted collective is symmetric: each rank receives what it sends.
         "sent_bytes": int(counter.sent),
         "received_bytes": int(counter.sent),
-        "allreduce_payload_bytes": counter.payload,
-        "allreduce_calls": counter.calls,
+        "allreduce_payload_bytes": counter.payload["all_reduce"],
+        "allreduce_calls": counter.calls["all_reduce"],
+        "collectives": counter.summary(),
+        # The kernel's count on the rank's gloo connections (None without ``ss``).
+        "wire_sent_bytes": wire_sent,
+        "wire_received_bytes": wire_received,
         "dense_bytes": int(2 * (args.world - 1) / args.world * 4 * params * cfg.steps),
         "history": history,
     }
+    if outer is not None:
+        result.update(
+            local_steps=args.local_steps,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
+            pseudo_gradient_dtype=args.pseudo_gradient_dtype,
+            outer_steps=outer.outer_steps,
+        )
+    return result
+
+
+def evaluate(task: Any, module: torch.nn.Module, outer: OuterOptimizer | None) -> dict[str, float]:
+    """The task's evaluation of the global model: DDP's (every rank's), or DiLoCo's anchor (a
+    rank's own model mid-phase is not what the ranks agreed on)."""
+    if outer is None:
+        return task.evaluate(module)
+    with outer.anchor_loaded():
+        return task.evaluate(module)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="One rank of a DDP baseline (started by the runner).")
+    p = argparse.ArgumentParser(
+        description="One rank of a DDP, PowerSGD or DiLoCo baseline (started by the runner)."
+    )
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--host", required=True, help="address of rank 0's store")
     p.add_argument("--out", required=True, help="directory shared by the ranks")
     p.add_argument("--train-json", required=True, help="the [train] section as JSON")
+    p.add_argument("--algorithm", choices=["ddp", "diloco"], default="ddp",
+                   help="ddp: gradient all-reduce every step (--hook); diloco: all-reduce "
+                   "DiLoCo")  # fmt: skip
     p.add_argument("--hook", choices=["dense", "powersgd"], default="dense")
     p.add_argument("--psgd-rank", type=int, default=2)
     p.add_argument("--psgd-start", type=int, default=10)
     # PowerSGD over gloo needs the whole model in one bucket.
     p.add_argument("--bucket-mb", type=float, default=1024.0)
+    p.add_argument("--local-steps", type=int, default=1, help="diloco: inner steps H")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="diloco: outer SGD lr")
+    p.add_argument("--outer-momentum", type=float, default=0.9,
+                   help="diloco: outer Nesterov momentum (0: plain SGD)")  # fmt: skip
+    p.add_argument("--pseudo-gradient-dtype", choices=PSEUDO_GRADIENT_DTYPES, default="fp32",
+                   help="diloco: what pseudo-gradients travel as")  # fmt: skip
     return p
 
 

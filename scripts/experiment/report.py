@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 PLOTS = ("loss_vs_step.png", "loss_vs_bytes.png", "loss_vs_time.png", "bytes_per_link.png",
          "metric_vs_time.png", "consensus_vs_step.png")  # fmt: skip
-COLORS = {"ddp": "tab:red", "powersgd": "tab:purple", "hivemind": "tab:olive"}
+COLORS = {"ddp": "tab:red", "powersgd": "tab:purple", "hivemind": "tab:olive",
+          "diloco": "tab:green", "diloco-int8": "tab:cyan"}  # fmt: skip
 LOOSE_POINTS = 0.01  # "within 1 point" of an accuracy-type metric reported as a fraction
 LOOSE_FACTOR = 1.02  # the same for a loss-type metric: within 2% of it
 
@@ -422,9 +423,12 @@ def summary_rows(report: dict[str, Any]) -> list[dict[str, str]]:
             rows.append({"system": name, metric: "failed"})
             continue
         sent = b["mean_sent_bytes"]
+        label = name if name != "powersgd" else f"powersgd (rank {b['powersgd_rank']})"
+        if name.startswith("diloco"):
+            label = f"{name} (H={b['local_steps']})"
         rows.append(
             {
-                "system": name if name != "powersgd" else f"powersgd (rank {b['powersgd_rank']})",
+                "system": label,
                 metric: f"{b['final'][b['metric']]:.4f}",
                 "eval loss": f"{b['final'].get('loss', 0):.4f}",
                 "steps": str(b["steps"]),
@@ -464,7 +468,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         "Bytes: swarm = what each peer's gossip put on the wire (its counters); baselines = "
-        "ring all-reduce traffic per rank, 2(n−1)/n × each all-reduce payload. Kernel MB "
+        "ring all-reduce traffic per rank, 2(n−1)/n × each all-reduce payload (int8 DiLoCo: "
+        "(n−1)/n × its all-to-all input plus (n−1) × its all-gather input). Kernel MB "
         "(netns): what each site's link carried, headers, acks and framing included. "
         "Train s: wall-clock of the training loop (start-up excluded).",
     ]

@@ -180,10 +180,17 @@ class Experiment:
             place = self._placement()
         finally:
             self.lab = None
+        outer = s.baselines.diloco_settings(self.cfg.gossip.local_steps)
         for name in s.baselines.run:
+            how, extra = "torch DDP", ""
+            if name == "powersgd":
+                extra = f", PowerSGD rank {s.baselines.powersgd_rank}"
+            elif name.startswith("diloco"):
+                how = "all-reduce DiLoCo"
+                extra = f", H={outer.local_steps}, outer lr {outer.outer_lr}, momentum "
+                extra += str(outer.outer_momentum)
             lines.append(
-                f"baseline {name}: {self.n} ranks, torch DDP over gloo, rank 0 at {place.host}"
-                + (f", PowerSGD rank {s.baselines.powersgd_rank}" if name == "powersgd" else "")
+                f"baseline {name}: {self.n} ranks, {how} over gloo, rank 0 at {place.host}{extra}"
             )
         lines.append(f"outputs: {self.out}/report.json, summary.md, *.png")
         return lines
@@ -322,6 +329,7 @@ class Experiment:
         run = BaselineRun(
             name, self.n, train, self.out / "baselines" / name, self._placement(),
             b.powersgd_rank, b.powersgd_start_iter,
+            b.diloco_settings(self.cfg.gossip.local_steps),
         )  # fmt: skip
         before = self.lab.counters() if self.lab else {}
         ok = False

@@ -4,7 +4,8 @@ Sections:
   [experiment]   name, peers, mode (local | netns | ssh), seed, timeout
   [network]      link profile for netns mode: default rate/delay/jitter/loss, per-site and
                  per-link overrides
-  [baselines]    which baselines run in the same conditions (ddp, powersgd) and their knobs
+  [baselines]    which baselines run in the same conditions (ddp, powersgd, diloco,
+                 diloco-int8, hivemind) and their knobs
   [ssh]          inventory file for ssh mode
   [train], [gossip], [membership], [checkpoint], [metrics], [transport], ...
                  peer daemon config (docs/config.md), passed to every peer and validated by
@@ -18,10 +19,13 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from gossipgrad.peer.config import ConfigError, PeerConfig, build_config
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from gossipgrad.experiment.diloco import OuterSettings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -182,15 +186,25 @@ class ExperimentSection(_Model):
 class BaselinesSection(_Model):
     """Baselines run after the swarm on the same task, seed, shards and sample budget."""
 
-    run: list[Literal["ddp", "powersgd", "hivemind"]] = Field(
+    run: list[Literal["ddp", "powersgd", "diloco", "diloco-int8", "hivemind"]] = Field(
         default_factory=lambda: ["ddp", "powersgd"]
     )
     """ddp: dense DDP all-reduce over gloo; powersgd: DDP with PyTorch's PowerSGD hook;
-    hivemind: hivemind.Optimizer's gradient all-reduce (needs ``scripts/setup.sh --hivemind``)."""
+    diloco / diloco-int8: all-reduce DiLoCo (Douillard et al. 2023) with fp32 / int8
+    pseudo-gradients; hivemind: hivemind.Optimizer's gradient all-reduce (needs
+    ``scripts/setup.sh --hivemind``)."""
     powersgd_rank: int = Field(2, ge=1)
     """matrix_approximation_rank of the PowerSGD hook."""
     powersgd_start_iter: int = Field(10, ge=1)
     """Iterations of dense all-reduce before PowerSGD starts (start_powerSGD_iter)."""
+    diloco_local_steps: int = Field(0, ge=0)
+    """DiLoCo's H, inner optimizer steps between outer steps; 0: gossip.local_steps, the
+    swarm's own H (DiLoCo at the same H as the swarm)."""
+    diloco_outer_lr: float = Field(0.7, gt=0)
+    """Learning rate of DiLoCo's outer Nesterov SGD (the paper's 0.7)."""
+    diloco_outer_momentum: float = Field(0.9, ge=0, lt=1)
+    """Momentum of DiLoCo's outer SGD (the paper's 0.9); 0: plain SGD on the mean
+    pseudo-gradient (with lr 1 and H 1: parameter averaging after every step)."""
     steps: int = Field(0, ge=0)
     """Steps of every baseline rank; 0: train.steps, the same sample budget as each peer.
     Another value turns the comparison into a race to an accuracy (report time_to_target),
@@ -206,6 +220,17 @@ class BaselinesSection(_Model):
 
             hivemind_python()  # fails now, with the setup command, not after the swarm ran
         return v
+
+    def diloco_settings(self, swarm_local_steps: int) -> OuterSettings:
+        """The DiLoCo baselines' outer loop; H is the swarm's ``swarm_local_steps`` unless
+        ``diloco_local_steps`` sets it."""
+        from gossipgrad.experiment.diloco import OuterSettings
+
+        return OuterSettings(
+            local_steps=self.diloco_local_steps or swarm_local_steps,
+            outer_lr=self.diloco_outer_lr,
+            outer_momentum=self.diloco_outer_momentum,
+        )
 
 
 class SshSection(_Model):
