@@ -391,7 +391,7 @@ class ChocoGossip(GossipAlgorithm):
         def progress() -> None:
             self._mix_ready(list(edges))
 
-        self.nb.wait(missing, self.settings.round_timeout, "finish", progress, mark_lagging=False)
+        self.nb.wait(missing, self.settings.round_timeout, "finish", progress, final=True)
 
     def _residual_norm(self, peers: list[str]) -> float:
         """RMS over edges of ||x − x̂_{i->j}||: what error feedback still has to send."""

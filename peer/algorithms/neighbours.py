@@ -203,15 +203,16 @@ class Neighbourhood:
         timeout: float,
         what: str,
         on_wake: Callable[[], None] | None = None,
-        mark_lagging: bool = True,
+        final: bool = False,
     ) -> float:
         """Block until ``missing()`` names no live, non-lagging peer, at most ``timeout``.
 
         ``on_wake`` runs first and after every arrival (outside the lock): the caller's chance
         to act on what came in (mix it, push the next update). A neighbour that misses the
         deadline is not waited for again until it is heard from: a slow neighbour paces this
-        peer, only a silent one is left behind (``mark_lagging`` False: a last wait that leaves
-        no such mark). Returns the seconds spent.
+        peer, only a silent one is left behind. ``final``: the last wait of a run, which waits
+        for lagging neighbours too (their exchange may be on its way, and the other end would
+        mix it) and marks none. Returns the seconds spent.
         """
         t0 = time.monotonic()
         deadline = t0 + timeout
@@ -221,13 +222,17 @@ class Neighbourhood:
             if on_wake is not None:
                 on_wake()
             with self.arrived:
-                waiting = [p for p in missing() if p not in self._lagging and self.view.is_alive(p)]
+                waiting = [
+                    p
+                    for p in missing()
+                    if (final or p not in self._lagging) and self.view.is_alive(p)
+                ]
                 if not waiting:
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     log.warning("%s: nothing from %s in %.1fs", what, waiting, timeout)
-                    for p in waiting if mark_lagging else ():
+                    for p in () if final else waiting:
                         self._lagging[p] = self._heard.get(p, 0)
                     break
                 if self._events == seen:
