@@ -162,3 +162,29 @@ def test_read_only_checkpoint_dir_is_a_clear_error_and_changes_nothing(small_fs:
         subprocess.run(["mount", "-o", "remount,rw", str(small_fs)], check=True, timeout=10)
     assert path.read_bytes() == before
     assert checkpoint.load(path) == {"version": 1}
+
+
+def test_a_diverged_step_never_overwrites_the_last_good_checkpoint(tmp_path: Path) -> None:
+    """Training turns NaN at step 35 with checkpoints every 10 steps: the daemon stops with a
+    clear error, and the checkpoint left is the one of step 30, finite, so a restart resumes
+    from good parameters instead of crash-looping on NaN."""
+    from gossipgrad.peer.config import build_config
+    from gossipgrad.peer.daemon import Daemon
+
+    cfg = build_config(
+        {},
+        {
+            "peer.id": "solo",
+            "peer.run_dir": str(tmp_path),
+            "train.task": "tiny_user_task:make_diverging_task",
+            "train.steps": 100,
+            "train.eval_every": 0,
+            "checkpoint.every": 10,
+            "metrics.enabled": False,
+        },
+    )
+    with pytest.raises(FloatingPointError, match="loss is nan"):
+        Daemon(cfg).run()
+    state = checkpoint.load(tmp_path / "checkpoint.pt")
+    assert state is not None and state["local_step"] == 30
+    assert torch.isfinite(state["params"]).all()

@@ -60,3 +60,32 @@ def make_dataset_task(ctx: TaskContext) -> Task:
 def not_a_task(ctx: TaskContext) -> int:
     """A broken factory: returns something that is not a Task."""
     return 42
+
+
+class DivergesAfter(nn.Module):
+    """A classifier whose output turns NaN from its ``after``-th training forward on."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        self.after = after
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+        out = self.net(x)
+        return out * float("nan") if self.calls >= self.after else out
+
+
+def make_diverging_task(ctx: TaskContext) -> Task:
+    """The tiny task, except that training diverges (NaN) at step 35."""
+    x, y = _data(400, seed=1)
+    test_x, test_y = _data(200, seed=2)
+    return Task.from_parts(
+        ctx,
+        model=DivergesAfter(35),
+        train_dataset=(x, y),
+        eval_fn=classification_eval(test_x, test_y),
+        name="diverging",
+    )

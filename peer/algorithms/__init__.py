@@ -56,7 +56,8 @@ def build_algorithm(
             flat, average, consensus, cfg.consensus_every, cfg.ef_momentum, state_lock
         )
     anchor = flat.data.detach().clone()
-    anchors = ChocoGossip(anchor, flat.initial, settings, neighbourhood, state_lock, metrics)
+    anchor_settings = ChocoSettings.from_config(cfg, codec=cfg.anchor_codec, gamma=cfg.anchor_gamma)
+    anchors = ChocoGossip(anchor, flat.initial, anchor_settings, neighbourhood, state_lock, metrics)
     outer = OuterSettings(
         local_steps=cfg.local_steps,
         lr=cfg.outer_lr,
