@@ -176,6 +176,8 @@ def test_every_codec_keeps_anchors_together(codec: str, overlap: bool) -> None:
         2,
         topology="ring",
         codec=codec,
+        anchor_codec=codec,
+        anchor_gamma=0.2,
         local_steps=2,
         outer_lr=0.7,
         outer_momentum=0.5,
