@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import shlex
 import subprocess
 import sys
@@ -11,9 +10,13 @@ from pathlib import Path
 
 import pytest
 from gossipgrad.experiment import cli, ssh
+from gossipgrad.experiment.analysis import smooth
 from gossipgrad.experiment.baselines import RankPlacement, rank_command
+from gossipgrad.experiment.markdown import markdown
 from gossipgrad.experiment.netns import netem_args, shaping_commands
-from gossipgrad.experiment.report import PLOTS, markdown, smooth, write_outputs
+from gossipgrad.experiment.plots import PLOTS
+from gossipgrad.experiment.records import Report
+from gossipgrad.experiment.report import load_report, write_outputs
 from gossipgrad.experiment.spec import (
     LinkProfile,
     SpecError,
@@ -217,7 +220,7 @@ def test_smoothing_is_a_trailing_mean(values: list[float], window: int) -> None:
         assert v == pytest.approx(sum(chunk) / len(chunk), rel=1e-6, abs=1e-3)
 
 
-def synthetic_report() -> dict:
+def synthetic_report() -> Report:
     hist = [{"step": s, "loss": 2.0 / s, "sent_bytes": 1000 * s, "seconds": 0.1 * s,
              "consensus_distance": 1.0 / s} for s in range(1, 40)]  # fmt: skip
     evals = [{"step": 20, "seconds": 1.9, "accuracy": 0.8, "loss": 0.5}]
@@ -228,21 +231,21 @@ def synthetic_report() -> dict:
             "ranks": [{"history": hist}], "mean_sent_bytes": 4e6, "wall_seconds": 2.0,
             "dense_bytes_per_rank": 4e6, "link_bytes": {"rank0 ring": 4e6},
             "evals": evals, "final_seconds": 2.0}  # fmt: skip
-    return {
+    return Report.model_validate({
         "name": "synthetic", "task": "digits", "peers": 1, "mode": "local", "seed": 0,
         "steps": 39, "batch_size": 32, "codec": "topk:0.01", "topology": "ring",
         "swarm": {"peers": [peer], "metric": "accuracy", "mean_sent_bytes": 39000,
                   "mean_dense_bytes": 4e6, "wall_seconds": 4.0, "consensus_distance": 1e-3,
                   "relative_consensus_distance": 1e-5, "link_bytes": {"peer0→peer1": 39000}},
         "baselines": {"ddp": base},
-    }  # fmt: skip
+    })  # fmt: skip
 
 
 @pytest.mark.timeout(120)
 def test_report_writes_valid_pngs_and_a_table(tmp_path: Path) -> None:
     report = synthetic_report()
     write_outputs(tmp_path, report)
-    assert json.loads((tmp_path / "report.json").read_text())["name"] == "synthetic"
+    assert load_report(tmp_path) == report  # what was written reads back the same
     for name in PLOTS:
         w, h = png_size(tmp_path / name)
         assert w >= 400 and h >= 200

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gossipgrad.experiment.launch import reap
 from gossipgrad.peer.config import TrainSection
-from gossipgrad.peer.swarm import reap
 
 log = logging.getLogger(__name__)
 

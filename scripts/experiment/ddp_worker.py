@@ -36,9 +36,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from gossipgrad.peer.config import TrainSection
-from gossipgrad.peer.daemon import TrainClock, make_optimizer, task_context, write_json_atomic
 from gossipgrad.peer.schedule import make_scheduler
 from gossipgrad.peer.tasks import build_task
+from gossipgrad.peer.training import TrainClock, make_optimizer, task_context, write_json_atomic
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ import subprocess
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from gossipgrad.experiment.launch import reap
 from gossipgrad.experiment.spec import SpecError, tomllib
-from gossipgrad.peer.swarm import reap
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 FETCHED = ("status.json", "summary.json", "params.pt")
