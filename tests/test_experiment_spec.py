@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from gossipgrad.experiment.spec import (
     rate_bits,
     time_seconds,
 )
+from gossipgrad.peer.records import PeerStatus, write_record
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests_helpers_experiment import png_size
@@ -194,6 +196,24 @@ def test_ssh_commands(tmp_path: Path) -> None:
         ssh.SshSwarm(tmp_path, 2, {}, ssh.load_inventory(inv_path), "r", [])
 
 
+@pytest.mark.timeout(60)
+def test_ssh_stop_command_signals_the_pid_in_status_json(tmp_path: Path) -> None:
+    """The remote half of ``stop_command``, run by a local shell: it reads the pid with the
+    status record and sends SIGTERM to exactly that process."""
+    host = ssh.Host(address="h", workdir=str(tmp_path / "w d"), python=sys.executable)
+    run_dir = Path(ssh.remote_run_dir(host, "r", 0))
+    run_dir.mkdir(parents=True)
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        write_record(run_dir / "status.json", PeerStatus(id="peer0", pid=victim.pid))
+        remote = ssh.stop_command(host, 0, "r", [])[-1]
+        subprocess.run(["bash", "-c", remote], check=True, timeout=30)
+        assert victim.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        victim.kill()
+        victim.wait()
+
+
 @settings(max_examples=50, deadline=None)
 @given(values=st.lists(st.text(min_size=0, max_size=20), min_size=1, max_size=4))
 @pytest.mark.timeout(60)
@@ -266,9 +286,10 @@ def test_live_view_shows_every_process() -> None:
 
     buf = io.StringIO()
     console = Console(file=buf, force_terminal=True, width=120)
+    # A baseline rank's progress dict, and a peer's status record: the view shows both.
     statuses = [
         {"id": "peer0", "state": "training", "step": 42, "loss": 0.5, "sent_bytes": 2_500_000},
-        {"id": "peer1", "state": "starting"},
+        PeerStatus(id="peer1"),
     ]
     with LiveView(console, live=True) as view:
         view.finish("swarm: accuracy 0.9")

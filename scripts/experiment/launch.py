@@ -161,10 +161,7 @@ class LocalSwarm:
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM every peer (they checkpoint and leave), SIGKILL what is left after timeout
         (their child processes included)."""
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        reap(self.procs.values(), timeout)
+        terminate(self.procs.values(), timeout)
         for log_file in self.logs:
             log_file.close()
         self.logs.clear()
@@ -180,11 +177,30 @@ def _descendants(procs: Iterable[subprocess.Popen]) -> list[psutil.Process]:
     return out
 
 
-def reap(procs: Iterable[subprocess.Popen], timeout: float) -> None:
-    """Wait for processes already told to stop, and for their descendants; SIGKILL whatever
-    of them still runs at the deadline, so that nothing a phase started outlives it."""
+def terminate(procs: Iterable[subprocess.Popen], timeout: float) -> None:
+    """SIGTERM each process still running, then :func:`reap` them and their descendants.
+
+    The descendants are looked up before the signal: a parent that exits on SIGTERM hands its
+    children to init at once, and after that nothing ties them to it.
+    """
     procs = list(procs)
     tree = _descendants(procs)
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    _reap(procs, tree, timeout)
+
+
+def reap(procs: Iterable[subprocess.Popen], timeout: float) -> None:
+    """Wait for processes already told to stop, and for their descendants still attached to
+    them; SIGKILL whatever of them still runs at the deadline. (:func:`terminate` also finds
+    the children of a process that exits on the signal.)"""
+    procs = list(procs)
+    _reap(procs, _descendants(procs), timeout)
+
+
+def _reap(procs: list[subprocess.Popen], tree: list[psutil.Process], timeout: float) -> None:
+    """Wait until the deadline for ``procs`` and ``tree``; SIGKILL what still runs then."""
     deadline = time.monotonic() + timeout
     for p in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -194,9 +210,26 @@ def reap(procs: Iterable[subprocess.Popen], timeout: float) -> None:
             log.warning("pid %d did not stop in %.0fs: killed", p.pid, timeout)
             p.kill()
             p.wait()
-    _, alive = psutil.wait_procs(tree, timeout=max(0.1, deadline - time.monotonic()))
-    for child in alive:
+    left = _still_running(tree, deadline)
+    for child in left:
         log.warning("pid %d (a child) outlived its parent: killed", child.pid)
         with contextlib.suppress(psutil.Error):
             child.kill()
-    psutil.wait_procs(alive, timeout=5.0)
+    _still_running(left, time.monotonic() + 5.0)
+
+
+def _running(p: psutil.Process) -> bool:
+    """Alive and not a zombie (an orphan's zombie may wait for a reaper that never comes)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _still_running(procs: list[psutil.Process], deadline: float) -> list[psutil.Process]:
+    """Poll until every one of ``procs`` is gone or the deadline passes; those left."""
+    while True:
+        left = [p for p in procs if _running(p)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.1)
