@@ -113,7 +113,7 @@ class PeerSummary(TrafficTotals):
     site: SiteSummary | None = Field(None, description="Multi-rank sites only: this rank.")
 
 
-def read_record(path: Path, model: type[Record]) -> Record | None:
+def read_record(path: Path | str, model: type[Record]) -> Record | None:
     """The record in ``path``, or None while it is missing or not (yet) valid JSON.
 
     Raises:

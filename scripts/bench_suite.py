@@ -24,7 +24,7 @@ from pathlib import Path
 
 from bench_entries import DIGITS, ENTRIES, Entry
 from gossipgrad.experiment.analysis import done_peers, higher_is_better
-from gossipgrad.experiment.markdown import dict_table
+from gossipgrad.experiment.markdown import dict_table, table
 from gossipgrad.experiment.records import Report
 from gossipgrad.experiment.report import load_report
 
@@ -199,11 +199,9 @@ def _seed_figures(root: Path, name: str, ref: str) -> tuple[float, ...] | None:
 
 def seed_summary(root: Path) -> str:
     """Markdown: each digits ablation over seeds 0, 1, 2 (mean and range of the gap to DDP)."""
-    lines = [
-        "| run | seeds | swarm acc. mean | gap to DDP (pt) mean [min, max] | x̄ − DDP (pt) mean |"
-        " KB/peer/step | rel. CD mean |",
-        "|---|---:|---:|---|---:|---:|---:|",
-    ]
+    columns = ["run", "seeds", "swarm acc. mean", "gap to DDP (pt) mean [min, max]",
+               "x̄ − DDP (pt) mean", "KB/peer/step", "rel. CD mean"]  # fmt: skip
+    rows = []
     for e in ENTRIES:
         if e.spec != DIGITS or "ablation" not in e.tags:
             continue
@@ -215,12 +213,13 @@ def seed_summary(root: Path) -> str:
             continue
         n = len(figures)
         accs, gaps, xgaps, kbs, cds = (list(col) for col in zip(*figures, strict=True))
-        lines.append(
-            f"| {e.name} | {n} | {sum(accs) / n:.4f} | {sum(gaps) / n:+.2f} "
-            f"[{min(gaps):+.2f}, {max(gaps):+.2f}] | {sum(xgaps) / n:+.2f} | "
-            f"{sum(kbs) / n:.2f} | {sum(cds) / n:.1e} |"
-        )
-    return "\n".join(lines) + "\n"
+        rows.append([
+            e.name, str(n), f"{sum(accs) / n:.4f}",
+            f"{sum(gaps) / n:+.2f} [{min(gaps):+.2f}, {max(gaps):+.2f}]",
+            f"{sum(xgaps) / n:+.2f}", f"{sum(kbs) / n:.2f}", f"{sum(cds) / n:.1e}",
+        ])  # fmt: skip
+    right = [False, True, True, False, True, True, True]
+    return table(columns, rows, right) + "\n"
 
 
 def _plot_task(ax, runs: list[tuple[str, Report, Path]]) -> None:

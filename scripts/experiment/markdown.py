@@ -13,13 +13,15 @@ from gossipgrad.experiment import analysis, plots
 from gossipgrad.experiment.records import BaselineResult, Report, TimeToTarget
 
 
-def table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A markdown pipe table; ``|`` inside a cell is escaped."""
+def table(columns: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool] = ()) -> str:
+    """A markdown pipe table; ``|`` inside a cell is escaped; column i is right-aligned when
+    ``right[i]`` is true (numbers)."""
 
     def line(cells: Sequence[str]) -> str:
         return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
-    return "\n".join([line(columns), "|" + "---|" * len(columns), *(line(r) for r in rows)])
+    rule = ["---:" if i < len(right) and right[i] else "---" for i in range(len(columns))]
+    return "\n".join([line(columns), "|" + "|".join(rule) + "|", *(line(r) for r in rows)])
 
 
 def dict_table(rows: Sequence[dict[str, str]], missing: str = "-") -> str:
