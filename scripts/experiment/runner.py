@@ -271,9 +271,9 @@ class Experiment:
     ) -> PeerResult:
         """Peer i's entry: its summary.json (when it wrote one) plus the sampled history."""
         summary = read_record(run_dir / "summary.json", PeerSummary)
-        entry = PeerResult(id=f"peer{i}", ok=ok and summary is not None, history=history)
-        if edges:
-            entry.neighbours = edges
+        entry = PeerResult(
+            id=f"peer{i}", ok=ok and summary is not None, history=history, neighbours=edges
+        )
         if summary is None:
             return entry
         fields = set(PeerResult.model_fields) - {"ok", "history", "neighbours"}
