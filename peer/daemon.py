@@ -17,25 +17,24 @@ gradients densely, only rank 0 gossips, and ranks other than 0 write into ``run_
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import math
 import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from gossipgrad.peer import checkpoint
-from gossipgrad.peer.config import PeerConfig, TrainSection
+from gossipgrad.peer.config import PeerConfig
 from gossipgrad.peer.optimizer import GossipOptimizer
+from gossipgrad.peer.records import PeerStatus, PeerSummary, write_record
 from gossipgrad.peer.schedule import make_scheduler
 from gossipgrad.peer.site import SiteContext, SiteOptimizer, close_site, init_site
-from gossipgrad.peer.tasks import TaskContext, build_task
+from gossipgrad.peer.tasks import build_task
+from gossipgrad.peer.training import TrainClock, make_optimizer, task_context
 
 log = logging.getLogger(__name__)
 
@@ -47,38 +46,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def make_optimizer(params, cfg: TrainSection) -> torch.optim.Optimizer:
-    """The local optimizer named in the config."""
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(
-            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-        )
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-
-def task_context(
-    cfg: TrainSection, shard_index: int, num_shards: int, device: torch.device | None = None
-) -> TaskContext:
-    """The task's view of a [train] section for one shard (a peer, or a baseline's rank)."""
-    return TaskContext(
-        peer_index=shard_index,
-        num_peers=num_shards,
-        seed=cfg.seed,
-        partition=cfg.partition,
-        alpha=cfg.alpha,
-        batch_size=cfg.batch_size,
-        device=device if device is not None else torch.device("cpu"),
-    )
-
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
 
 
 class Daemon:
@@ -118,7 +85,7 @@ class Daemon:
     def _write_status(self, **fields: Any) -> None:
         self.status.update(fields, time=time.time())
         try:
-            write_json_atomic(self.run_dir / "status.json", self.status)
+            write_record(self.run_dir / "status.json", PeerStatus.model_validate(self.status))
         except OSError as err:
             log.debug("status.json not written: %s", err)
 
@@ -201,7 +168,7 @@ class Daemon:
                 close_site()
         summary["wall_seconds"] = time.monotonic() - t_start
         try:
-            write_json_atomic(self.run_dir / "summary.json", summary)
+            write_record(self.run_dir / "summary.json", PeerSummary.model_validate(summary))
         except OSError as err:  # disk full or read-only: the run itself succeeded
             log.error("summary.json not written: %s", err)
         self._write_status(state="done")
@@ -295,27 +262,6 @@ class Daemon:
     def _traffic(gopt: GossipOptimizer) -> dict[str, int]:
         """Bytes this peer put on the wire so far, by kind, plus the dense equivalent."""
         return traffic_totals(gopt.metrics.registry)
-
-
-class TrainClock:
-    """Seconds since training started with evaluation time left out, so that a peer's
-    evaluation points line up with the DDP baselines' (which evaluate on the same clock)."""
-
-    def __init__(self) -> None:
-        self.start = time.monotonic()
-        self.excluded = 0.0
-
-    def seconds(self) -> float:
-        return time.monotonic() - self.start - self.excluded
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Time spent inside the block does not count."""
-        t0 = time.monotonic()
-        try:
-            yield
-        finally:
-            self.excluded += time.monotonic() - t0
 
 
 def _consensus(gopt: GossipOptimizer) -> dict[str, float]:

@@ -32,6 +32,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from gossipgrad.peer.records import PeerStatus, read_record
+
 JOB_NAME = "gossipgrad"
 _DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
 _PEER_ID = re.compile(r"^[A-Za-z0-9_.:-]+$")
@@ -225,10 +227,12 @@ def targets_from_status(paths: list[Path], host: str = "127.0.0.1") -> dict[str,
     for path in paths:
         path = path / "status.json" if path.is_dir() else path
         try:
-            status = json.loads(path.read_text())
-            peer_id, port = status["id"], int(status["metrics_port"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            status = read_record(path, PeerStatus)
+        except OSError as e:
             raise ValueError(f"{path}: no peer id and metrics_port ({e})") from e
+        if status is None or not status.id or status.metrics_port is None:
+            raise ValueError(f"{path}: no peer id and metrics_port (missing or not JSON)")
+        peer_id, port = status.id, status.metrics_port
         if not port:
             raise ValueError(f"{path}: peer {peer_id!r} serves no metrics (metrics_port 0)")
         if peer_id in targets:

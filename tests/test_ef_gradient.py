@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from gossipgrad.experiment.launch import LocalSwarm
+from gossipgrad.experiment.swarm import summarize
 from gossipgrad.peer.algorithms import EFGradient, Identity, Neighbourhood, build_algorithm
 from gossipgrad.peer.config import build_config
 from gossipgrad.peer.flat import FlatParameters
 from gossipgrad.peer.optimizer import GossipOptimizer
-from gossipgrad.peer.swarm import LocalSwarm, summarize
 from gossipgrad.peer.tasks import TaskContext, train_centralized
 from gossipgrad.peer.topology import topology_from_name
 from hypothesis import given, settings

@@ -29,7 +29,7 @@ from gossipgrad.experiment.diloco import OuterSettings, chunk_length
 from gossipgrad.experiment.socket_bytes import parse_ss
 from gossipgrad.experiment.spec import parse_spec
 from gossipgrad.peer.config import TrainSection
-from gossipgrad.peer.daemon import make_optimizer, task_context
+from gossipgrad.peer.training import make_optimizer, task_context
 from gossipgrad.peer.schedule import make_scheduler
 from gossipgrad.peer.tasks import build_task
 from hypothesis import given, settings

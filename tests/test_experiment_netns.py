@@ -7,7 +7,6 @@ process survives a run, a SIGTERM, or a runner that died.
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -16,7 +15,9 @@ from pathlib import Path
 
 import pytest
 from gossipgrad.experiment import netns
+from gossipgrad.experiment.report import load_report
 from gossipgrad.experiment.spec import NetworkSection
+from gossipgrad.peer.records import PeerStatus, read_record
 from tests_helpers_experiment import processes_mentioning
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,23 +149,23 @@ def test_netns_experiment_three_peers_over_shaped_links(tmp_path: Path) -> None:
     )
     output, _ = proc.communicate(timeout=270)
     assert proc.returncode == 0, output[-4000:]
-    report = json.loads((out / "report.json").read_text())
-    assert report["mode"] == "netns" and report["ok"]
-    assert ours(report["namespaces"]) == []
+    report = load_report(out)
+    assert report.mode == "netns" and report.ok and report.namespaces
+    assert ours(report.namespaces) == []
     assert processes_mentioning(str(out)) == []
-    swarm = report["swarm"]
-    for i, p in enumerate(swarm["peers"]):
-        assert p["ok"] and p["steps"] == 100 and p["final"]["accuracy"] > 0.7
-        status = json.loads((out / "swarm" / f"peer{i}" / "status.json").read_text())
-        assert status["address"].startswith(f"198.18.0.{i + 1}:")
+    swarm = report.swarm
+    for i, p in enumerate(swarm.peers):
+        assert p.ok and p.steps == 100 and (p.final or {})["accuracy"] > 0.7
+        status = read_record(out / "swarm" / f"peer{i}" / "status.json", PeerStatus)
+        assert status is not None and (status.address or "").startswith(f"198.18.0.{i + 1}:")
     # The kernel saw the gossip on every site's access link: at least what peers counted.
-    links = swarm["link_bytes"]
-    for i, p in enumerate(swarm["peers"]):
-        assert links[f"peer{i} up"] >= 0.9 * p["sent_bytes"] > 0
-    ddp = report["baselines"]["ddp"]
-    assert ddp["ok"] and ddp["steps"] == 100 and ddp["final"]["accuracy"] > 0.7
+    links = swarm.link_bytes
+    for i, p in enumerate(swarm.peers):
+        assert links[f"peer{i} up"] >= 0.9 * p.sent_bytes > 0
+    ddp = report.baselines["ddp"]
+    assert ddp.ok and ddp.steps == 100 and (ddp.final or {})["accuracy"] > 0.7
     # The all-reduces crossed the shaped links too (kernel counters, headers included).
-    assert all(ddp["link_bytes"][f"peer{i} up"] > 0.5 * ddp["mean_sent_bytes"] for i in range(3))
+    assert all(ddp.link_bytes[f"peer{i} up"] > 0.5 * (ddp.mean_sent_bytes or 0) for i in range(3))
 
 
 @pytest.mark.timeout(180)
@@ -174,7 +175,7 @@ def test_sigterm_stops_everything_and_removes_namespaces(tmp_path: Path) -> None
     try:
         deadline = time.monotonic() + 150
         status = out / "swarm" / "peer2" / "status.json"
-        while not (status.exists() and json.loads(status.read_text()).get("step", 0) > 0):
+        while (read_record(status, PeerStatus) or PeerStatus()).step == 0:
             assert proc.poll() is None, proc.stdout.read()[-3000:]
             assert time.monotonic() < deadline, "peers did not start training"
             time.sleep(0.5)

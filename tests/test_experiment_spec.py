@@ -3,17 +3,21 @@
 
 from __future__ import annotations
 
-import json
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from gossipgrad.experiment import cli, ssh
+from gossipgrad.experiment.analysis import smooth
 from gossipgrad.experiment.baselines import RankPlacement, rank_command
+from gossipgrad.experiment.markdown import markdown
 from gossipgrad.experiment.netns import netem_args, shaping_commands
-from gossipgrad.experiment.report import PLOTS, markdown, smooth, write_outputs
+from gossipgrad.experiment.plots import PLOTS
+from gossipgrad.experiment.records import Report
+from gossipgrad.experiment.report import load_report, write_outputs
 from gossipgrad.experiment.spec import (
     LinkProfile,
     SpecError,
@@ -22,6 +26,7 @@ from gossipgrad.experiment.spec import (
     rate_bits,
     time_seconds,
 )
+from gossipgrad.peer.records import PeerStatus, write_record
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests_helpers_experiment import png_size
@@ -191,6 +196,24 @@ def test_ssh_commands(tmp_path: Path) -> None:
         ssh.SshSwarm(tmp_path, 2, {}, ssh.load_inventory(inv_path), "r", [])
 
 
+@pytest.mark.timeout(60)
+def test_ssh_stop_command_signals_the_pid_in_status_json(tmp_path: Path) -> None:
+    """The remote half of ``stop_command``, run by a local shell: it reads the pid with the
+    status record and sends SIGTERM to exactly that process."""
+    host = ssh.Host(address="h", workdir=str(tmp_path / "w d"), python=sys.executable)
+    run_dir = Path(ssh.remote_run_dir(host, "r", 0))
+    run_dir.mkdir(parents=True)
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        write_record(run_dir / "status.json", PeerStatus(id="peer0", pid=victim.pid))
+        remote = ssh.stop_command(host, 0, "r", [])[-1]
+        subprocess.run(["bash", "-c", remote], check=True, timeout=30)
+        assert victim.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        victim.kill()
+        victim.wait()
+
+
 @settings(max_examples=50, deadline=None)
 @given(values=st.lists(st.text(min_size=0, max_size=20), min_size=1, max_size=4))
 @pytest.mark.timeout(60)
@@ -217,7 +240,7 @@ def test_smoothing_is_a_trailing_mean(values: list[float], window: int) -> None:
         assert v == pytest.approx(sum(chunk) / len(chunk), rel=1e-6, abs=1e-3)
 
 
-def synthetic_report() -> dict:
+def synthetic_report() -> Report:
     hist = [{"step": s, "loss": 2.0 / s, "sent_bytes": 1000 * s, "seconds": 0.1 * s,
              "consensus_distance": 1.0 / s} for s in range(1, 40)]  # fmt: skip
     evals = [{"step": 20, "seconds": 1.9, "accuracy": 0.8, "loss": 0.5}]
@@ -228,21 +251,21 @@ def synthetic_report() -> dict:
             "ranks": [{"history": hist}], "mean_sent_bytes": 4e6, "wall_seconds": 2.0,
             "dense_bytes_per_rank": 4e6, "link_bytes": {"rank0 ring": 4e6},
             "evals": evals, "final_seconds": 2.0}  # fmt: skip
-    return {
+    return Report.model_validate({
         "name": "synthetic", "task": "digits", "peers": 1, "mode": "local", "seed": 0,
         "steps": 39, "batch_size": 32, "codec": "topk:0.01", "topology": "ring",
         "swarm": {"peers": [peer], "metric": "accuracy", "mean_sent_bytes": 39000,
                   "mean_dense_bytes": 4e6, "wall_seconds": 4.0, "consensus_distance": 1e-3,
                   "relative_consensus_distance": 1e-5, "link_bytes": {"peer0→peer1": 39000}},
         "baselines": {"ddp": base},
-    }  # fmt: skip
+    })  # fmt: skip
 
 
 @pytest.mark.timeout(120)
 def test_report_writes_valid_pngs_and_a_table(tmp_path: Path) -> None:
     report = synthetic_report()
     write_outputs(tmp_path, report)
-    assert json.loads((tmp_path / "report.json").read_text())["name"] == "synthetic"
+    assert load_report(tmp_path) == report  # what was written reads back the same
     for name in PLOTS:
         w, h = png_size(tmp_path / name)
         assert w >= 400 and h >= 200
@@ -263,9 +286,10 @@ def test_live_view_shows_every_process() -> None:
 
     buf = io.StringIO()
     console = Console(file=buf, force_terminal=True, width=120)
+    # A baseline rank's progress dict, and a peer's status record: the view shows both.
     statuses = [
         {"id": "peer0", "state": "training", "step": 42, "loss": 0.5, "sent_bytes": 2_500_000},
-        {"id": "peer1", "state": "starting"},
+        PeerStatus(id="peer1"),
     ]
     with LiveView(console, live=True) as view:
         view.finish("swarm: accuracy 0.9")

@@ -27,8 +27,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from gossipgrad.experiment.analysis import consensus_distance
+from gossipgrad.experiment.launch import LocalSwarm
 from gossipgrad.peer.security import write_swarm_certs
-from gossipgrad.peer.swarm import LocalSwarm, consensus_distance
 from netlab import NetLab, netlab_unavailable
 
 pytestmark = [
@@ -79,7 +80,7 @@ def scrape(lab: NetLab, i: int) -> dict[str, float]:
 
 
 def steps(swarm: LocalSwarm) -> list[int]:
-    return [s.get("step", 0) for s in swarm.statuses()]
+    return [s.step for s in swarm.statuses()]
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from gossipgrad.experiment.launch import LocalSwarm
+from gossipgrad.experiment.swarm import summarize
 from gossipgrad.peer.site import SiteContext
-from gossipgrad.peer.swarm import LocalSwarm, summarize
 from gossipgrad.peer.tasks import TaskContext, train_centralized
 
 SITES, RANKS = 2, 2

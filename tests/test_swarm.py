@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from gossipgrad.peer.swarm import LocalSwarm, summarize
+from gossipgrad.experiment.launch import LocalSwarm
+from gossipgrad.experiment.swarm import summarize
+from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
 from gossipgrad.peer.tasks import TaskContext, train_centralized
 
 STEPS = 300
@@ -44,7 +46,7 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 
 
 def step_of(swarm: LocalSwarm, i: int) -> int:
-    return swarm.statuses()[i].get("step", 0)
+    return swarm.status(i).step
 
 
 @pytest.fixture
@@ -118,8 +120,8 @@ def test_late_joiner_downloads_state_and_catches_up(swarm_factory) -> None:
     swarm.spawn(3)
     assert swarm.wait(240), "swarm did not finish"
     assert swarm.failed() == []
-    status = json.loads((swarm.peer_dir(3) / "status.json").read_text())
-    assert status["joined_at_step"] >= 150
+    status = read_record(swarm.peer_dir(3) / "status.json", PeerStatus)
+    assert status is not None and (status.joined_at_step or 0) >= 150
     result = summarize(swarm)
     late = result["peers"][3]
     assert late["received_state_bytes"] > 0
@@ -135,10 +137,10 @@ def test_sigterm_checkpoints_and_leaves_cleanly(swarm_factory) -> None:
     wait_for(lambda: step_of(swarm, 1) >= 50, 120, "peer1 to train")
     swarm.procs[1].send_signal(signal.SIGTERM)
     assert swarm.procs[1].wait(timeout=30) == 0
-    summary = json.loads((swarm.peer_dir(1) / "summary.json").read_text())
-    assert summary["stopped_early"] is True
+    summary = read_record(swarm.peer_dir(1) / "summary.json", PeerSummary)
+    assert summary is not None and summary.stopped_early is True
     state = torch.load(swarm.peer_dir(1) / "checkpoint.pt", weights_only=True)
-    assert state["local_step"] == summary["steps"] >= 50
+    assert state["local_step"] == summary.steps >= 50
     # The others see it leave at once (no dead_after wait) and keep training.
     before = step_of(swarm, 0)
     wait_for(lambda: "peer peer1 left" in (swarm.out / "peer0.log").read_text(), 10, "leave")

@@ -6,6 +6,8 @@ import os
 import struct
 from pathlib import Path
 
+import psutil
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -19,14 +21,8 @@ def png_size(path: Path) -> tuple[int, int]:
 
 def processes_mentioning(text: str) -> list[int]:
     """Live processes (other than this one) whose command line contains ``text``."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if text in cmdline:
-            pids.append(int(entry.name))
-    return pids
+    return [
+        p.info["pid"]
+        for p in psutil.process_iter(["pid", "cmdline"])
+        if p.info["pid"] != os.getpid() and text in " ".join(p.info["cmdline"] or ())
+    ]

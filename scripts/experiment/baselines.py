@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from gossipgrad.experiment.diloco import OuterSettings
+from gossipgrad.experiment.launch import reap
 from gossipgrad.peer.config import TrainSection
-from gossipgrad.peer.swarm import reap
 
 log = logging.getLogger(__name__)
 

@@ -42,6 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-live", action="store_true", help="plain progress lines, no live table")
     p.add_argument("--report", type=Path, metavar="DIR", help="redraw plots/summary of DIR")
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING"])
+    p.add_argument(
+        "--records-reference",
+        nargs="?",
+        const="-",
+        metavar="PAGE",
+        help="print the tables of the status.json, summary.json and report.json fields "
+        "(markdown) and exit; with PAGE, rewrite its records section instead "
+        "(docs/experiments.md)",
+    )
     return p
 
 
@@ -77,10 +86,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
     console = Console()
-    if args.report:
-        from gossipgrad.experiment.report import write_outputs
+    if args.records_reference:
+        from gossipgrad.experiment import records
 
-        write_outputs(args.report, json.loads((args.report / "report.json").read_text()))
+        if args.records_reference == "-":
+            sys.stdout.write(records.records_reference())
+        else:
+            page = Path(args.records_reference)
+            page.write_text(records.with_records_reference(page.read_text()))
+        return 0
+    if args.report:
+        from gossipgrad.experiment.report import load_report, write_outputs
+
+        write_outputs(args.report, load_report(args.report))
         console.print(f"redrew {args.report}")
         return 0
     if args.spec is None:
@@ -123,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     console.print((out / "summary.md").read_text(), markup=False, highlight=False, soft_wrap=True)
     console.print(f"report: {out / 'report.json'}")
-    return 0 if report["ok"] else 1
+    return 0 if report.ok else 1
 
 
 if __name__ == "__main__":

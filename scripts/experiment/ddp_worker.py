@@ -49,9 +49,9 @@ import torch.distributed as dist
 from gossipgrad.experiment.diloco import PSEUDO_GRADIENT_DTYPES, OuterOptimizer, OuterSettings
 from gossipgrad.experiment.socket_bytes import ConnectionBytes
 from gossipgrad.peer.config import TrainSection
-from gossipgrad.peer.daemon import TrainClock, make_optimizer, task_context, write_json_atomic
 from gossipgrad.peer.schedule import make_scheduler
 from gossipgrad.peer.tasks import build_task
+from gossipgrad.peer.training import TrainClock, make_optimizer, task_context, write_json_atomic
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,10 @@ when the output is not a terminal (``--no-live``)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gossipgrad.peer.records import PeerStatus
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -14,17 +16,24 @@ from rich.text import Text
 
 PLAIN_EVERY_S = 5.0
 
+# A peer's status.json, or a baseline rank's progress file (the same keys, as a dict).
+Progress = PeerStatus | Mapping[str, Any]
+
+
+def _fields(s: Progress) -> Mapping[str, Any]:
+    return s.model_dump() if isinstance(s, PeerStatus) else s
+
 
 def _mb(n: float) -> str:
     return f"{n / 1e6:,.2f}"
 
 
-def progress_table(phase: str, statuses: list[dict[str, Any]], steps: int) -> Table:
+def progress_table(phase: str, statuses: Sequence[Progress], steps: int) -> Table:
     """A table with one row per process of ``phase``."""
     table = Table(title=f"{phase}", expand=False)
     for col in ("id", "state", "step", "loss", "sent MB", "recv MB"):
         table.add_column(col, justify="right")
-    for i, s in enumerate(statuses):
+    for i, s in enumerate(map(_fields, statuses)):
         loss = s.get("loss")
         table.add_row(
             str(s.get("id", i)),
@@ -64,7 +73,7 @@ class LiveView:
         if self._live is None:
             self.console.print(line)
 
-    def update(self, phase: str, statuses: list[dict[str, Any]], steps: int) -> None:
+    def update(self, phase: str, statuses: Sequence[Progress], steps: int) -> None:
         if self._live is not None:
             header = Text("\n".join(self.done)) if self.done else Text("")
             self._live.update(Group(header, progress_table(phase, statuses, steps)))
@@ -75,6 +84,6 @@ class LiveView:
             cells = [
                 f"{s.get('id', i)}:{s.get('step', 0)}"
                 + (f"/{s['loss']:.3f}" if isinstance(s.get("loss"), (int, float)) else "")
-                for i, s in enumerate(statuses)
+                for i, s in enumerate(map(_fields, statuses))
             ]
             self.console.print(f"{phase} step/loss " + " ".join(cells))

@@ -19,17 +19,26 @@ import re
 import signal
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from gossipgrad.experiment import netns, ssh
+from gossipgrad.experiment.analysis import consensus_distance
 from gossipgrad.experiment.baselines import BaselineRun, RankPlacement
-from gossipgrad.experiment.live import LiveView
+from gossipgrad.experiment.launch import LocalSwarm
+from gossipgrad.experiment.live import LiveView, Progress
+from gossipgrad.experiment.records import (
+    BaselineResult,
+    PeerResult,
+    Report,
+    Sample,
+    SwarmResult,
+)
 from gossipgrad.experiment.report import write_outputs
 from gossipgrad.experiment.spec import Spec
 from gossipgrad.peer.config import TrainSection
-from gossipgrad.peer.swarm import LocalSwarm, consensus_distance, read_json
+from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
 from rich.console import Console
 
 log = logging.getLogger(__name__)
@@ -202,8 +211,8 @@ class Experiment:
         view: LiveView,
         phase: str,
         running: Callable[[], bool],
-        statuses: Callable[[], list[dict[str, Any]]],
-        on_sample: Callable[[list[dict[str, Any]]], None] | None = None,
+        statuses: Callable[[], Sequence[Progress]],
+        on_sample: Callable[[Any], None] | None = None,
     ) -> bool:
         """Sample statuses until the phase ends; False if it ran past experiment.timeout."""
         deadline = time.monotonic() + self.spec.experiment.timeout
@@ -219,35 +228,34 @@ class Experiment:
             view.update(phase, st, steps)
         return True
 
-    def run_swarm(self, view: LiveView) -> dict[str, Any]:
+    def run_swarm(self, view: LiveView) -> SwarmResult:
         swarm = self.make_swarm()
-        history: list[list[dict[str, Any]]] = [[] for _ in range(self.n)]
+        history: list[list[Sample]] = [[] for _ in range(self.n)]
         edges: dict[int, dict[str, dict[str, int]]] = {}
         last_scrape = [0.0]
 
-        def on_sample(statuses: list[dict[str, Any]]) -> None:
+        def on_sample(statuses: list[PeerStatus]) -> None:
             for i, s in enumerate(statuses):
-                if s.get("state") in ACTIVE_STATES and "loss" in s and "time" in s:
+                if s.state in ACTIVE_STATES and s.loss is not None and s.time is not None:
                     h = history[i]
-                    if not h or h[-1]["time"] != s["time"]:
+                    if not h or h[-1].time != s.time:
                         h.append(
-                            {
-                                "step": s["step"],
-                                "loss": s["loss"],
-                                "sent_bytes": s.get("sent_bytes", 0),
-                                "received_bytes": s.get("received_bytes", 0),
-                                "time": s["time"],
-                            }
+                            Sample(
+                                step=s.step,
+                                loss=s.loss,
+                                sent_bytes=s.sent_bytes,
+                                received_bytes=s.received_bytes,
+                                time=s.time,
+                                consensus_distance=s.consensus_distance,
+                            )
                         )
-                        if s.get("consensus_distance") is not None:
-                            h[-1]["consensus_distance"] = s["consensus_distance"]
             now = time.monotonic()
             if self.spec.experiment.mode == "local" and now - last_scrape[0] > SCRAPE_EVERY_S:
                 last_scrape[0] = now
                 for i, s in enumerate(statuses):
-                    if s.get("metrics_port") and s.get("state") in ACTIVE_STATES:
+                    if s.metrics_port and s.state in ACTIVE_STATES:
                         with contextlib.suppress(OSError):
-                            edges[i] = scrape_edge_bytes(int(s["metrics_port"]))
+                            edges[i] = scrape_edge_bytes(s.metrics_port)
 
         before = self.lab.counters() if self.lab else {}
         t0 = time.monotonic()
@@ -264,57 +272,51 @@ class Experiment:
             swarm.fetch()
         return self._swarm_result(swarm, history, edges, link_bytes, ok, elapsed)
 
-    def _swarm_result(self, swarm, history, edges, link_bytes, ok, elapsed) -> dict[str, Any]:
-        peers = []
+    @staticmethod
+    def _peer_result(
+        i: int, run_dir: Path, ok: bool, history: list[Sample], edges: dict[str, dict[str, int]]
+    ) -> PeerResult:
+        """Peer i's entry: its summary.json (when it wrote one) plus the sampled history."""
+        summary = read_record(run_dir / "summary.json", PeerSummary)
+        entry = PeerResult(
+            id=f"peer{i}", ok=ok and summary is not None, history=history, neighbours=edges
+        )
+        if summary is None:
+            return entry
+        fields = set(PeerResult.model_fields) - {"ok", "history", "neighbours"}
+        return entry.model_copy(update=summary.model_dump(include=fields))
+
+    def _swarm_result(self, swarm, history, edges, link_bytes, ok, elapsed) -> SwarmResult:
         failed = swarm.failed()
-        t_start = min((h[0]["time"] for h in history if h), default=0.0)
-        for i in range(self.n):
-            summary = read_json(swarm.peer_dir(i) / "summary.json")
-            entry: dict[str, Any] = {"id": f"peer{i}", "ok": bool(summary) and i not in failed}
-            if summary:
-                keep = ("id", "final", "final_seconds", "metric", "higher_is_better", "steps",
-                        "rounds", "train_loss", "evals", "params", "wall_seconds",
-                        "consensus_distance_estimate", "final_before_final_rounds")  # fmt: skip
-                entry.update({k: summary.get(k) for k in keep})
-                for key in ("sent_bytes", "received_bytes", "dense_bytes", "sent_update_bytes"):
-                    entry[key] = summary.get(key, 0)
-            hist = history[i]
+        t_start = min((h[0].time for h in history if h and h[0].time), default=0.0)
+        for hist in history:
             for h in hist:
-                h["seconds"] = h["time"] - t_start
-            entry["history"] = hist
-            if i in edges:
-                entry["neighbours"] = edges[i]
-            peers.append(entry)
-        done = [p for p in peers if p.get("final")]
-        result: dict[str, Any] = {
-            "ok": ok and not failed and len(done) == self.n,
-            "elapsed_seconds": elapsed,
-            "peers": peers,
-        }
+                h.seconds = (h.time or t_start) - t_start
+        peers = [
+            self._peer_result(i, swarm.peer_dir(i), i not in failed, history[i], edges.get(i, {}))
+            for i in range(self.n)
+        ]
+        done = [p for p in peers if p.final]
+        result = SwarmResult(
+            ok=ok and not failed and len(done) == self.n, elapsed_seconds=elapsed, peers=peers
+        )
         if done:
-            result.update(
-                metric=done[0]["metric"],
-                # Training time as sampled from status.json (start-up and waiting excluded),
-                # comparable with the baselines' training-loop time.
-                wall_seconds=max(
-                    (p["history"][-1]["seconds"] for p in done if p["history"]), default=0.0
-                ),
-                peer_wall_seconds=max(p["wall_seconds"] for p in done),
-                mean_sent_bytes=sum(p["sent_bytes"] for p in done) / len(done),
-                mean_received_bytes=sum(p["received_bytes"] for p in done) / len(done),
-                mean_dense_bytes=sum(p["dense_bytes"] for p in done) / len(done),
+            result.metric = done[0].metric
+            # Training time as sampled from status.json (start-up and waiting excluded),
+            # comparable with the baselines' training-loop time.
+            result.wall_seconds = max(
+                (p.history[-1].seconds or 0.0 for p in done if p.history), default=0.0
             )
+            result.peer_wall_seconds = max(p.wall_seconds or 0.0 for p in done)
+            result.mean_sent_bytes = sum(p.sent_bytes for p in done) / len(done)
+            result.mean_received_bytes = sum(p.received_bytes for p in done) / len(done)
+            result.mean_dense_bytes = sum(p.dense_bytes for p in done) / len(done)
         cd = consensus_distance([swarm.peer_dir(i) / "params.pt" for i in range(self.n)])
         if cd is not None:
-            result["consensus_distance"], result["relative_consensus_distance"] = cd
-        if link_bytes:
-            result["link_bytes"] = link_bytes
-        else:
-            result["link_bytes"] = {
-                f"{p['id']}→{nb}": c["sent"]
-                for p in peers
-                for nb, c in p.get("neighbours", {}).items()
-            }
+            result.consensus_distance, result.relative_consensus_distance = cd
+        result.link_bytes = link_bytes or {
+            f"{p.id}→{nb}": c["sent"] for p in peers for nb, c in p.neighbours.items()
+        }
         return result
 
     def baseline_train(self) -> TrainSection:
@@ -323,7 +325,7 @@ class Experiment:
         steps = self.spec.baselines.steps or self.cfg.train.steps
         return self.cfg.train.model_copy(update={"seed": self.spec.experiment.seed, "steps": steps})
 
-    def run_baseline(self, name: str, view: LiveView) -> dict[str, Any]:
+    def run_baseline(self, name: str, view: LiveView) -> BaselineResult:
         b = self.spec.baselines
         train = self.baseline_train()
         run = BaselineRun(
@@ -339,72 +341,63 @@ class Experiment:
         finally:
             with signals_deferred():
                 run.stop()
-        result = run.collect()
-        result["ok"] = result["ok"] and ok
+        result = BaselineResult.model_validate(run.collect())
+        result.ok = result.ok and ok
         if self.lab:
-            result["link_bytes"] = _delta(self.lab.counters(), before)
+            result.link_bytes = _delta(self.lab.counters(), before)
         else:
-            result["link_bytes"] = {
-                f"rank{r['id'][4:]} ring": r["sent_bytes"] for r in result["ranks"] if r
+            result.link_bytes = {
+                f"rank{r.id[4:]} ring": r.sent_bytes
+                for r in result.ranks
+                if r and r.sent_bytes is not None
             }
         return result
 
     # -- whole run -------------------------------------------------------------------------
 
-    def run(self) -> dict[str, Any]:
-        """Run everything and write the outputs; returns the report dict."""
+    def run(self) -> Report:
+        """Run everything and write the outputs; returns the report."""
         self.out.mkdir(parents=True, exist_ok=True)
         spec_dump = self.spec.model_dump(mode="json", exclude={"source"})
         (self.out / "spec.json").write_text(json.dumps(spec_dump, indent=1))
-        t = self.cfg.train
-        report: dict[str, Any] = {
-            "name": self.spec.experiment.name,
-            "mode": self.spec.experiment.mode,
-            "peers": self.n,
-            "task": t.task,
-            "steps": t.steps,
-            "batch_size": t.batch_size,
-            "seed": self.spec.experiment.seed,
-            "codec": self.cfg.gossip.codec,
-            "topology": self.cfg.gossip.topology,
-            "gamma": self.cfg.gossip.gamma,
-            "local_steps": self.cfg.gossip.local_steps,
-            "spec": spec_dump,
-            "started": time.time(),
-            "baselines": {},
-        }
+        t, g = self.cfg.train, self.cfg.gossip
+        report = Report(
+            name=self.spec.experiment.name, mode=self.spec.experiment.mode, peers=self.n,
+            task=t.task, steps=t.steps, batch_size=t.batch_size, seed=self.spec.experiment.seed,
+            codec=g.codec, topology=g.topology, gamma=g.gamma, local_steps=g.local_steps,
+            spec=spec_dump, started=time.time(),
+        )  # fmt: skip
         try:
             if self.spec.experiment.mode == "netns":
                 netns.cleanup_stale()
                 self.lab = netns.NetnsLab(self.n, self.spec.network).up()
-                report["namespaces"] = self.lab.prefix
+                report.namespaces = self.lab.prefix
             with LiveView(self.console, self.live) as view:
-                report["swarm"] = self.run_swarm(view)
-                view.finish(self._line("swarm", report["swarm"]))
+                report.swarm = self.run_swarm(view)
+                view.finish(self._line("swarm", report.swarm))
                 for name in self.spec.baselines.run:
-                    report["baselines"][name] = self.run_baseline(name, view)
-                    view.finish(self._line(name, report["baselines"][name]))
+                    report.baselines[name] = self.run_baseline(name, view)
+                    view.finish(self._line(name, report.baselines[name]))
         finally:
             if self.lab is not None:
                 with signals_deferred():
                     self.lab.down()
                 self.lab = None
-        report["finished"] = time.time()
-        report["ok"] = report["swarm"]["ok"] and all(b["ok"] for b in report["baselines"].values())
+        report.finished = time.time()
+        report.ok = report.swarm.ok and all(b.ok for b in report.baselines.values())
         write_outputs(self.out, report)
         return report
 
     @staticmethod
-    def _line(phase: str, result: dict[str, Any]) -> str:
-        if not result.get("ok"):
+    def _line(phase: str, result: SwarmResult | BaselineResult) -> str:
+        if not result.ok or not result.metric:
             return f"{phase}: FAILED"
-        if phase == "swarm":
-            finals = [p["final"][p["metric"]] for p in result["peers"]]
+        sent = (result.mean_sent_bytes or 0) / 1e6
+        if isinstance(result, SwarmResult):
+            finals = [(p.final or {})[result.metric] for p in result.peers]
             return (
-                f"swarm: {result['metric']} {min(finals):.4f}-{max(finals):.4f}, "
-                f"{result['mean_sent_bytes'] / 1e6:.3f} MB sent per peer"
+                f"swarm: {result.metric} {min(finals):.4f}-{max(finals):.4f}, "
+                f"{sent:.3f} MB sent per peer"
             )
-        return (
-            f"{phase}: {result['metric']} {result['final'][result['metric']]:.4f}, "
-            f"{result['mean_sent_bytes'] / 1e6:.3f} MB sent per rank"
-        )
+        final = (result.final or {})[result.metric]
+        return f"{phase}: {result.metric} {final:.4f}, {sent:.3f} MB sent per rank"

@@ -23,8 +23,9 @@ import subprocess
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from gossipgrad.experiment.launch import reap
 from gossipgrad.experiment.spec import SpecError, tomllib
-from gossipgrad.peer.swarm import reap
+from gossipgrad.peer.records import PeerStatus
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 FETCHED = ("status.json", "summary.json", "params.pt")
@@ -94,13 +95,18 @@ def peer_command(
     return ["ssh", *ssh_options, host.address, remote]
 
 
+# Run by the host's python: the pid from peer i's status.json, read with the same record.
+READ_PID = (
+    "import sys; from gossipgrad.peer.records import PeerStatus, read_record; "
+    "print(read_record(sys.argv[1], PeerStatus).pid)"
+)
+
+
 def stop_command(host: Host, i: int, run: str, ssh_options: list[str]) -> list[str]:
     """argv that sends SIGTERM to peer i on ``host`` (pid from its status.json)."""
-    status = shlex.quote(str(PurePosixPath(remote_run_dir(host, run, i)) / "status.json"))
-    remote = (
-        f"pid=$({shlex.quote(host.python)} -c 'import json,sys; "
-        f'print(json.load(open(sys.argv[1]))["pid"])\' {status}) && kill -TERM "$pid"'
-    )
+    status = str(PurePosixPath(remote_run_dir(host, run, i)) / "status.json")
+    read_pid = shlex.join([host.python, "-c", READ_PID, status])
+    remote = f'pid=$({read_pid}) && kill -TERM "$pid"'
     return ["ssh", *ssh_options, host.address, remote]
 
 
@@ -178,8 +184,9 @@ class SshSwarm:
                 cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT
             )
 
-    def statuses(self) -> list[dict[str, Any]]:
-        return [{"id": f"peer{i}", "state": "remote"} for i in range(self.n)]
+    def statuses(self) -> list[PeerStatus]:
+        """Placeholders: remote status files are fetched only after the run."""
+        return [PeerStatus(id=f"peer{i}", state="remote") for i in range(self.n)]
 
     def running(self) -> bool:
         return any(p.poll() is None for p in self.procs.values())

@@ -1,0 +1,235 @@
+"""Launching and stopping local processes: a swarm of peer daemons, and reaping process trees.
+
+``LocalSwarm`` starts N ``gossipgrad-peer`` processes (``python -m gossipgrad.peer``) on this
+machine, peer0 first and the others bootstrapping from the address peer0 reports in its
+``status.json``; ``reap`` makes sure that whatever was started -- a peer, a torchrun site with
+its ranks, a baseline rank with its helper daemons -- is gone when a phase ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import IO
+
+import psutil
+from gossipgrad.peer.records import PeerStatus, read_record
+
+log = logging.getLogger(__name__)
+
+ADDRESS_TIMEOUT_S = 60.0
+# What a peer leaves in its run dir; removed before a fresh start.
+RUN_FILES = ("status.json", "summary.json", "params.pt", "checkpoint.pt")
+
+
+class LocalSwarm:
+    """N peer processes on 127.0.0.1, each with its own run directory and log file.
+
+    Args:
+        out: directory for peer run dirs, logs and the swarm summary.
+        n: number of peers.
+        overrides: dotted config keys applied to every peer (``train.task`` etc.).
+        config: optional base TOML file every peer reads first.
+        command_prefix: optional ``i -> argv prefix`` run before peer i's python, e.g.
+            ``["ip", "netns", "exec", NS]`` to start it inside a network namespace.
+        peer_overrides: optional ``i -> {key: value}`` applied to peer i after
+            ``overrides``, e.g. its own ``peer.listen`` address.
+    """
+
+    def __init__(
+        self,
+        out: Path,
+        n: int,
+        overrides: dict[str, str],
+        config: Path | None = None,
+        *,
+        command_prefix: Callable[[int], list[str]] | None = None,
+        peer_overrides: Callable[[int], dict[str, str]] | None = None,
+    ) -> None:
+        if n < 1:
+            raise ValueError(f"need at least one peer, got {n}")
+        self.out = Path(out)
+        self.n = n
+        self.overrides = overrides
+        self.config = config
+        self.command_prefix = command_prefix
+        self.peer_overrides = peer_overrides
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.logs: list[IO[str]] = []
+        self.bootstrap: str | None = None
+
+    def peer_dir(self, i: int) -> Path:
+        return self.out / f"peer{i}"
+
+    def command(self, i: int, bootstrap: str | None) -> list[str]:
+        """The command line of peer i (also written to DIR/commands.sh)."""
+        opts = {
+            "peer.id": f"peer{i}",
+            "peer.run_dir": str(self.peer_dir(i)),
+            "peer.expected_peers": str(self.n),
+            "train.shard_index": str(i),
+            "train.num_shards": str(self.n),
+            "train.threads": "1",
+            **self.overrides,
+        }
+        if self.peer_overrides is not None:
+            opts.update(self.peer_overrides(i))
+        if bootstrap:
+            opts["peer.bootstrap"] = bootstrap
+        cmd = [*(self.command_prefix(i) if self.command_prefix else []), sys.executable]
+        cmd += ["-m", "gossipgrad.peer"]
+        if self.config is not None:
+            cmd += ["--config", str(self.config)]
+        for k, v in opts.items():
+            cmd += [f"--{k}", v]
+        return cmd
+
+    def spawn(self, i: int) -> None:
+        """Start (or restart) peer i, bootstrapping from peer0 unless it is peer0."""
+        bootstrap = None if i == 0 else self.bootstrap
+        cmd = self.command(i, bootstrap)
+        self.peer_dir(i).mkdir(parents=True, exist_ok=True)
+        with open(self.out / "commands.sh", "a") as f:
+            f.write(" ".join(cmd) + " &\n")
+        log_file = open(self.out / f"peer{i}.log", "a")  # noqa: SIM115 - closed in stop()
+        self.logs.append(log_file)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.procs[i] = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+
+    def start(self, count: int | None = None) -> None:
+        """Start peer0, wait for its address, then peers 1..count-1 bootstrapping from it."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "commands.sh").write_text("#!/usr/bin/env bash\n")
+        for i in range(self.n):
+            for name in RUN_FILES:
+                (self.peer_dir(i) / name).unlink(missing_ok=True)
+            (self.out / f"peer{i}.log").unlink(missing_ok=True)
+        self.spawn(0)
+        self.bootstrap = self._wait_for_address(0)
+        for i in range(1, self.n if count is None else count):
+            self.spawn(i)
+
+    def _wait_for_address(self, i: int) -> str:
+        """The gossip address peer i reports in its status.json, once it does."""
+        deadline = time.monotonic() + ADDRESS_TIMEOUT_S
+        while True:
+            status = read_record(self.peer_dir(i) / "status.json", PeerStatus)
+            if status is not None and status.address:
+                return status.address
+            if self.procs[i].poll() is not None:
+                raise RuntimeError(f"peer{i} exited early; see {self.out / f'peer{i}.log'}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"peer{i} did not start in {ADDRESS_TIMEOUT_S}s")
+            time.sleep(0.1)
+
+    def kill(self, i: int) -> None:
+        """SIGKILL peer i (a crash: no checkpoint, no goodbye)."""
+        self.procs[i].kill()
+        self.procs[i].wait()
+
+    def status(self, i: int) -> PeerStatus:
+        """Peer i's latest status.json (a 'starting' one before it wrote any)."""
+        return read_record(self.peer_dir(i) / "status.json", PeerStatus) or PeerStatus(
+            id=f"peer{i}"
+        )
+
+    def statuses(self) -> list[PeerStatus]:
+        return [self.status(i) for i in range(self.n)]
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs.values())
+
+    def failed(self) -> list[int]:
+        return [i for i, p in self.procs.items() if p.poll() not in (None, 0)]
+
+    def wait(self, timeout: float) -> bool:
+        """Wait for every peer to exit; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self.running():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        return True
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM every peer (they checkpoint and leave), SIGKILL what is left after timeout
+        (their child processes included)."""
+        terminate(self.procs.values(), timeout)
+        for log_file in self.logs:
+            log_file.close()
+        self.logs.clear()
+
+
+def _descendants(procs: Iterable[subprocess.Popen]) -> list[psutil.Process]:
+    """Every live process below ``procs`` (children, grandchildren, ...), looked up now,
+    while the parents still exist: once a parent is gone its orphans are not its any more."""
+    out: list[psutil.Process] = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            out += psutil.Process(p.pid).children(recursive=True)
+    return out
+
+
+def terminate(procs: Iterable[subprocess.Popen], timeout: float) -> None:
+    """SIGTERM each process still running, then :func:`reap` them and their descendants.
+
+    The descendants are looked up before the signal: a parent that exits on SIGTERM hands its
+    children to init at once, and after that nothing ties them to it.
+    """
+    procs = list(procs)
+    tree = _descendants(procs)
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    _reap(procs, tree, timeout)
+
+
+def reap(procs: Iterable[subprocess.Popen], timeout: float) -> None:
+    """Wait for processes already told to stop, and for their descendants still attached to
+    them; SIGKILL whatever of them still runs at the deadline. (:func:`terminate` also finds
+    the children of a process that exits on the signal.)"""
+    procs = list(procs)
+    _reap(procs, _descendants(procs), timeout)
+
+
+def _reap(procs: list[subprocess.Popen], tree: list[psutil.Process], timeout: float) -> None:
+    """Wait until the deadline for ``procs`` and ``tree``; SIGKILL what still runs then."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.poll() is None:
+            log.warning("pid %d did not stop in %.0fs: killed", p.pid, timeout)
+            p.kill()
+            p.wait()
+    left = _still_running(tree, deadline)
+    for child in left:
+        log.warning("pid %d (a child) outlived its parent: killed", child.pid)
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    _still_running(left, time.monotonic() + 5.0)
+
+
+def _running(p: psutil.Process) -> bool:
+    """Alive and not a zombie (an orphan's zombie may wait for a reaper that never comes)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _still_running(procs: list[psutil.Process], deadline: float) -> list[psutil.Process]:
+    """Poll until every one of ``procs`` is gone or the deadline passes; those left."""
+    while True:
+        left = [p for p in procs if _running(p)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.1)

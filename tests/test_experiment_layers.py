@@ -1,0 +1,63 @@
+"""One clear middle layer: the experiment side launches processes and reads the peers'
+records; it does not import the daemon's training loop, and the peer never imports it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[1]
+# Module -> what it may not import (a module or anything inside it).
+FORBIDDEN = {
+    ROOT / "scripts" / "experiment": ("gossipgrad.peer.daemon", "gossipgrad.peer.swarm"),
+    ROOT / "peer": ("gossipgrad.experiment",),
+}
+
+
+DAEMON = "gossipgrad.peer.daemon"
+TRAIN_CLOCK = "gossipgrad.peer.daemon.TrainClock"
+
+
+def imported_modules(source: str) -> set[str]:
+    """Every module an ``import`` or ``from ... import`` names, also ``from pkg import mod``
+    as ``pkg.mod`` (a module imported that way is an import of it)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return out
+
+
+def violations(source: str, forbidden: tuple[str, ...]) -> list[str]:
+    return sorted(
+        m for m in imported_modules(source) for f in forbidden if m == f or m.startswith(f + ".")
+    )
+
+
+def test_the_checker_sees_every_import_form() -> None:
+    forbidden = ("gossipgrad.peer.daemon",)
+    late = "def late():\n    from gossipgrad.peer.daemon import TrainClock\n"
+    assert violations(late, forbidden) == ["gossipgrad.peer.daemon", TRAIN_CLOCK]
+    assert violations("import gossipgrad.peer.daemon as d", forbidden) == [DAEMON]
+    assert violations("from gossipgrad.peer import daemon, config", forbidden) == [DAEMON]
+    assert violations("from gossipgrad.peer.training import TrainClock", forbidden) == []
+    assert violations("import gossipgrad.peer.daemonic", forbidden) == []
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN), ids=lambda p: p.name)
+def test_no_module_imports_across_the_layer(package: Path) -> None:
+    files = sorted(package.rglob("*.py"))
+    assert files, f"no modules under {package}"
+    bad = {
+        str(f.relative_to(ROOT)): found
+        for f in files
+        if (found := violations(f.read_text(), FORBIDDEN[package]))
+    }
+    assert bad == {}
