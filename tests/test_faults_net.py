@@ -30,6 +30,7 @@ import torch
 from gossipgrad.peer.security import write_swarm_certs
 from gossipgrad.peer.swarm import LocalSwarm, consensus_distance
 from netlab import NetLab, netlab_unavailable
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = [
     pytest.mark.timeout(240),
@@ -70,11 +71,10 @@ def scrape(lab: NetLab, i: int) -> dict[str, float]:
         timeout=20,
     )
     out: dict[str, float] = {}
-    for line in run.stdout.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name, value = line.rsplit(" ", 1)
-        out[name] = float(value)
+    for family in text_string_to_metric_families(run.stdout):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return out
 
 
