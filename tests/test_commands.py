@@ -56,6 +56,9 @@ DOC_COMMAND_TIMEOUT_S = 150
 WORKERS = 6
 
 DOCS = [ROOT / "README.md", ROOT / "SECURITY.md", *sorted((ROOT / "docs").glob("*.md"))]
+# Documents whose commands are checked (files, options) but never run: benchmarks take hours.
+# Their unlabelled blocks that hold commands are command listings.
+CHECK_ONLY_DOCS = [ROOT / "BENCHMARKS.md"]
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 # First words that make a line of an unlabelled block look like a command.
 COMMAND_WORDS = {"python", "python3", "bash", "sh", "make", "pip", "torchrun", "prometheus"}
@@ -140,6 +143,8 @@ def help_targets() -> dict[str, list[str]]:
         targets[f"scripts/{path.name}"] = [sys.executable, str(path), "--help"]
     for path in sorted((ROOT / "scripts").glob("*.sh")):
         targets[f"scripts/{path.name}"] = ["bash", str(path), "--help"]
+    for path in sorted((ROOT / "examples").glob("*.py")):
+        targets[f"examples/{path.name}"] = [sys.executable, str(path), "--help"]
     return targets
 
 
@@ -307,7 +312,7 @@ def apply_marker(doc: Doc, path: str, marker: re.Match, commands: list[DocComman
             doc.errors.append(f"{c.key}: dry-run is for make targets")
 
 
-def parse_doc(path: Path) -> Doc:
+def parse_doc(path: Path, check_only: bool = False) -> Doc:
     rel = path.relative_to(ROOT).as_posix()
     doc = Doc(rel)
     lines = path.read_text(encoding="utf-8").splitlines()
@@ -326,6 +331,14 @@ def parse_doc(path: Path) -> Doc:
         i += 1  # the closing fence
         if body and (f := FILE_COMMENT.match(body[0][1])):
             doc.files[f["name"]] = "\n".join(text for _, text in body) + "\n"
+        texts = [text for _, text in body]
+        if check_only:
+            if lang in SHELL_LANGS or (not lang and any(map(looks_like_command, texts))):
+                doc.commands += [
+                    DocCommand(rel, start + 1, n, text, "not-run", reason="a benchmark")
+                    for n, text in block_commands(body, "bash")
+                ]
+            continue
         if lang not in SHELL_LANGS:
             for number, text in body:
                 if not lang and looks_like_command(text):
@@ -350,7 +363,10 @@ def parse_doc(path: Path) -> Doc:
     return doc
 
 
-PARSED = {d.path: d for d in map(parse_doc, DOCS)}
+PARSED = {
+    d.path: d
+    for d in [*map(parse_doc, DOCS), *(parse_doc(p, check_only=True) for p in CHECK_ONLY_DOCS)]
+}
 RUNNABLE = [c for d in PARSED.values() for c in d.commands if c.action != "not-run"]
 
 
@@ -433,3 +449,59 @@ def outcomes(request: pytest.FixtureRequest) -> Iterator[Outcomes]:
         for target, argv in HELP_TARGETS.items():
             futures["help", target] = pool.submit(run_command, argv, ROOT, HELP_TIMEOUT_S)
         yield futures
+
+
+# --- commands that are not run: their files and options must still exist -------------------
+
+REPO_FILE = re.compile(
+    r"^(?:\.venv/bin/)?(?P<path>(?:scripts|examples|tests|grafana|proto)/[\w./-]+)$"
+)
+
+
+def help_key(words: list[str]) -> tuple[str, int] | None:
+    """The --help target a command's options belong to (a console script, maybe with its
+    sub-command, or a script/example file), and where its arguments start."""
+    for i, word in enumerate(words):
+        name = word.removeprefix(".venv/bin/")
+        for end in range(len(words), i, -1):
+            key = " ".join([name, *words[i + 1 : end]])
+            if key in HELP_TARGETS:
+                return key, end
+    return None
+
+
+def static_problems(command: DocCommand, help_text: dict[str, str]) -> list[str]:
+    """Files a command names that do not exist; options its program does not have; make
+    targets the Makefile lacks."""
+    words = shlex.split(command.text, comments=True)
+    problems = []
+    for word in words:
+        m = REPO_FILE.match(word.split("=", 1)[-1])
+        if m and "*" not in word and not (ROOT / m["path"]).exists():
+            problems.append(f"{command.key}: {m['path']} does not exist")
+    if command.program() == "make":
+        targets = re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M)
+        for word in words[1:]:
+            if not word.startswith("-") and "=" not in word and word not in targets:
+                problems.append(f"{command.key}: make has no target {word!r}")
+    found = help_key(words)
+    if found:
+        key, start = found
+        for word in words[start:]:
+            option = word.split("=", 1)[0]
+            if option.startswith("--") and not re.search(
+                rf"(?<![\w.-]){re.escape(option)}(?![\w.-])", help_text[key]
+            ):
+                problems.append(f"{command.key}: {key} has no option {option}")
+    return problems
+
+
+@pytest.mark.timeout(300)
+def test_documented_commands_name_existing_files_and_options(outcomes: Outcomes) -> None:
+    """Also for commands that are not run (BENCHMARKS.md, GPU sites, servers): a renamed
+    script, option or make target fails here."""
+    help_text = {key: outcomes["help", key].result().stdout for key in HELP_TARGETS}
+    problems = [
+        p for d in PARSED.values() for c in d.commands for p in static_problems(c, help_text)
+    ]
+    assert not problems, "\n".join(problems)
