@@ -131,6 +131,20 @@ def module_sub_commands(module_name: str) -> Iterator[list[str]]:
             yield [name, *rest]
 
 
+def runnable_packages() -> list[str]:
+    """The packages pyproject installs that have a ``__main__`` (``python -m PACKAGE``)."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        setuptools = tomllib.load(f)["tool"]["setuptools"]
+    dirs = setuptools.get("package-dir", {})
+    out = []
+    for package in setuptools["packages"]:
+        parent = next((p for p in sorted(dirs, key=len, reverse=True) if package.startswith(p)), "")
+        folder = Path(dirs.get(parent, ".")) / package[len(parent) :].lstrip(".").replace(".", "/")
+        if (ROOT / folder / "__main__.py").is_file():
+            out.append(package)
+    return out
+
+
 def help_targets() -> dict[str, list[str]]:
     """Test id -> argv of every ``--help`` a user can ask for."""
     targets: dict[str, list[str]] = {}
@@ -139,6 +153,8 @@ def help_targets() -> dict[str, list[str]]:
         targets[script] = [exe, "--help"]
         for path in module_sub_commands(entry.partition(":")[0]):
             targets[" ".join([script, *path])] = [exe, *path, "--help"]
+    for package in runnable_packages():
+        targets[f"python -m {package}"] = [sys.executable, "-m", package, "--help"]
     for path in sorted((ROOT / "scripts").glob("*.py")):
         targets[f"scripts/{path.name}"] = [sys.executable, str(path), "--help"]
     for path in sorted((ROOT / "scripts").glob("*.sh")):
@@ -246,6 +262,7 @@ class Doc:
     commands: list[DocCommand] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)  # name -> content
     errors: list[str] = field(default_factory=list)
+    inline: list[DocCommand] = field(default_factory=list)  # `commands` in the prose
 
 
 def looks_like_command(line: str) -> bool:
@@ -279,6 +296,22 @@ def block_commands(lines: list[tuple[int, str]], lang: str) -> list[tuple[int, s
         if not line.endswith("\\"):
             out.append((start, "\n".join(parts)))
             parts = []
+    return out
+
+
+INLINE_CODE = re.compile(r"`([^`\n]+)`")
+INLINE_PROGRAMS = {"make", "python", "python3", "bash"}
+
+
+def inline_commands(rel: str, number: int, line: str) -> list[DocCommand]:
+    """Commands with arguments in a prose line's code spans (checked, never run: they often
+    hold placeholders such as SPEC.toml or ``...``)."""
+    out = []
+    for m in INLINE_CODE.finditer(line):
+        words = m[1].split()
+        first = words[0].removeprefix(".venv/bin/") if words else ""
+        if len(words) > 1 and (first in INLINE_PROGRAMS or first in console_scripts()):
+            out.append(DocCommand(rel, number, number, m[1], "not-run", reason="inline"))
     return out
 
 
@@ -320,6 +353,7 @@ def parse_doc(path: Path, check_only: bool = False) -> Doc:
     while i < len(lines):
         m = FENCE.match(lines[i])
         if not m:
+            doc.inline += inline_commands(rel, i + 1, lines[i])
             i += 1
             continue
         start, indent, lang = i, len(m["indent"]), m["lang"].lower()
@@ -502,6 +536,9 @@ def test_documented_commands_name_existing_files_and_options(outcomes: Outcomes)
     script, option or make target fails here."""
     help_text = {key: outcomes["help", key].result().stdout for key in HELP_TARGETS}
     problems = [
-        p for d in PARSED.values() for c in d.commands for p in static_problems(c, help_text)
+        p
+        for d in PARSED.values()
+        for c in [*d.commands, *d.inline]
+        for p in static_problems(c, help_text)
     ]
     assert not problems, "\n".join(problems)
