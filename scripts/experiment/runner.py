@@ -244,7 +244,7 @@ class Experiment:
                 last_scrape[0] = now
                 for i, s in enumerate(statuses):
                     if s.get("metrics_port") and s.get("state") in ACTIVE_STATES:
-                        with contextlib.suppress(OSError):
+                        with contextlib.suppress(OSError, ValueError):  # not up, or cut short
                             edges[i] = scrape_edge_bytes(int(s["metrics_port"]))
 
         before = self.lab.counters() if self.lab else {}
