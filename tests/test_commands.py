@@ -157,7 +157,7 @@ def help_targets() -> dict[str, list[str]]:
     """Test id -> argv of every ``--help`` a user can ask for."""
     targets: dict[str, list[str]] = {}
     for script, entry in console_scripts().items():
-        exe = str(BIN / script)
+        exe = str(BIN / script) if (BIN / script).exists() else shutil.which(script) or script
         targets[script] = [exe, "--help"]
         for path in module_sub_commands(entry.partition(":")[0]):
             targets[" ".join([script, *path])] = [exe, *path, "--help"]
