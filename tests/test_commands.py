@@ -427,7 +427,14 @@ def prepare_workspace(doc: Doc, block: int, base: Path) -> Path:
         ROOT,
         ws,
         ignore=shutil.ignore_patterns(
-            ".git", ".venv*", "runs", "__pycache__", "*.egg-info", ".*_cache", ".hypothesis"
+            ".git",
+            ".venv*",
+            "runs",
+            "prom-data",  # what the commands themselves may leave in a checkout
+            "__pycache__",
+            "*.egg-info",
+            ".*_cache",
+            ".hypothesis",
         ),
     )
     (ws / ".venv").symlink_to(BIN.parent, target_is_directory=True)
