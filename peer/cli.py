@@ -10,6 +10,7 @@ docs/config.md). A bad key or value is a one-line error before anything starts.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -25,9 +26,21 @@ from gossipgrad.peer.config import (
     markdown_reference,
 )
 
+# ``gossipgrad-peer NAME ARGS...`` runs ``main(ARGS)`` of NAME's module instead of a peer;
+# each such module has its own ``build_parser()`` (its --help). NAME -> (module, summary).
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "certs": ("gossipgrad.peer.certs_cli", "create the swarm CA and peer certificates"),
+}
+
 
 def _is_list(annotation: Any) -> bool:
     return typing.get_origin(annotation) is list
+
+
+def _help_text(text: str) -> str:
+    """``text`` as an argparse help string: argparse %-formats help (``%(default)s``), so a
+    literal ``%`` in a config description would crash ``--help``."""
+    return text.replace("%", "%%")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run one gossipgrad peer: train a task and gossip compressed updates "
         "with neighbours over gRPC.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="sub-commands (each with its own --help): "
+        + "; ".join(
+            f"gossipgrad-peer {name}: {summary}" for name, (_, summary) in SUBCOMMANDS.items()
+        ),
     )
     parser.add_argument("--config", type=Path, help="TOML config file (sections as below)")
     parser.add_argument(
@@ -68,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
             dest=key,
             default=argparse.SUPPRESS,
             metavar=metavar,
-            help=f"{desc} (default: {default!r})",
+            help=_help_text(f"{desc} (default: {default!r})"),
         )
     return parser
 
@@ -88,10 +105,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["certs"]:
-        from gossipgrad.peer.certs_cli import main as certs_main
-
-        return certs_main(argv[1:])
+    if argv[:1] and argv[0] in SUBCOMMANDS:
+        return importlib.import_module(SUBCOMMANDS[argv[0]][0]).main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.config_reference:
         sys.stdout.write(markdown_reference())

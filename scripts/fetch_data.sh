@@ -16,7 +16,7 @@ strict=0
 for arg in "$@"; do
   case "$arg" in
     --strict) strict=1 ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) echo 'usage: scripts/fetch_data.sh [--strict]'; sed -n '2,11p' "$0"; exit 0 ;;
     *) echo "fetch_data.sh: unknown argument '$arg' (valid: --strict)" >&2; exit 2 ;;
   esac
 done

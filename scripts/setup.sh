@@ -20,7 +20,7 @@ for arg in "$@"; do
   case "$arg" in
     --test) want_test=1 ;;
     --hivemind) want_hivemind=1 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) echo 'usage: scripts/setup.sh [--test] [--hivemind]'; sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown argument '$arg' (valid: --test, --hivemind)" >&2; exit 2 ;;
   esac
 done

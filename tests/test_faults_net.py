@@ -31,6 +31,7 @@ from gossipgrad.experiment.analysis import consensus_distance
 from gossipgrad.experiment.launch import LocalSwarm
 from gossipgrad.peer.security import write_swarm_certs
 from netlab import NetLab, netlab_unavailable
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = [
     pytest.mark.timeout(240),
@@ -71,11 +72,10 @@ def scrape(lab: NetLab, i: int) -> dict[str, float]:
         timeout=20,
     )
     out: dict[str, float] = {}
-    for line in run.stdout.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name, value = line.rsplit(" ", 1)
-        out[name] = float(value)
+    for family in text_string_to_metric_families(run.stdout):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return out
 
 

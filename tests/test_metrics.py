@@ -323,6 +323,25 @@ def test_http_endpoint_serves_the_text_format_on_loopback() -> None:
     m.stop()  # idempotent
 
 
+@pytest.mark.timeout(60)
+def test_experiment_runner_reads_edge_bytes_from_the_exposition() -> None:
+    """The runner's bytes-per-link plot sums a peer's byte counters per neighbour."""
+    from gossipgrad.experiment.runner import edge_bytes
+    from prometheus_client import generate_latest
+
+    m = PeerMetrics()
+    m.record_sent("b", "update", 100, dense_bytes=4000)
+    m.record_sent("b", "heartbeat", 12)
+    m.record_received("b", "resync", 5000)
+    m.record_received("c", "update", 7)
+    m.record_sent(UNATTRIBUTED, "heartbeat", 3)
+    got = edge_bytes(generate_latest(m.registry).decode())
+    assert got["b"] == {"sent": 112, "received": 5000}
+    assert got["c"] == {"sent": 0, "received": 7}
+    assert got[UNATTRIBUTED] == {"sent": 3, "received": 0}
+    assert set(got) == {"b", "c", UNATTRIBUTED}
+
+
 # --- dashboards -----------------------------------------------------------------------------
 
 DASHBOARD_DIR = ROOT / "grafana" / "dashboards"

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import re
 import signal
 import time
 import urllib.request
@@ -39,6 +38,7 @@ from gossipgrad.experiment.report import write_outputs
 from gossipgrad.experiment.spec import Spec
 from gossipgrad.peer.config import TrainSection
 from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 log = logging.getLogger(__name__)
@@ -46,26 +46,31 @@ log = logging.getLogger(__name__)
 SCRAPE_EVERY_S = 2.0
 # Daemon states in which a peer is working (training, or gossip-only final rounds).
 ACTIVE_STATES = ("training", "final-rounds")
-_SAMPLE = re.compile(r"^gossipgrad_(sent|received)_bytes_total\{([^}]*)\}\s+([0-9.eE+]+)$")
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
+_EDGE_COUNTERS = {
+    "gossipgrad_sent_bytes_total": "sent",
+    "gossipgrad_received_bytes_total": "received",
+}
+
+
+def edge_bytes(exposition: str) -> dict[str, dict[str, int]]:
+    """Bytes per neighbour in a peer's Prometheus text exposition:
+    ``{neighbour: {"sent": n, "received": n}}`` summed over message kinds."""
+    out: dict[str, dict[str, int]] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            direction = _EDGE_COUNTERS.get(sample.name)
+            if direction is None:
+                continue
+            entry = out.setdefault(sample.labels.get("neighbor", "?"), {"sent": 0, "received": 0})
+            entry[direction] += int(sample.value)
+    return out
 
 
 def scrape_edge_bytes(port: int, timeout: float = 1.0) -> dict[str, dict[str, int]]:
-    """Bytes per neighbour from a peer's Prometheus endpoint on 127.0.0.1:
-    ``{neighbour: {"sent": n, "received": n}}`` summed over message kinds."""
+    """:func:`edge_bytes` of the peer whose Prometheus endpoint is on 127.0.0.1:``port``."""
     url = f"http://127.0.0.1:{port}/metrics"
     with urllib.request.urlopen(url, timeout=timeout) as resp:
-        text = resp.read().decode()
-    out: dict[str, dict[str, int]] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        labels = dict(_LABEL.findall(m.group(2)))
-        nb = labels.get("neighbor", "?")
-        entry = out.setdefault(nb, {"sent": 0, "received": 0})
-        entry[m.group(1)] += int(float(m.group(3)))
-    return out
+        return edge_bytes(resp.read().decode())
 
 
 @contextlib.contextmanager
@@ -254,7 +259,7 @@ class Experiment:
                 last_scrape[0] = now
                 for i, s in enumerate(statuses):
                     if s.metrics_port and s.state in ACTIVE_STATES:
-                        with contextlib.suppress(OSError):
+                        with contextlib.suppress(OSError, ValueError):  # not up, or cut short
                             edges[i] = scrape_edge_bytes(s.metrics_port)
 
         before = self.lab.counters() if self.lab else {}
