@@ -22,7 +22,7 @@ from gossipgrad.peer.optimizer import GossipOptimizer
 from gossipgrad.peer.topology import topology_from_name
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_ef_gradient import LoneView, NoSender, small_model
+from test_ef_gradient import LoneView, NoSender, small_model, start_optimizers
 from torch import nn
 
 pytestmark = pytest.mark.timeout(120)
@@ -90,25 +90,8 @@ def test_error_feedback_on_pseudo_gradients_loses_nothing(codec, rounds, seed) -
 
 
 def start_diloco(n: int, **gossip) -> list[GossipOptimizer]:
-    """n peers seeded alike (one shared initial model), plain SGD inner optimizer."""
-    opts: list[GossipOptimizer] = []
-    for i in range(n):
-        torch.manual_seed(7)
-        model = small_model()
-        overrides = {
-            "peer.id": f"p{i}",
-            "peer.bootstrap": [opts[0].peer.address] if opts else [],
-            "metrics.enabled": False,
-            "membership.heartbeat_interval": 0.1,
-            "gossip.algorithm": "diloco",
-            "gossip.round_timeout": 10.0,
-            **{f"gossip.{k}": v for k, v in gossip.items()},
-        }
-        cfg = build_config({}, overrides)
-        opts.append(GossipOptimizer(model, torch.optim.SGD(model.parameters(), lr=1.0), cfg))
-    for o in opts:
-        assert o.wait_for_peers(n, 20), "peers did not discover each other"
-    return opts
+    """n diloco peers seeded alike (one shared initial model), SGD(lr=1) inner optimizer."""
+    return start_optimizers(n, algorithm="diloco", lr=1.0, **gossip)
 
 
 def close(opts: list[GossipOptimizer]) -> None:

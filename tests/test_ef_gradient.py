@@ -126,7 +126,10 @@ def test_momentum_correction_keeps_velocity_of_unsent_coordinates() -> None:
         ex.close()
 
 
-def start_optimizers(n: int, **gossip: str) -> list[GossipOptimizer]:
+def start_optimizers(
+    n: int, algorithm: str = "ef-gradient", lr: float = 0.1, **gossip
+) -> list[GossipOptimizer]:
+    """n GossipOptimizers seeded alike (one shared initial model), plain SGD at ``lr``."""
     opts: list[GossipOptimizer] = []
     for i in range(n):
         torch.manual_seed(7)
@@ -136,13 +139,13 @@ def start_optimizers(n: int, **gossip: str) -> list[GossipOptimizer]:
             "peer.bootstrap": [opts[0].peer.address] if opts else [],
             "metrics.enabled": False,
             "membership.heartbeat_interval": 0.1,
-            "gossip.algorithm": "ef-gradient",
+            "gossip.algorithm": algorithm,
             "gossip.round_timeout": 10.0,
             **{f"gossip.{k}": v for k, v in gossip.items()},
         }
         opts.append(
             GossipOptimizer(
-                model, torch.optim.SGD(model.parameters(), lr=0.1), build_config({}, overrides)
+                model, torch.optim.SGD(model.parameters(), lr=lr), build_config({}, overrides)
             )
         )
     for o in opts:
