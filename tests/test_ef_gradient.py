@@ -263,7 +263,7 @@ def test_four_peer_swarm_ef_gradient_matches_centralized(tmp_path: Path) -> None
     # round_timeout and fall back to local steps, which moves the result by a few images.
     for acc in accs:
         assert acc >= central["accuracy"] - 0.05
-    assert result["relative_consensus_distance"] < 0.02
+    assert result["relative_consensus_distance"] < 1e-3  # measured 2.1e-5; alone: 0.036
     for p in result["peers"]:
         assert p["steps"] == SWARM_STEPS
         assert p["dense_bytes"] > 20 * p["sent_update_bytes"] > 0
