@@ -202,7 +202,9 @@ def main() -> int:
     p.add_argument("--sizes", default="1M,10M,100M", help="comma-separated element counts")
     p.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="comma-separated specs")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (best of)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (the reference figures use 1)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads (the reference figures use 1)"
+    )
     p.add_argument("--topk-ratio", type=float, default=0.01, help="k/n for the top-k baseline")
     p.add_argument("--quick", action="store_true", help="1M and 10M, fewer codecs, repeat 2")
     p.add_argument("--out", help="write the results as JSON here")

@@ -237,3 +237,21 @@ for _seed in (1, 2):
             tags=("fmnist-seeds",),
         ),
     ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """List the grid: one line per entry (name, spec, overrides)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="The benchmark grid scripts/bench_suite.py runs: prints each entry's name, "
+        "spec and --set overrides (run entries with bench_suite.py)."
+    )
+    parser.parse_args(argv)
+    for e in ENTRIES:
+        print(f"{e.name:40s} {e.spec:28s} {' '.join(e.sets)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
