@@ -304,6 +304,9 @@ class Relay:
             if u_writer is None:
                 self.failed_connects += 1
             log.debug("relay %s: connection ended: %r", self.name, err)
+        except asyncio.CancelledError:
+            # close(): end quietly (asyncio's stream callback would log a cancelled task).
+            pass
         finally:
             if not finished:
                 for w in (c_writer, u_writer):

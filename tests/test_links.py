@@ -1,0 +1,281 @@
+"""The user-space link emulator (gossipgrad.experiment.links) on real sockets on 127.0.0.1.
+
+A ping-pong over a 20 ms + 20 ms link measures 40 ms; a bulk transfer over 20 mbit/s takes
+the time the rate implies; loss shows up as retransmission-sized tail delays and resets as
+RSTs; and no relay thread or socket survives a run, an exception in its body, or SIGINT to a
+child process running one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from gossipgrad.experiment.links import LinkEmulator, LinkPath, Relay, Serializer, Stage
+
+PING = 32
+
+
+def open_fds() -> dict[str, str]:
+    """fd -> what it is; without the directory listing's own descriptor, gone by then."""
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+    return out
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+class EchoServer:
+    """A threaded TCP server on 127.0.0.1:0: echoes what it gets, or (sink) answers the
+    byte count once the client half-closes."""
+
+    def __init__(self, sink: bool = False) -> None:
+        self.sink = sink
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.threads: list[threading.Thread] = []
+        self.received_at: list[float] = []
+        self._accept = threading.Thread(target=self._serve, name="echo-accept")
+        self._accept.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            t = threading.Thread(target=self._handle, args=(conn,), name="echo-conn")
+            t.start()
+            self.threads.append(t)
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn:
+            n = 0
+            with contextlib.suppress(OSError):
+                while data := conn.recv(1 << 16):
+                    n += len(data)
+                    if not self.sink:
+                        conn.sendall(data)
+                self.received_at.append(time.monotonic())
+                if self.sink:
+                    conn.sendall(str(n).encode())
+
+    def close(self) -> None:
+        # shutdown() wakes the thread blocked in accept(); close() alone would not.
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self._accept.join(5)
+        for t in self.threads:
+            t.join(5)
+
+
+@pytest.fixture
+def echo() -> Iterator[EchoServer]:
+    server = EchoServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def sink() -> Iterator[EchoServer]:
+    server = EchoServer(sink=True)
+    yield server
+    server.close()
+
+
+@contextlib.contextmanager
+def leaves_nothing() -> Iterator[None]:
+    """Assert that the body leaves no thread and no file descriptor behind (the echo
+    servers' own connection threads included, once their clients are gone)."""
+    threads, fds = set(threading.enumerate()), open_fds()
+    yield
+    assert wait_for(lambda: set(threading.enumerate()) <= threads), threading.enumerate()
+    assert wait_for(lambda: open_fds().items() <= fds.items()), open_fds().items() - fds.items()
+
+
+def connect(relay: Relay) -> socket.socket:
+    s = socket.create_connection(relay.address_tuple, timeout=10)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def round_trips(s: socket.socket, n: int) -> list[float]:
+    """Seconds of n ping-pongs of PING bytes."""
+    out = []
+    for _ in range(n):
+        t = time.monotonic()
+        s.sendall(b"p" * PING)
+        got = 0
+        while got < PING:
+            chunk = s.recv(PING - got)
+            assert chunk, "relay closed the connection"
+            got += len(chunk)
+        out.append(time.monotonic() - t)
+    return out
+
+
+def closed_by_peer(s: socket.socket) -> bool:
+    """Whether the other end closed ``s`` (FIN or RST)."""
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def refused(address: tuple[str, int]) -> bool:
+    try:
+        socket.create_connection(address, timeout=2).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+@pytest.mark.timeout(60)
+def test_ping_pong_over_a_40ms_rtt_link_measures_40ms(echo: EchoServer) -> None:
+    with leaves_nothing():
+        with LinkEmulator() as emu:
+            relay = emu.add("0->1", echo.address, [Stage(delay=0.02)], [Stage(delay=0.02)])
+            with connect(relay) as s:
+                rtts = round_trips(s, 25)
+            unshaped = emu.add("plain", echo.address, [Stage()], [Stage()])
+            with connect(unshaped) as s:
+                base = round_trips(s, 25)
+        assert refused(relay.address_tuple)
+    assert statistics.median(rtts) == pytest.approx(0.040, rel=0.10)
+    assert min(rtts) >= 0.040
+    assert statistics.median(base) < 0.005
+    st = relay.stats()
+    assert st["connections"] == 1 and st["forward"]["bytes"] == st["reverse"]["bytes"] == 25 * PING
+
+
+@pytest.mark.timeout(60)
+def test_bulk_transfer_takes_the_time_the_rate_implies(sink: EchoServer) -> None:
+    nbytes, rate_bits, delay = 2_500_000, 20e6, 0.02
+    with leaves_nothing(), LinkEmulator() as emu:
+        fwd = [Stage(delay=delay, serializer=Serializer(rate_bits / 8))]
+        relay = emu.add("0->1", sink.address, fwd, [Stage()])
+        with connect(relay) as s:
+            t0 = time.monotonic()
+            s.sendall(b"x" * nbytes)
+            s.shutdown(socket.SHUT_WR)
+            reply = s.recv(64)
+        assert wait_for(lambda: bool(sink.received_at))
+    assert int(reply) == nbytes
+    elapsed = sink.received_at[0] - t0
+    assert elapsed == pytest.approx(nbytes * 8 / rate_bits + delay, rel=0.10)
+    # A pipe: in-flight bytes are bounded by the bandwidth-delay product plus the queue, so
+    # the sender was held back (it could not hand everything over at once).
+    assert relay.forward.queue_bytes < nbytes
+
+
+def test_release_times_serialize_delay_and_keep_fifo_order() -> None:
+    path = LinkPath(
+        [Stage(delay=0.01, jitter=0.005, serializer=Serializer(1000.0))], seed=3, rto=0.2
+    )
+    last, times = 0.0, []
+    for k in range(200):
+        last = path.release(k * 0.001, 10, last)
+        times.append(last)
+    assert times == sorted(times)  # in order, whatever the jitter drew
+    # 200 chunks of 10 bytes at 1000 B/s leave by 2 s; the last arrives ~10 ms later.
+    assert times[-1] == pytest.approx(2.0 + 0.01, abs=0.02)
+    assert path.loss_delay == pytest.approx(0.2)  # max(rto, 2*10 ms + 4*5 ms)
+    slow = LinkPath([Stage(delay=0.1)], rto=0.2)
+    assert slow.loss_delay == pytest.approx(0.2) and LinkPath([Stage(delay=0.2)]).loss_delay == 0.4
+
+
+@pytest.mark.timeout(60)
+def test_loss_shows_up_as_retransmission_tail_delays(echo: EchoServer) -> None:
+    with leaves_nothing(), LinkEmulator() as emu:
+        lossy = LinkPath([Stage(delay=0.005, loss=0.05)], seed=11, rto=0.2)
+        relay = emu.add("0->1", echo.address, lossy, [Stage(delay=0.005)])
+        with connect(relay) as s:
+            rtts = round_trips(s, 80)
+    lost = relay.forward.stats.lost_chunks
+    slow = [r for r in rtts if r > 0.010 + 0.18]
+    assert lost >= 1 and len(slow) == lost, (lost, sorted(rtts)[-5:])
+    assert statistics.median(rtts) == pytest.approx(0.010, abs=0.004)
+    assert all(r < 0.010 + 0.2 + 0.05 for r in rtts)
+
+
+@pytest.mark.timeout(60)
+def test_resets_close_the_connection_with_an_rst_and_are_counted(echo: EchoServer) -> None:
+    with leaves_nothing(), LinkEmulator() as emu:
+        relay = emu.add("0->1", echo.address, [Stage(reset=0.2)], [Stage()], seed=5)
+        survived = 0
+        for _ in range(20):
+            with connect(relay) as s:
+                try:
+                    round_trips(s, 5)
+                    survived += 1
+                except (OSError, AssertionError):
+                    pass
+        assert wait_for(lambda: relay.stats()["forward"]["resets"] == 20 - survived)
+    assert 0 < survived < 20  # P(5 pings survive) = 0.8^5 = 0.33
+
+
+@pytest.mark.timeout(60)
+def test_an_exception_in_the_body_leaves_no_thread_or_socket(echo: EchoServer) -> None:
+    with leaves_nothing():
+        with pytest.raises(RuntimeError, match="boom"), LinkEmulator() as emu:
+            relay = emu.add("0->1", echo.address, [Stage(delay=0.01)], [Stage(delay=0.01)])
+            s = connect(relay)  # an open connection through the relay when the body fails
+            round_trips(s, 2)
+            raise RuntimeError("boom")
+        assert refused(relay.address_tuple)
+        assert closed_by_peer(s)  # the relay closed our connection
+        s.close()
+
+
+@pytest.mark.timeout(60)
+def test_sigint_stops_a_relay_process_and_closes_its_port(echo: EchoServer) -> None:
+    cmd = [sys.executable, "-m", "gossipgrad.experiment.links", "--to", echo.address,
+           "--delay", "10ms"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        host, port = json.loads(proc.stdout.readline())["address"].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            assert statistics.median(round_trips(s, 5)) >= 0.020
+            proc.send_signal(signal.SIGINT)  # with a connection still open
+            assert proc.wait(timeout=15) == 0, proc.stderr.read()
+            assert closed_by_peer(s)
+        assert refused((host, int(port)))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_relay_waits_for_an_upstream_learnt_later(echo: EchoServer) -> None:
+    known: list[str] = []
+    with leaves_nothing(), LinkEmulator() as emu:
+        relay = emu.add("0->1", lambda: known[0] if known else None, [Stage()], [Stage()])
+        threading.Timer(0.3, known.append, [echo.address]).start()
+        with connect(relay) as s:
+            t0 = time.monotonic()
+            round_trips(s, 1)
+            assert time.monotonic() - t0 >= 0.25
