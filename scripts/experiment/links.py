@@ -534,16 +534,21 @@ class SwarmRelays:
         return sum(s.delay for s in self.paths[i, j].stages)
 
     def report(self) -> dict[str, Any]:
-        """Per relay counters and the emulator's CPU cost, for report.json."""
-        relays = self.emulator.stats()
-        total = sum(r["forward"]["bytes"] + r["reverse"]["bytes"] for r in relays.values())
+        """Counters per directed path (i->j: every byte site i sent to site j, on i's
+        connections and as replies on j's), per relay, and the emulator's CPU cost."""
+        paths = {f"{i}->{j}": vars(p.stats).copy() for (i, j), p in self.paths.items()}
+        total = sum(p["bytes"] for p in paths.values())
         cpu = self.emulator.cpu_seconds()
         return {
             "emulator": "relay",
             "cpu_seconds": cpu,
             "relayed_bytes": total,
             "cpu_seconds_per_gb": cpu / (total / 1e9) if total else None,
-            "relays": relays,
+            "paths": paths,
+            "relays": {
+                r.name: {k: v for k, v in r.stats().items() if k not in ("forward", "reverse")}
+                for r in self.emulator.relays
+            },
         }
 
     def __enter__(self) -> SwarmRelays:
