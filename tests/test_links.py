@@ -212,10 +212,11 @@ def test_loss_shows_up_as_retransmission_tail_delays(echo: EchoServer) -> None:
         with connect(relay) as s:
             rtts = round_trips(s, 80)
     lost = relay.forward.stats.lost_chunks
-    slow = [r for r in rtts if r > 0.010 + 0.18]
+    # A lost ping waits one RTO (200 ms) more; the others take the 10 ms RTT.
+    slow = [r for r in rtts if r > 0.010 + 0.15]
     assert lost >= 1 and len(slow) == lost, (lost, sorted(rtts)[-5:])
-    assert statistics.median(rtts) == pytest.approx(0.010, abs=0.004)
-    assert all(r < 0.010 + 0.2 + 0.05 for r in rtts)
+    assert 0.010 <= statistics.median(rtts) < 0.020, sorted(rtts)
+    assert all(r < 0.010 + 0.2 + 0.1 for r in rtts), sorted(rtts)[-5:]
 
 
 @pytest.mark.timeout(60)

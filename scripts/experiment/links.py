@@ -17,7 +17,7 @@ in netns mode); per chunk of bytes read from a socket, in order:
    holds back the ones behind it (head-of-line blocking).
 5. With probability 1 - (1 - r)^k the relay instead resets the connection (RST both ends).
 
-The delay line is a pipe, not store-and-forward: chunks are small (about 2 ms of the
+The delay line is a pipe, not store-and-forward: chunks are small (about 5 ms of the
 stage's rate, at most 64 KiB), so a large message has a bandwidth-delay product in flight.
 The bytes a direction holds are bounded (bandwidth-delay product plus a 256 KiB queue); past
 that the relay stops reading and TCP's flow control pushes back on the sender.
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -62,8 +63,12 @@ log = logging.getLogger(__name__)
 MSS_BYTES = 1448
 MAX_CHUNK_BYTES = 64 * 1024
 # Chunks carry about this much of a stage's serialization time (pipe granularity).
-CHUNK_SECONDS = 0.002
+CHUNK_SECONDS = 0.005
 QUEUE_SLACK_BYTES = 256 * 1024
+# Chunks due within this much of each other leave in one write.
+RELEASE_SLACK_S = 0.0005
+# Past this many bytes unsent in the socket's user-space buffer, wait for it to drain.
+WRITE_BUFFER_BYTES = 256 * 1024
 UNSHAPED_QUEUE_BYTES = 16 << 20
 UPSTREAM_WAIT_S = 30.0
 CLOSE_TIMEOUT_S = 10.0
@@ -331,35 +336,60 @@ async def _run_pipes(*pipes: Any) -> None:
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path: LinkPath) -> None:
-    """Forward one direction until EOF: read chunks, release each at its time, in order."""
+    """Forward one direction until EOF: read, cut into chunks, release each at its time in
+    order (chunks due together leave in one write)."""
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue(
-        maxsize=max(2, path.queue_bytes // path.chunk_bytes)
-    )
+    held: collections.deque[tuple[float, bytes]] = collections.deque()
+    held_bytes = 0
+    eof = False
+    has_data, has_room = asyncio.Event(), asyncio.Event()
+    has_room.set()
 
     async def pump_in() -> None:
+        nonlocal held_bytes, eof
         last = 0.0
         while True:
-            data = await reader.read(path.chunk_bytes)
+            await has_room.wait()
+            data = await reader.read(MAX_CHUNK_BYTES)
             if not data:
-                await queue.put(None)
+                eof = True
+                has_data.set()
                 return
-            last = path.release(loop.time(), len(data), last)
-            await queue.put((last, data))
+            now = loop.time()
+            for k in range(0, len(data), path.chunk_bytes):
+                piece = data[k : k + path.chunk_bytes]
+                last = path.release(now, len(piece), last)
+                held.append((last, piece))
+            held_bytes += len(data)
+            if held_bytes >= path.queue_bytes:
+                has_room.clear()
+            has_data.set()
 
     async def pump_out() -> None:
+        nonlocal held_bytes
         while True:
-            item = await queue.get()
-            if item is None:
-                if writer.can_write_eof():
-                    writer.write_eof()
-                return
-            release, data = item
-            wait = release - loop.time()
+            if not held:
+                if eof:
+                    if writer.can_write_eof():
+                        writer.write_eof()
+                    return
+                has_data.clear()
+                await has_data.wait()
+                continue
+            wait = held[0][0] - loop.time()
             if wait > 0:
                 await asyncio.sleep(wait)
-            writer.write(data)
-            await writer.drain()
+            due = loop.time() + RELEASE_SLACK_S
+            out = []
+            while held and held[0][0] <= due:
+                out.append(held.popleft()[1])
+            n = sum(len(b) for b in out)
+            held_bytes -= n
+            if held_bytes < path.queue_bytes:
+                has_room.set()
+            writer.write(b"".join(out) if len(out) > 1 else out[0])
+            if writer.transport.get_write_buffer_size() > WRITE_BUFFER_BYTES:
+                await writer.drain()
 
     await _run_pipes(pump_in(), pump_out())
 
