@@ -280,3 +280,52 @@ def test_a_relay_waits_for_an_upstream_learnt_later(echo: EchoServer) -> None:
             t0 = time.monotonic()
             round_trips(s, 1)
             assert time.monotonic() - t0 >= 0.25
+
+
+def test_swarm_paths_shape_as_netns_mode_does() -> None:
+    from gossipgrad.experiment.links import SwarmRelays, site_host
+    from gossipgrad.experiment.spec import NetworkSection
+
+    net = NetworkSection.model_validate(
+        {
+            "delay": "10ms",
+            "rate": "20mbit",
+            "sites": [{"peers": [2], "delay": "30ms", "rate": "5mbit"}],
+            "links": [{"a": 0, "b": 1, "rate": "2mbit", "delay": "50ms"}],
+        }
+    )
+    relays = SwarmRelays(net, 3, seed=0, upstream=lambda j: None)
+    # Uplink of the sender (or the pair's override merged over it), then the receiver's
+    # downlink: delays add up.
+    assert relays.one_way_seconds(0, 2) == pytest.approx(0.010 + 0.030)
+    assert relays.one_way_seconds(2, 0) == pytest.approx(0.030 + 0.010)
+    assert relays.one_way_seconds(0, 1) == pytest.approx(0.050 + 0.010)
+    p01, p02, p21 = relays.paths[0, 1], relays.paths[0, 2], relays.paths[2, 1]
+    assert [s.serializer.rate for s in p01.stages] == [2e6 / 8, 20e6 / 8]
+    assert [s.serializer.rate for s in p02.stages] == [20e6 / 8, 5e6 / 8]
+    # Site 1's downlink is one transmitter for everything into site 1; the pair 0-1 has its
+    # own uplink class, apart from site 0's default uplink.
+    assert p01.stages[1].serializer is p21.stages[1].serializer
+    assert p01.stages[0].serializer is not p02.stages[0].serializer
+    # Relay i->j forwards on path i->j and carries the replies on path j->i.
+    r = relays.relay[0, 1]
+    assert r.forward is p01 and r.reverse is relays.paths[1, 0]
+    assert relays.dial_via(0) == [
+        f"{site_host(1)}={relays.relay[0, 1].address}",
+        f"{site_host(2)}={relays.relay[0, 2].address}",
+    ]
+
+
+def test_dial_via_maps_addresses_and_hosts_and_rejects_junk() -> None:
+    from gossipgrad.peer.cli import build_parser, overrides_from_args
+    from gossipgrad.peer.config import ConfigError, build_config
+
+    args = build_parser().parse_args(
+        ["--transport.dial_via", "127.1.0.2=127.0.0.1:4000,10.0.0.1:5=10.0.0.9:6"]
+    )
+    t = build_config({}, overrides_from_args(args)).transport
+    assert t.dial_target("127.1.0.2:7070") == "127.0.0.1:4000"  # bare host: any port
+    assert t.dial_target("10.0.0.1:5") == "10.0.0.9:6"
+    assert t.dial_target("10.0.0.1:7") == "10.0.0.1:7"  # not mapped: itself
+    with pytest.raises(ConfigError, match=r"transport\.dial_via"):
+        build_config({}, {"transport.dial_via": ["127.0.0.1:1"]})
