@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +22,7 @@ SPEC = """
 name = "links-smoke"
 peers = 2
 mode = "local"
-timeout = 150
+timeout = 240
 sample_every = 0.25
 
 [network]
@@ -64,7 +65,7 @@ def push_seconds(port: int) -> tuple[float, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_local_swarm_over_relayed_40ms_links(tmp_path: Path) -> None:
     spec, out = tmp_path / "spec.toml", tmp_path / "run"
     spec.write_text(SPEC)
@@ -113,3 +114,42 @@ def test_local_swarm_over_relayed_40ms_links(tmp_path: Path) -> None:
     assert set(pushes) == {0, 1}, pushes
     for total, count in pushes.values():
         assert count > 0 and total / count >= 0.040, pushes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigint_to_the_runner_closes_every_relay(tmp_path: Path) -> None:
+    spec, out = tmp_path / "spec.toml", tmp_path / "run"
+    spec.write_text(SPEC.replace("steps = 40", "steps = 100000"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gossipgrad.experiment", str(spec), "--out", str(out), "--no-live"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 200  # peers import torch first: slow on a loaded box
+        while time.monotonic() < deadline:
+            try:
+                states = [
+                    json.loads((out / "swarm" / f"peer{i}" / "status.json").read_text())["state"]
+                    for i in range(2)
+                ]
+            except (OSError, ValueError, KeyError):
+                states = []
+            if states == ["training", "training"]:
+                break
+            time.sleep(0.2)
+        assert states == ["training", "training"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert processes_mentioning(str(out)) == []
+    # The relay addresses each peer was told to dial (its command line) are closed now.
+    commands = (out / "swarm" / "commands.sh").read_text()
+    relays = set(re.findall(r"=127\.0\.0\.1:(\d+)", commands))
+    assert len(relays) == 2, commands
+    for port in relays:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", int(port)), timeout=2).close()
