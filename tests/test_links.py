@@ -21,7 +21,16 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from gossipgrad.experiment.links import LinkEmulator, LinkPath, Relay, Serializer, Stage
+from gossipgrad.experiment.links import (
+    WAKE_LEAD_SHARE,
+    LinkEmulator,
+    LinkPath,
+    Relay,
+    Serializer,
+    Stage,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 PING = 32
 
@@ -68,6 +77,9 @@ class EchoServer:
             self.threads.append(t)
 
     def _handle(self, conn: socket.socket) -> None:
+        # As gRPC does: without it, Nagle's algorithm and delayed ACKs can hold a small reply
+        # for up to 200 ms, which would look like an emulated loss.
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with conn:
             n = 0
             with contextlib.suppress(OSError):
@@ -152,20 +164,31 @@ def refused(address: tuple[str, int]) -> bool:
 
 @pytest.mark.timeout(60)
 def test_ping_pong_over_a_40ms_rtt_link_measures_40ms(echo: EchoServer) -> None:
+    """Median of 25 round trips within 10 % of 40 ms. On a shared machine a burst of load can
+    delay any thread's wake-up, so up to three rounds of 25 are measured; a relay whose delay
+    is wrong fails all three."""
+    medians = []
     with leaves_nothing():
         with LinkEmulator() as emu:
             relay = emu.add("0->1", echo.address, [Stage(delay=0.02)], [Stage(delay=0.02)])
-            with connect(relay) as s:
-                rtts = round_trips(s, 25)
             unshaped = emu.add("plain", echo.address, [Stage()], [Stage()])
-            with connect(unshaped) as s:
-                base = round_trips(s, 25)
+            with connect(relay) as s, connect(unshaped) as p:
+                for _ in range(3):
+                    rtts, base = [], []
+                    for _ in range(25):  # interleaved: both see the same background load
+                        rtts += round_trips(s, 1)
+                        base += round_trips(p, 1)
+                    medians.append(statistics.median(rtts))
+                    # Writes are timed early by at most the wake-up lead, never more.
+                    assert min(rtts) >= 0.040 * (1 - WAKE_LEAD_SHARE), sorted(rtts)
+                    assert statistics.median(base) < 0.005, sorted(base)
+                    if medians[-1] == pytest.approx(0.040, rel=0.10):
+                        break
         assert refused(relay.address_tuple)
-    assert statistics.median(rtts) == pytest.approx(0.040, rel=0.10)
-    assert min(rtts) >= 0.040
-    assert statistics.median(base) < 0.005
-    st = relay.stats()
-    assert st["connections"] == 1 and st["forward"]["bytes"] == st["reverse"]["bytes"] == 25 * PING
+    assert medians[-1] == pytest.approx(0.040, rel=0.10), (medians, relay.stats())
+    stats = relay.stats()
+    assert stats["connections"] == 1
+    assert stats["forward"]["bytes"] == stats["reverse"]["bytes"] == 25 * PING * len(medians)
 
 
 @pytest.mark.timeout(60)
@@ -206,17 +229,20 @@ def test_release_times_serialize_delay_and_keep_fifo_order() -> None:
 
 @pytest.mark.timeout(60)
 def test_loss_shows_up_as_retransmission_tail_delays(echo: EchoServer) -> None:
+    lost_rtts, clean_rtts = [], []
     with leaves_nothing(), LinkEmulator() as emu:
         lossy = LinkPath([Stage(delay=0.005, loss=0.05)], seed=11, rto=0.2)
         relay = emu.add("0->1", echo.address, lossy, [Stage(delay=0.005)])
         with connect(relay) as s:
-            rtts = round_trips(s, 80)
-    lost = relay.forward.stats.lost_chunks
-    # A lost ping waits one RTO (200 ms) more; the others take the 10 ms RTT.
-    slow = [r for r in rtts if r > 0.010 + 0.15]
-    assert lost >= 1 and len(slow) == lost, (lost, sorted(rtts)[-5:])
-    assert 0.010 <= statistics.median(rtts) < 0.020, sorted(rtts)
-    assert all(r < 0.010 + 0.2 + 0.1 for r in rtts), sorted(rtts)[-5:]
+            for _ in range(80):
+                before = lossy.stats.lost_chunks
+                rtt = round_trips(s, 1)[0]
+                (lost_rtts if lossy.stats.lost_chunks > before else clean_rtts).append(rtt)
+    # 5 % of one-packet pings are lost; each then waits one RTO (200 ms) on top of the RTT.
+    assert 1 <= len(lost_rtts) <= 12 and len(lost_rtts) == lossy.stats.lost_chunks
+    assert all(r >= 0.2 + 0.010 * (1 - WAKE_LEAD_SHARE) for r in lost_rtts), lost_rtts
+    assert 0.010 * (1 - WAKE_LEAD_SHARE) <= statistics.median(clean_rtts) < 0.1, clean_rtts
+    assert min(lost_rtts) > max(statistics.quantiles(clean_rtts, n=10))  # the tail is the loss
 
 
 @pytest.mark.timeout(60)
@@ -329,3 +355,54 @@ def test_dial_via_maps_addresses_and_hosts_and_rejects_junk() -> None:
     assert t.dial_target("10.0.0.1:7") == "10.0.0.1:7"  # not mapped: itself
     with pytest.raises(ConfigError, match=r"transport\.dial_via"):
         build_config({}, {"transport.dial_via": ["127.0.0.1:1"]})
+
+
+@pytest.mark.timeout(60)
+def test_bytes_arrive_intact_and_in_order_through_jitter_loss_and_a_rate(echo: EchoServer) -> None:
+    import random
+
+    payload = random.Random(7).randbytes(600_000)
+    with leaves_nothing(), LinkEmulator() as emu:
+        stages = [Stage(delay=0.005, jitter=0.004, loss=0.03, serializer=Serializer(4e6))]
+        forward = LinkPath(stages, seed=2, rto=0.05)
+        relay = emu.add("0->1", echo.address, forward, [Stage(delay=0.005, jitter=0.004)])
+        with connect(relay) as s:
+            sender = threading.Thread(target=s.sendall, args=(payload,))
+            sender.start()
+            got = bytearray()
+            while len(got) < len(payload):
+                chunk = s.recv(1 << 16)
+                assert chunk, "relay closed the connection"
+                got += chunk
+            sender.join()
+    assert bytes(got) == payload
+    # ~5 ms of the rate per chunk (20 kB here); about 1 in 3 such chunks holds a lost packet.
+    assert forward.stats.chunks >= len(payload) // forward.chunk_bytes
+    assert forward.stats.lost_chunks > 0
+
+
+@given(
+    reads=st.lists(
+        st.tuples(st.floats(0.0, 0.01), st.integers(1, 70_000)), min_size=1, max_size=60
+    ),
+    rate=st.floats(1e4, 1e8),
+    delay=st.floats(0.0, 0.2),
+    jitter=st.floats(0.0, 0.05),
+)
+@settings(max_examples=200, deadline=None)
+def test_release_law_in_order_no_earlier_than_the_rate_allows(reads, rate, delay, jitter) -> None:
+    path = LinkPath([Stage(delay=delay, jitter=jitter, serializer=Serializer(rate))], seed=1)
+    t, last, total, releases = 0.0, 0.0, 0, []
+    for gap, nbytes in reads:
+        t += gap
+        last = path.release(t, nbytes, last)
+        total += nbytes
+        releases.append(last)
+        # Never before it has been transmitted (and, without jitter, propagated).
+        assert last >= t + nbytes / rate - 1e-9
+        if not jitter:
+            assert last >= t + nbytes / rate + delay - 1e-9
+    assert releases == sorted(releases)
+    # The link never carried more than its rate: everything needs total / rate seconds.
+    assert releases[-1] >= total / rate - 1e-9
+    assert path.stats.bytes == total and path.stats.chunks == len(reads)

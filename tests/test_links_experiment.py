@@ -64,6 +64,17 @@ def push_seconds(port: int) -> tuple[float, float]:
     return total["sum"], total["count"]
 
 
+def stop_runner(proc: subprocess.Popen) -> None:
+    """Interrupt a runner still running (it stops its peers and relays), then kill it."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    proc.wait()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_local_swarm_over_relayed_40ms_links(tmp_path: Path) -> None:
@@ -87,9 +98,7 @@ def test_local_swarm_over_relayed_40ms_links(tmp_path: Path) -> None:
             time.sleep(0.2)
         output = proc.stdout.read()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+        stop_runner(proc)
         proc.stdout.close()
     assert proc.returncode == 0, output[-3000:]
     assert processes_mentioning(str(out)) == []
@@ -142,9 +151,7 @@ def test_sigint_to_the_runner_closes_every_relay(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 130
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_runner(proc)
     assert processes_mentioning(str(out)) == []
     # The relay addresses each peer was told to dial (its command line) are closed now.
     commands = (out / "swarm" / "commands.sh").read_text()

@@ -67,6 +67,10 @@ CHUNK_SECONDS = 0.005
 QUEUE_SLACK_BYTES = 256 * 1024
 # Chunks due within this much of each other leave in one write.
 RELEASE_SLACK_S = 0.0005
+# Timer wake-up compensation: at most this much early, adapting with this gain per wake-up.
+MAX_WAKE_LEAD_S = 0.010
+WAKE_LEAD_SHARE = 0.25
+WAKE_LEAD_GAIN = 0.1
 # Past this many bytes unsent in the socket's user-space buffer, wait for it to drain.
 WRITE_BUFFER_BYTES = 256 * 1024
 UNSHAPED_QUEUE_BYTES = 16 << 20
@@ -137,6 +141,10 @@ class PathStats:
     chunks: int = 0
     lost_chunks: int = 0
     resets: int = 0
+    writes: int = 0
+    release_error_seconds: float = 0.0
+    """Sum over writes of |time written - release time|: the emulator's own timing error."""
+    max_late_seconds: float = 0.0
 
 
 class LinkPath:
@@ -164,6 +172,11 @@ class LinkPath:
         rto_estimate = max(rto, 2 * one_way + 4 * spread)
         self.loss_delay = rto_estimate if loss_delay is None else loss_delay
         self.stats = PathStats()
+        # How late the loop thread wakes from a timer, lately (EWMA); writes are timed that
+        # much early, so a loaded machine's scheduling delay does not add to the link's. At
+        # most a quarter of the path's delay, so no chunk ever leaves without its delay.
+        self.wake_lead = 0.0
+        self.max_wake_lead = min(MAX_WAKE_LEAD_S, WAKE_LEAD_SHARE * one_way)
         rates = [s.serializer.rate for s in self.stages if s.serializer.rate]
         rate = min(rates) if rates else None
         self.chunk_bytes = (
@@ -174,6 +187,11 @@ class LinkPath:
         self.queue_bytes = (
             int(rate * (one_way + spread)) + QUEUE_SLACK_BYTES if rate else UNSHAPED_QUEUE_BYTES
         )
+
+    def adapt_wake_lead(self, woke_late: float) -> None:
+        """Move the wake-up lead towards the lateness of the latest timer wake-up."""
+        sample = min(max(woke_late, 0.0), self.max_wake_lead)
+        self.wake_lead += WAKE_LEAD_GAIN * (sample - self.wake_lead)
 
     def release(self, t: float, nbytes: int, previous: float) -> float:
         """When a chunk read at ``t`` reaches the other end (after ``previous``, the release
@@ -339,6 +357,7 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path
     """Forward one direction until EOF: read, cut into chunks, release each at its time in
     order (chunks due together leave in one write)."""
     loop = asyncio.get_running_loop()
+    stats = path.stats
     held: collections.deque[tuple[float, bytes]] = collections.deque()
     held_bytes = 0
     eof = False
@@ -376,10 +395,19 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path
                 has_data.clear()
                 await has_data.wait()
                 continue
-            wait = held[0][0] - loop.time()
+            release = held[0][0]
+            wait = release - path.wake_lead - loop.time()
             if wait > 0:
+                target = loop.time() + wait
                 await asyncio.sleep(wait)
-            due = loop.time() + RELEASE_SLACK_S
+                path.adapt_wake_lead(loop.time() - target)
+            else:
+                path.adapt_wake_lead(0.0)  # nothing to learn from: let the lead decay
+            now = loop.time()
+            stats.writes += 1
+            stats.release_error_seconds += abs(now - release)
+            stats.max_late_seconds = max(stats.max_late_seconds, now - release)
+            due = max(now, release) + RELEASE_SLACK_S
             out = []
             while held and held[0][0] <= due:
                 out.append(held.popleft()[1])
