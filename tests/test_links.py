@@ -406,3 +406,21 @@ def test_release_law_in_order_no_earlier_than_the_rate_allows(reads, rate, delay
     # The link never carried more than its rate: everything needs total / rate seconds.
     assert releases[-1] >= total / rate - 1e-9
     assert path.stats.bytes == total and path.stats.chunks == len(reads)
+
+
+def test_dry_run_plans_relays_and_dial_maps(tmp_path) -> None:
+    from pathlib import Path
+
+    from gossipgrad.experiment.runner import Experiment
+    from gossipgrad.experiment.spec import load_spec
+
+    root = Path(__file__).resolve().parents[1]
+    spec = load_spec(root / "scripts" / "experiments" / "digits-wan-local.toml")
+    assert spec.network.uses_relay(spec.experiment.mode)
+    lines = Experiment(spec, tmp_path / "run").plan()
+    assert any(line.startswith("links: 12 user-space relays") for line in lines)
+    peer1 = next(line for line in lines if line.startswith("peer 1:"))
+    assert "--peer.listen 127.1.0.2:0" in peer1
+    dial = peer1.split("--transport.dial_via ")[1].split()[0].split(",")
+    assert [d.split("=")[0] for d in dial] == ["127.1.0.1", "127.1.0.3", "127.1.0.4"]
+    assert not (tmp_path / "run").exists()  # a plan starts nothing

@@ -20,7 +20,9 @@ in netns mode); per chunk of bytes read from a socket, in order:
 The delay line is a pipe, not store-and-forward: chunks are small (about 5 ms of the
 stage's rate, at most 64 KiB), so a large message has a bandwidth-delay product in flight.
 The bytes a direction holds are bounded (bandwidth-delay product plus a 256 KiB queue); past
-that the relay stops reading and TCP's flow control pushes back on the sender.
+that the relay stops reading and TCP's flow control pushes back on the sender. Writes are
+timed early by the loop's recent timer lateness (at most a quarter of the path's delay), so
+a loaded machine's scheduling delay does not add to the emulated delay on average.
 
 Why asyncio: a swarm of n sites needs n(n-1) relays, each connection two directions and a
 timer per chunk. One event loop in one thread serves them all, with timers accurate to about
