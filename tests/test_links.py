@@ -424,3 +424,28 @@ def test_dry_run_plans_relays_and_dial_maps(tmp_path) -> None:
     dial = peer1.split("--transport.dial_via ")[1].split()[0].split(",")
     assert [d.split("=")[0] for d in dial] == ["127.1.0.1", "127.1.0.3", "127.1.0.4"]
     assert not (tmp_path / "run").exists()  # a plan starts nothing
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        ({"network": {"rto": "2 seconds"}}, "network.rto"),
+        ({"network": {"reset": 101}}, "network.reset"),
+        ({"experiment": {"mode": "ssh"}, "network": {"delay": "5ms"}}, "ssh mode runs over real"),
+    ],
+)
+def test_link_keys_are_validated(raw: dict, fragment: str) -> None:
+    from gossipgrad.experiment.spec import SpecError, parse_spec
+
+    with pytest.raises(SpecError, match=fragment):
+        parse_spec(raw)
+
+
+def test_which_emulator_shapes_what() -> None:
+    from gossipgrad.experiment.spec import parse_spec
+
+    local = parse_spec({"network": {"delay": "5ms", "reset": 0.5}})
+    assert local.network.uses_relay("local") and local.network.resets()
+    assert not parse_spec({}).network.uses_relay("local")  # nothing to shape: no relays
+    netns = parse_spec({"experiment": {"mode": "netns"}, "network": {"rate": "10mbit"}})
+    assert not netns.network.uses_relay("netns")  # tc shapes netns mode
