@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gossipgrad.experiment.spec import LinkProfile, NetworkSection, rate_bits, time_seconds
+from pydantic import ValidationError
 
 log = logging.getLogger(__name__)
 
@@ -653,16 +654,18 @@ def main(argv: list[str] | None = None) -> int:
         profile = LinkProfile(
             rate=args.rate, delay=args.delay, jitter=args.jitter, loss=args.loss, reset=args.reset
         )
-    except ValueError as err:
-        sys.stderr.write(f"links: {err}\n")
+    except ValidationError as err:
+        problems = "; ".join(f"--{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        sys.stderr.write(f"links: {problems}\n")
         return 2
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     stop = threading.Event()
-    with LinkEmulator() as emu:
-        relay = emu.add(
-            "relay", args.to, [Stage.from_profile(profile)], [Stage.from_profile(profile)],
-            seed=args.seed,
-        )  # fmt: skip
+    emu = LinkEmulator()
+    relay = emu.add(
+        "relay", args.to, [Stage.from_profile(profile)], [Stage.from_profile(profile)],
+        seed=args.seed,
+    )  # fmt: skip
+    with emu:
         sys.stdout.write(json.dumps({"address": relay.address}) + "\n")
         sys.stdout.flush()
         try:
