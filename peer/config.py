@@ -8,6 +8,7 @@ the key. Components receive only their own section, never the whole config.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -342,6 +343,27 @@ class TransportSection(Section):
     )
     push_timeout: float = Field(30.0, gt=0, description="Deadline of one push, seconds.")
     retries: int = Field(3, ge=0, description="Retries of an idempotent call on UNAVAILABLE.")
+    dial_via: list[str] = Field(
+        default_factory=list,
+        description="Connect to some peers through another address, e.g. an emulated WAN "
+        "link: entries FROM=VIA, where FROM is a peer's host:port, or a bare host for every "
+        "port on it, and VIA the host:port actually dialled. Peers are still known by their "
+        "own addresses. The experiment runner sets it for its link emulator.",
+    )
+
+    @field_validator("dial_via")
+    @classmethod
+    def _dial_via(cls, v: list[str]) -> list[str]:
+        addr = r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.\-]+)"
+        for entry in v:
+            if not re.fullmatch(rf"{addr}(:\d{{1,5}})?={addr}:\d{{1,5}}", entry):
+                raise ValueError(f"{entry!r} must look like HOST[:PORT]=HOST:PORT")
+        return v
+
+    def dial_target(self, address: str) -> str:
+        """The address to dial for a peer at ``address`` (``dial_via``, else itself)."""
+        via = dict(entry.split("=", 1) for entry in self.dial_via)
+        return via.get(address) or via.get(address.rsplit(":", 1)[0]) or address
 
 
 class SecuritySection(Section):

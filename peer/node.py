@@ -83,10 +83,14 @@ class ClientPool:
     """One PeerClient per address, created on first use."""
 
     def __init__(
-        self, options: TransportOptions, security: TransportSecurity | None = None
+        self,
+        options: TransportOptions,
+        security: TransportSecurity | None = None,
+        dial: Callable[[str], str] = str,
     ) -> None:
         self._options = options
         self._security = security
+        self._dial = dial  # peer address -> address to connect to (transport.dial_via)
         self._clients: dict[str, PeerClient] = {}
         self._lock = threading.Lock()
 
@@ -95,7 +99,7 @@ class ClientPool:
             c = self._clients.get(address)
             if c is None:
                 c = self._clients[address] = PeerClient(
-                    address, options=self._options, security=self._security
+                    self._dial(address), options=self._options, security=self._security
                 )
             return c
 
@@ -162,7 +166,7 @@ class Peer:
                 f"transport.max_payload_bytes ({self.options.max_payload_bytes}): a resync "
                 "could never be sent; raise transport.max_payload_bytes"
             )
-        self.clients = ClientPool(self.options, self.security)
+        self.clients = ClientPool(self.options, self.security, cfg.transport.dial_target)
         self.server = GossipServer(
             self,
             bind=cfg.peer.listen,

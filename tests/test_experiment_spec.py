@@ -56,7 +56,9 @@ def test_shipped_specs_validate(path: Path) -> None:
         ({"peer": {"id": "x"}}, "peer:"),
         ({"experiment": {"mode": "netns"}, "network": {"rate": "10mb"}}, "network.rate"),
         ({"experiment": {"mode": "netns"}, "network": {"jitter": "1ms"}}, "jitter needs a delay"),
-        ({"network": {"rate": "10mbit"}}, "needs experiment.mode = 'netns'"),
+        ({"network": {"rate": "10mbit", "emulator": "netem"}}, "netem needs experiment.mode"),
+        ({"experiment": {"mode": "netns"}, "network": {"emulator": "relay"}}, "local mode only"),
+        ({"experiment": {"mode": "netns"}, "network": {"reset": 1.0}}, "network.reset"),
         (
             {"experiment": {"mode": "netns", "peers": 2}, "network": {"sites": [{"peers": [5]}]}},
             "network.sites.0.peers",

@@ -220,8 +220,9 @@ class NetnsLab:
         if self.network.needs_netem() and not netem_supported(self.hub, "br0"):
             raise NetnsError(
                 "network: delay, jitter and loss need the netem qdisc (kernel module "
-                "sch_netem), which this kernel lacks; keep only 'rate' (HTB) or use a "
-                "kernel with CONFIG_NET_SCH_NETEM"
+                "sch_netem), which this kernel lacks; keep only 'rate' (HTB), run the spec "
+                "in experiment.mode = 'local' (user-space relay emulator), or use a kernel "
+                "with CONFIG_NET_SCH_NETEM"
             )
         for i in range(self.n):
             ns = self.ns(i)

@@ -91,6 +91,9 @@ class SwarmResult(_Open):
     relative_consensus_distance: float | None = Field(
         None, description="The same over ‖x̄‖² (scale-free)."
     )
+    link_emulator: dict[str, Any] | None = Field(
+        None, description="Local mode over relays: the emulator's CPU seconds, bytes, paths."
+    )
     link_bytes: dict[str, float] = Field(
         default_factory=dict,
         description="Bytes per link: per neighbour edge (local) or per site up/down (netns).",
@@ -146,6 +149,9 @@ class BaselineResult(_Open):
     )
     link_bytes: dict[str, float] = Field(
         default_factory=dict, description="Bytes per rank (local) or per site up/down (netns)."
+    )
+    network: str | None = Field(
+        None, description="Set when the baseline did not run over the swarm's emulated links."
     )
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from gossipgrad.experiment import netns, ssh
+from gossipgrad.experiment import links, netns, ssh
 from gossipgrad.experiment.analysis import consensus_distance
 from gossipgrad.experiment.baselines import BaselineRun, RankPlacement
 from gossipgrad.experiment.launch import LocalSwarm
@@ -115,6 +115,7 @@ class Experiment:
         self.n = spec.experiment.peers
         self.cfg = spec.peer_config()
         self.lab: netns.NetnsLab | None = None
+        self.relays: links.SwarmRelays | None = None
         self.inventory: ssh.Inventory | None = None
         if spec.experiment.mode == "ssh":
             assert spec.ssh.inventory is not None
@@ -132,6 +133,8 @@ class Experiment:
         return self.lab.exec_prefix if self.lab else None
 
     def _peer_overrides(self, i: int) -> dict[str, str]:
+        if self.relays is not None:
+            return self.relays.peer_overrides(i)
         if not self.lab:
             return {}
         opts = {"peer.listen": f"{self.lab.address(i)}:0"}
@@ -185,6 +188,22 @@ class Experiment:
             for link in s.network.links:
                 lines.append(f"link {link.a}<->{link.b}: {link.model_dump(exclude={'a', 'b'})}")
             self.lab = lab
+        if s.network.uses_relay(s.experiment.mode):
+            lines.append(
+                f"links: {self.n * (self.n - 1)} user-space relays on 127.0.0.1 (one per "
+                f"directed site pair, ports picked at run time: 127.0.0.1:0 below); site i "
+                f"listens on {links.site_host(0)[:-1]}<i+1>"
+            )
+            for i in range(self.n):
+                site = s.network.site(i)
+                lines.append(
+                    f"site {i}: rate={site.rate or 'unshaped'} delay={site.delay or 0} "
+                    f"jitter={site.jitter or 0} loss={site.loss}% reset={site.reset}%"
+                )
+            for link in s.network.links:
+                pair = link.model_dump(exclude={"a", "b"}, exclude_unset=True)
+                lines.append(f"link {link.a}<->{link.b}: {pair}")
+            self.relays = links.SwarmRelays(s.network, self.n, s.experiment.seed, lambda j: None)
         try:
             swarm = self.make_swarm()
             for i in range(self.n):
@@ -194,6 +213,7 @@ class Experiment:
             place = self._placement()
         finally:
             self.lab = None
+            self.relays = None
         outer = s.baselines.diloco_settings(self.cfg.gossip.local_steps)
         for name in s.baselines.run:
             how, extra = "torch DDP", ""
@@ -265,17 +285,39 @@ class Experiment:
         before = self.lab.counters() if self.lab else {}
         t0 = time.monotonic()
         ok = False
+        relays = self._start_relays(swarm)
         try:
             swarm.start()
             ok = self._watch(view, "swarm", swarm.running, swarm.statuses, on_sample)
         finally:
             with signals_deferred():
                 swarm.stop()
+                if relays is not None:
+                    relays.close()
+                self.relays = None
         elapsed = time.monotonic() - t0
         link_bytes = _delta(self.lab.counters(), before) if self.lab else {}
         if isinstance(swarm, ssh.SshSwarm):
             swarm.fetch()
-        return self._swarm_result(swarm, history, edges, link_bytes, ok, elapsed)
+        result = self._swarm_result(swarm, history, edges, link_bytes, ok, elapsed)
+        if relays is not None:
+            result.link_emulator = relays.report()
+        return result
+
+    def _start_relays(self, swarm: LocalSwarm | ssh.SshSwarm) -> links.SwarmRelays | None:
+        """Local mode with a shaped [network]: one relay per directed site pair; peer j's
+        address is read from its status.json once it is up."""
+        if not self.spec.network.uses_relay(self.spec.experiment.mode):
+            return None
+
+        def address(j: int) -> str | None:
+            status = read_record(PeerStatus, swarm.peer_dir(j) / "status.json")
+            return status.address if status is not None else None
+
+        self.relays = links.SwarmRelays(
+            self.spec.network, self.n, self.spec.experiment.seed, address
+        )
+        return self.relays.start()
 
     @staticmethod
     def _peer_result(
@@ -351,6 +393,10 @@ class Experiment:
         if self.lab:
             result.link_bytes = _delta(self.lab.counters(), before)
         else:
+            if self.spec.network.uses_relay(self.spec.experiment.mode):
+                # gloo's ranks dial each other on ports published at run time: not relayed.
+                result.network = "unshaped loopback: baselines do not go through the relays"
+                log.warning("baseline %s ran on unshaped loopback (not through the relays)", name)
             result.link_bytes = {
                 f"rank{r.id[4:]} ring": r.sent_bytes
                 for r in result.ranks

@@ -2,8 +2,8 @@
 
 Sections:
   [experiment]   name, peers, mode (local | netns | ssh), seed, timeout
-  [network]      link profile for netns mode: default rate/delay/jitter/loss, per-site and
-                 per-link overrides
+  [network]      emulated WAN (tc in netns mode, user-space relays in local mode): default
+                 rate/delay/jitter/loss, per-site and per-link overrides
   [baselines]    which baselines run in the same conditions (ddp, powersgd, diloco,
                  diloco-int8, hivemind) and their knobs
   [ssh]          inventory file for ssh mode
@@ -86,7 +86,11 @@ class LinkProfile(_Model):
     jitter: str | None = None
     """Delay variation, e.g. '5ms' (netem; needs delay)."""
     loss: float = Field(0.0, ge=0.0, le=100.0)
-    """Random packet loss in percent (netem)."""
+    """Random packet loss in percent (netem; the relay emulator turns it into the
+    retransmission delays TCP would see)."""
+    reset: float = Field(0.0, ge=0.0, le=100.0)
+    """Relay emulator only: chance in percent, per packet's worth of bytes, that the link
+    resets the TCP connection."""
 
     @field_validator("rate")
     @classmethod
@@ -136,14 +140,28 @@ class PairProfile(LinkProfile):
 
 
 class NetworkSection(LinkProfile):
-    """Emulated WAN (netem mode): the default profile of every site's access link, plus
-    per-site and per-link overrides."""
+    """Emulated WAN: the default profile of every site's access link, plus per-site and
+    per-link overrides, and which emulator applies them."""
 
+    emulator: Literal["auto", "netem", "relay"] = "auto"
+    """relay: user-space TCP relays (local mode; gossipgrad.experiment.links); netem: tc
+    qdiscs (netns mode); auto: relay in local mode, tc in netns mode."""
+    rto: str = "200ms"
+    """Relay emulator: least extra delay of a lost chunk (its retransmission timeout is
+    max(rto, RTT + 4 x jitter), RFC 6298 with Linux's 200 ms minimum)."""
     sites: list[SiteProfile] = Field(default_factory=list)
     links: list[PairProfile] = Field(default_factory=list)
 
+    @field_validator("rto")
+    @classmethod
+    def _rto(cls, v: str) -> str:
+        if not _TIME.match(v):
+            raise ValueError(f"{v!r} must look like 20ms (us, ms, s)")
+        return v
+
     def site(self, i: int) -> LinkProfile:
-        base = LinkProfile(**self.model_dump(exclude={"sites", "links"}, exclude_unset=True))
+        keep = {"sites", "links", "emulator", "rto"}
+        base = LinkProfile(**self.model_dump(exclude=keep, exclude_unset=True))
         for s in self.sites:
             if i in s.peers:
                 over = s.model_dump(exclude={"peers"}, exclude_unset=True)
@@ -158,11 +176,18 @@ class NetworkSection(LinkProfile):
 
     def shaped(self) -> bool:
         profiles = [self, *self.sites, *self.links]
-        return any(p.rate or p.needs_netem() for p in profiles)
+        return any(p.rate or p.needs_netem() or p.reset for p in profiles)
 
     def needs_netem(self) -> bool:  # type: ignore[override]
         profiles: list[LinkProfile] = [self, *self.sites, *self.links]
         return any(LinkProfile.needs_netem(p) for p in profiles)
+
+    def resets(self) -> bool:
+        return any(p.reset for p in [self, *self.sites, *self.links])
+
+    def uses_relay(self, mode: str) -> bool:
+        """Whether the relay emulator shapes this network in ``mode``."""
+        return self.shaped() and mode == "local" and self.emulator in ("auto", "relay")
 
 
 class ExperimentSection(_Model):
@@ -263,11 +288,21 @@ class Spec(_Model):
         for k, link in enumerate(self.network.links):
             if max(link.a, link.b) >= n:
                 raise ValueError(f"network.links.{k}: peer index out of range 0..{n - 1}")
-        if self.experiment.mode != "netns" and self.network.shaped():
+        mode, net = self.experiment.mode, self.network
+        if mode == "ssh" and net.shaped():
+            raise ValueError("network: ssh mode runs over real links; drop [network] shaping")
+        if mode == "local" and net.shaped() and net.emulator == "netem":
             raise ValueError(
-                f"network: link shaping needs experiment.mode = 'netns' "
-                f"(mode is {self.experiment.mode!r})"
+                "network.emulator: netem needs experiment.mode = 'netns'; local mode "
+                "emulates links with the relay (emulator = 'relay' or 'auto')"
             )
+        if mode == "netns" and net.emulator == "relay":
+            raise ValueError(
+                "network.emulator: the relay emulator runs in local mode only; netns mode "
+                "shapes with tc (emulator = 'auto' or 'netem')"
+            )
+        if mode == "netns" and net.resets():
+            raise ValueError("network.reset: needs the relay emulator (experiment.mode = 'local')")
         if self.experiment.mode == "ssh" and self.ssh.inventory is None:
             raise ValueError("ssh.inventory: required for experiment.mode = 'ssh'")
         return self
