@@ -311,7 +311,7 @@ class Experiment:
             return None
 
         def address(j: int) -> str | None:
-            status = read_record(PeerStatus, swarm.peer_dir(j) / "status.json")
+            status = read_record(swarm.peer_dir(j) / "status.json", PeerStatus)
             return status.address if status is not None else None
 
         self.relays = links.SwarmRelays(
