@@ -1,20 +1,14 @@
 """CHOCO-SGD gossip over per-edge public copies (Koloskova, Stich, Jaggi, ICML 2019).
 
-One round, run by the training thread every ``gossip.local_steps`` local steps:
-
-1. (max_staleness 1) wait, bounded by ``round_timeout``, for the exchanges opened last round,
-   and mix those that completed: x_i += γ Σ_j w_ij (x̂_{j->i} − x̂_{i->j}).
-2. For each neighbour j whose last exchange is mixed (and each that opened one with us):
-   q = Q(x_i − x̂_{i->j});  x̂_{i->j} += q;  push q in the background (or the session's
-   opening, INIT or dense RESYNC). An update that was not acknowledged is pushed again, the
-   same bytes: nothing is mixed before it landed, and what the codec dropped stays in
-   x_i − x̂_{i->j} (the error feedback). With ``gossip.error_feedback = false`` (an ablation)
-   q = Q(x_i − b_{i->j}), b being x_i at the previous send (DCD-PSGD, Tang et al. 2018).
-3. (max_staleness 0) wait for this round's exchanges, and mix those that completed.
-
-peer/algorithms/edges.py has the rules that keep both ends identical and the mixing symmetric
-(sessions, exchanges, agreed weights); this module applies them on the wire. The same class
-keeps diloco's anchors together (over the anchor instead of the parameters).
+A round (every ``gossip.local_steps`` steps) opens one exchange per edge, q = Q(x_i − x̂_{i->j})
+with x̂_{i->j} += q pushed in the background (or the session's INIT / dense RESYNC opening),
+and mixes each completed exchange once: x_i += γ Σ_j w_ij (x̂_{j->i} − x̂_{i->j}). With
+``max_staleness`` 0 it waits for this round's exchanges, with 1 for last round's (so compute
+overlaps communication); either wait is bounded by ``round_timeout``. An update that was not
+acknowledged is pushed again, the same bytes, and nothing is mixed before it landed; what the
+codec drops stays in x_i − x̂_{i->j} (the error feedback; ``gossip.error_feedback = false``:
+Q(x_i − b), DCD-PSGD, Tang et al. 2018). The rules that keep both ends identical and the
+mixing symmetric are peer/algorithms/edges.py's; this class also keeps diloco's anchors together.
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ import grpc
 import torch
 from gossipgrad.compression import Codec, DecodeError, from_spec
 from gossipgrad.peer.algorithms.base import GossipAlgorithm, RoundStats
-from gossipgrad.peer.algorithms.edges import Edge, Incoming, Kind, Verdict
+from gossipgrad.peer.algorithms.edges import Copies, Edge, Incoming, Kind, Verdict
 from gossipgrad.peer.algorithms.mixing import Pair, consensus_step, neighbourhood_distance
 from gossipgrad.peer.algorithms.neighbours import Neighbourhood
 from gossipgrad.peer.config import GossipSection
@@ -42,7 +36,10 @@ DENSE_SPEC = "none"
 # Edges opened before this round start from the shared initial model (INIT, no payload);
 # later ones (a late joiner, a rewired topology) from a dense copy of the current model.
 INIT_ROUNDS = 50
+# finish() waits up to this many round_timeouts for the exchanges still open.
+FINISH_ROUNDS = 3
 _KINDS = {pb.INIT: Kind.INIT, pb.RESYNC: Kind.RESYNC, pb.DELTA: Kind.DELTA}
+_WIRE_KIND = {v: k for k, v in _KINDS.items()}
 _STATUS = {
     Verdict.ACCEPTED: pb.PushReply.ACCEPTED,
     Verdict.DUPLICATE: pb.PushReply.DUPLICATE,
@@ -97,10 +94,10 @@ class ChocoGossip(GossipAlgorithm):
         metrics=None,
     ) -> None:
         self.x = x
-        self.initial = initial
         self.settings = settings
         self.codec: Codec = from_spec(settings.codec)
         self.dense_codec: Codec = from_spec(DENSE_SPEC)
+        self.copies = Copies(self.codec, self.dense_codec, initial, settings.error_feedback)
         self.nb = neighbourhood
         self.state_lock = state_lock
         self.metrics = metrics
@@ -142,31 +139,17 @@ class ChocoGossip(GossipAlgorithm):
     # ------------------------------------------------------------------ sending
 
     def _encode(self, peer: str, edge: Edge, weight: float) -> tuple[pb.UpdateHeader, bytes]:
-        """The next update of an edge: its session's opening, or q = Q(x − x̂) (lock held)."""
-        x, ef = self.x, self.settings.error_feedback
-        if edge.sent == 0 and edge.restarts == 0 and self._round < INIT_ROUNDS:
-            # Early in the run peers share the seeded initial model: open with its checksum
-            # only; q's then carry x − x0, compressed.
-            edge.public.copy_(self.initial)
-            kind, payload = pb.INIT, b""
-        elif edge.sent == 0:
-            edge.public.copy_(x)
-            kind, payload = pb.RESYNC, self.dense_codec.encode(edge.public)
-            if self.metrics is not None:
+        """The edge's next update with its header (edge lock and state lock held)."""
+        t0 = time.perf_counter()
+        kind, payload = edge.encode_next(self.x, self.copies, early=self._round < INIT_ROUNDS)
+        if self.metrics is not None:
+            if kind is Kind.RESYNC:
                 self.metrics.record_resync(peer)
-        else:
-            t0 = time.perf_counter()
-            base = edge.public if ef or edge.last_sent is None else edge.last_sent
-            payload = self.codec.encode(x - base, seed=edge.sent + 1)
-            self.codec.decode_add_(payload, edge.public)
-            kind = pb.DELTA
-            if self.metrics is not None:
+            elif kind is Kind.DELTA:
                 self.metrics.observe_compress(time.perf_counter() - t0)
-        if not ef:
-            edge.mark_sent(edge.public if kind != pb.DELTA else x)
         header = self.nb.header(
             peer,
-            kind,
+            _WIRE_KIND[kind],
             payload,
             seq=edge.sent + 1,
             round=self._round,
@@ -252,7 +235,7 @@ class ChocoGossip(GossipAlgorithm):
             verdict = edge.admit(update)
             if verdict is None:
                 try:
-                    verdict = self._apply(edge, update)
+                    verdict = edge.apply(update, self.copies)
                 except DecodeError as err:
                     edge.restart()
                     raise UpdateRejected(
@@ -272,19 +255,6 @@ class ChocoGossip(GossipAlgorithm):
         return pb.PushReply(
             status=_STATUS[verdict], expected_seq=received + 1, detail=verdict.value
         )
-
-    def _apply(self, edge: Edge, update: Incoming) -> Verdict:
-        """Fold one admitted update into the edge's mirror (edge lock held)."""
-        if update.kind is Kind.INIT:
-            edge.mirror.copy_(self.initial)
-        elif update.kind is Kind.RESYNC:
-            dense = self.dense_codec.decode(update.payload, max_numel=self.x.numel())
-            if dense.shape != edge.mirror.shape:
-                raise DecodeError(f"resync of {dense.numel()} values, expected {self.x.numel()}")
-            edge.mirror.copy_(dense)
-        else:
-            self.codec.decode_add_(update.payload, edge.mirror)
-        return edge.finish(update)
 
     # ------------------------------------------------------------------ the round
 
@@ -312,7 +282,7 @@ class ChocoGossip(GossipAlgorithm):
             if held is not None:
                 with edge.lock:
                     try:
-                        self._apply(edge, held)
+                        edge.apply(held, self.copies)
                     except DecodeError as err:
                         log.warning("held update undecodable: %s", err)
                         edge.restart()
@@ -391,7 +361,10 @@ class ChocoGossip(GossipAlgorithm):
         def progress() -> None:
             self._mix_ready(list(edges))
 
-        self.nb.wait(missing, self.settings.round_timeout, "finish", progress, final=True)
+        # Longer than a round's wait: a neighbour may still be in its last rounds. One that
+        # left (or went silent) is no longer alive, which ends the wait for it at once.
+        timeout = FINISH_ROUNDS * self.settings.round_timeout
+        self.nb.wait(missing, timeout, "finish", progress, final=True)
 
     def _residual_norm(self, peers: list[str]) -> float:
         """RMS over edges of ||x − x̂_{i->j}||: what error feedback still has to send."""

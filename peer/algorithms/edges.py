@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from gossipgrad.compression import Codec, DecodeError
 from gossipgrad.peer.flat import tensor_checksum
 
 _last_epoch = 0
@@ -69,6 +70,17 @@ class Kind(enum.Enum):
     INIT = "init"  # the shared initial model (no payload)
     RESYNC = "resync"  # a dense copy
     DELTA = "delta"  # a compressed increment
+
+
+@dataclass(frozen=True)
+class Copies:
+    """How an edge's copies are coded: the codec of its increments, the dense one of its
+    resyncs, the shared initial value of its INIT openings, and error feedback on or off."""
+
+    codec: Codec
+    dense: Codec
+    initial: torch.Tensor
+    error_feedback: bool = True
 
 
 @dataclass
@@ -164,6 +176,42 @@ class Edge:
             self.last_sent = x.clone()
         else:
             self.last_sent.copy_(x)
+
+    def encode_next(self, x: torch.Tensor, c: Copies, early: bool) -> tuple[Kind, bytes]:
+        """The next update of this edge, folded into ``public``: the session's opening (INIT
+        while ``early`` and this edge never restarted, peers sharing the seeded initial model;
+        else a dense RESYNC of x), or q = Q(x − x̂) (error feedback off: Q(x − b), b being x at
+        the previous send). Checksum and seq are the caller's to stamp."""
+        if self.sent == 0 and self.restarts == 0 and early:
+            self.public.copy_(c.initial)
+            kind, payload = Kind.INIT, b""
+        elif self.sent == 0:
+            self.public.copy_(x)
+            kind, payload = Kind.RESYNC, c.dense.encode(self.public)
+        else:
+            base = self.public if c.error_feedback or self.last_sent is None else self.last_sent
+            payload = c.codec.encode(x - base, seed=self.sent + 1)
+            c.codec.decode_add_(payload, self.public)
+            kind = Kind.DELTA
+        if not c.error_feedback:
+            self.mark_sent(self.public if kind is not Kind.DELTA else x)
+        return kind, payload
+
+    def apply(self, update: Incoming, c: Copies) -> Verdict:
+        """Fold an admitted update into ``mirror`` and verify it (``finish``). Raises
+        DecodeError for a payload that does not decode to this edge's shape."""
+        if update.kind is Kind.INIT:
+            self.mirror.copy_(c.initial)
+        elif update.kind is Kind.RESYNC:
+            dense = c.dense.decode(update.payload, max_numel=self.mirror.numel())
+            if dense.shape != self.mirror.shape:
+                raise DecodeError(
+                    f"resync of {dense.numel()} values, expected {self.mirror.numel()}"
+                )
+            self.mirror.copy_(dense)
+        else:
+            c.codec.decode_add_(update.payload, self.mirror)
+        return self.finish(update)
 
     def claim(self) -> bool:
         """Mark a push in flight; False if one already is."""
