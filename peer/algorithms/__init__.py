@@ -13,11 +13,12 @@ import threading
 
 from gossipgrad.peer.algorithms.averaging import CompressedAverage
 from gossipgrad.peer.algorithms.base import GossipAlgorithm, RoundStats
-from gossipgrad.peer.algorithms.choco import ChocoGossip, ChocoSettings
+from gossipgrad.peer.algorithms.choco import ChocoGossip
 from gossipgrad.peer.algorithms.diloco import DiLoCo
 from gossipgrad.peer.algorithms.ef_gradient import EFGradient
 from gossipgrad.peer.algorithms.neighbours import Identity, MembershipView, Neighbourhood
 from gossipgrad.peer.algorithms.outer import OuterSettings
+from gossipgrad.peer.algorithms.settings import ChocoSettings
 from gossipgrad.peer.config import GossipSection
 from gossipgrad.peer.flat import FlatParameters
 

@@ -16,16 +16,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import grpc
 import torch
 from gossipgrad.compression import Codec, DecodeError, from_spec
 from gossipgrad.peer.algorithms.base import GossipAlgorithm, RoundStats
 from gossipgrad.peer.algorithms.edges import Copies, Edge, Incoming, Kind, Verdict
-from gossipgrad.peer.algorithms.mixing import Pair, consensus_step, neighbourhood_distance
+from gossipgrad.peer.algorithms.mixing import (
+    Pair,
+    consensus_step,
+    neighbourhood_distance,
+    residual_norm,
+)
 from gossipgrad.peer.algorithms.neighbours import Neighbourhood
-from gossipgrad.peer.config import GossipSection
+from gossipgrad.peer.algorithms.settings import ChocoSettings
 from gossipgrad.peer.flat import tensor_checksum
 from gossipgrad.peer.network.errors import UpdateRejected
 from gossipgrad.proto import gossip_pb2 as pb
@@ -50,24 +54,6 @@ _VERDICT = {v: k for k, v in _STATUS.items()}
 _REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
 
 
-@dataclass(frozen=True)
-class ChocoSettings:
-    """The gossip keys CHOCO reads (a slice of the [gossip] section)."""
-
-    codec: str
-    gamma: float
-    local_steps: int
-    max_staleness: int
-    round_timeout: float
-    error_feedback: bool
-    robust_clip: float
-
-    @classmethod
-    def from_config(cls, g: GossipSection, **override) -> ChocoSettings:
-        fields = {k: getattr(g, k) for k in cls.__dataclass_fields__}
-        return cls(**{**fields, **override})
-
-
 class ChocoGossip(GossipAlgorithm):
     """CHOCO-SGD over the tensor ``x`` (see the module docstring).
 
@@ -82,7 +68,7 @@ class ChocoGossip(GossipAlgorithm):
     """
 
     name = "choco"
-    kinds = (pb.DELTA, pb.RESYNC, pb.INIT)
+    kinds = (pb.DELTA, pb.RESYNC, pb.INIT, pb.FINAL)
 
     def __init__(
         self,
@@ -163,7 +149,13 @@ class ChocoGossip(GossipAlgorithm):
     def _hello(self, peer: str, edge: Edge) -> tuple[pb.UpdateHeader, bytes]:
         """A follower without a session asks the leader for one (epoch 0, no payload)."""
         header = self.nb.header(
-            peer, pb.INIT, b"", round=self._round, edge_epoch=0, dropped_epoch=edge.dropped
+            peer,
+            pb.INIT,
+            b"",
+            round=self._round,
+            edge_epoch=0,
+            dropped_epoch=edge.dropped,
+            dense_size=0,
         )
         return header, b""
 
@@ -217,6 +209,12 @@ class ChocoGossip(GossipAlgorithm):
     def handle_update(self, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
         """Apply one incoming update to its edge's mirror (server thread)."""
         self.nb.check(header, self.kinds)
+        if header.kind == pb.FINAL:
+            edge = self.edge(header.sender)
+            with edge.lock:
+                edge.note_final(header.edge_epoch, header.seq)
+            self.nb.heard(header.sender)
+            return pb.PushReply(status=pb.PushReply.ACCEPTED, detail="final")
         update = Incoming(
             epoch=header.edge_epoch,
             seq=header.seq,
@@ -351,31 +349,50 @@ class ChocoGossip(GossipAlgorithm):
         return stats
 
     def finish(self) -> None:
-        """Mix the exchanges still open (bounded wait), opening no new ones."""
+        """The run is over: tell each neighbour the last exchange we opened (FINAL), then
+        mix the exchanges still open, opening no new ones. An exchange the neighbour says it
+        will never open is neither waited for nor mixed, at both ends."""
+        for peer, edge in list(self.edges.items()):
+            if edge.epoch and self.nb.view.is_alive(peer):
+                header = self.nb.header(
+                    peer, pb.FINAL, b"", seq=edge.sent, edge_epoch=edge.epoch, dense_size=0
+                )
+                self.nb.submit(self._notify_final, peer, header)
         edges = {p: e for p, e in list(self.edges.items()) if e.outstanding()}
-        due = {p: e.sent for p, e in edges.items()}
+        due = {p: (e.epoch, e.sent) for p, e in edges.items()}
 
         def missing() -> list[str]:
-            return [p for p, e in edges.items() if e.mixed < due[p] and e.epoch != 0]
+            # An edge whose session ended meanwhile has nothing left to mix.
+            return [
+                p
+                for p, e in edges.items()
+                if (e.epoch, max(e.mixed, 0)) < due[p]
+                and e.epoch == due[p][0]
+                and e.will_complete()
+            ]
 
         def progress() -> None:
             self._mix_ready(list(edges))
+            for peer, edge in edges.items():
+                if edge.unacked is not None and self.nb.view.is_alive(peer):
+                    self._push(peer, 0.0, {peer: edge.epoch})  # a retry, never a new exchange
 
-        # Longer than a round's wait: a neighbour may still be in its last rounds. One that
-        # left (or went silent) is no longer alive, which ends the wait for it at once.
+        # Longer than a round's wait: a neighbour may still be in its last rounds; its FINAL
+        # notice, or its leaving, ends the wait for it at once.
         timeout = FINISH_ROUNDS * self.settings.round_timeout
         self.nb.wait(missing, timeout, "finish", progress, final=True)
 
+    def _notify_final(self, peer: str, header: pb.UpdateHeader) -> None:
+        try:
+            self.nb.push(peer, header, b"")
+        except Exception as err:  # best effort: the neighbour's own finish wait is bounded
+            log.debug("final notice to %s failed: %s", peer, err)
+
     def _residual_norm(self, peers: list[str]) -> float:
         """RMS over edges of ||x − x̂_{i->j}||: what error feedback still has to send."""
-        sq, n = 0.0, 0
         with torch.no_grad(), self.state_lock:
-            for peer in peers:
-                edge = self.edges.get(peer)
-                if edge is not None and edge.sent:
-                    sq += float(torch.linalg.vector_norm(self.x - edge.public)) ** 2
-                    n += 1
-        return (sq / n) ** 0.5 if n else 0.0
+            sent = [e.public for p in peers if (e := self.edges.get(p)) is not None and e.sent]
+            return residual_norm(self.x, sent)
 
     # ------------------------------------------------------------------ interface
 

@@ -121,6 +121,7 @@ class Edge:
     requested: bool = False  # the follower asked for a session: open one even off-schedule
     restarts: int = 0  # sessions ended (the next opening is then a RESYNC, never an INIT)
     dropped: int = 0  # a follower: the latest of the leader's sessions it dropped
+    peer_final: int | None = None  # j finished: it opens no exchange beyond this one
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -140,6 +141,7 @@ class Edge:
         self.restarts += 1
 
     def _zero(self) -> None:
+        self.peer_final = None
         self.sent = self.acked = self.received = self.mixed = 0
         self.unacked = None
         self.held = None
@@ -272,11 +274,22 @@ class Edge:
             return Verdict.ACCEPTED
         return None
 
+    def note_final(self, epoch: int, seq: int) -> None:
+        """j finished at exchange ``seq`` of session ``epoch`` (ignored for another session)."""
+        if epoch == self.epoch != 0:
+            self.peer_final = seq
+
+    def will_complete(self) -> bool:
+        """The open exchange can still complete: j has not said it finished before it."""
+        return self.peer_final is None or self.peer_final >= self.mixed + 1
+
     def finish(self, update: Incoming) -> Verdict:
         """After the update was applied to ``mirror``: verify the checksum and advance."""
         if tensor_checksum(self.mirror) != update.checksum:
             self.restart()
             return Verdict.NEED_RESYNC
+        if self.peer_final is not None and update.seq > self.peer_final:
+            self.peer_final = None  # j is running rounds again (a FINAL may overtake updates)
         self.received = update.seq
         self.peer_weight = update.weight
         return Verdict.ACCEPTED

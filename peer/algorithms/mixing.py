@@ -66,3 +66,10 @@ def neighbourhood_distance(x: torch.Tensor, pairs: Iterable[Pair]) -> float:
         if p.weight > 0:
             acc.add_(p.mirror - x, alpha=p.weight)
     return float(torch.linalg.vector_norm(acc))
+
+
+def residual_norm(x: torch.Tensor, publics: list[torch.Tensor]) -> float:
+    """RMS over edges of ||x − x̂_{i->j}||: what error feedback still has to send."""
+    if not publics:
+        return 0.0
+    return (sum(float(torch.linalg.vector_norm(x - p)) ** 2 for p in publics) / len(publics)) ** 0.5

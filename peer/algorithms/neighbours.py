@@ -125,18 +125,19 @@ class Neighbourhood:
     # ------------------------------------------------------------------ sending
 
     def header(self, peer: str, kind: int, payload: bytes, **fields) -> pb.UpdateHeader:
-        """An update header to ``peer``, stamped with who we are and what we train."""
+        """An update header to ``peer``, stamped with who we are and what we train (``fields``
+        add to or override the stamp, e.g. ``dense_size=0`` for a control message)."""
         ident = self.identity
-        return pb.UpdateHeader(
-            swarm=ident.swarm,
-            sender=ident.me,
-            receiver=peer,
-            kind=kind,
-            payload_size=len(payload),
-            model_fingerprint=ident.fingerprint,
-            dense_size=ident.dense_size,
-            **fields,
-        )
+        stamped = {
+            "swarm": ident.swarm,
+            "sender": ident.me,
+            "receiver": peer,
+            "kind": kind,
+            "payload_size": len(payload),
+            "model_fingerprint": ident.fingerprint,
+            "dense_size": ident.dense_size,
+        }
+        return pb.UpdateHeader(**{**stamped, **fields})
 
     def push(self, peer: str, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
         """Push one update now (blocking); count it. Raises what the sender raises."""
