@@ -249,6 +249,10 @@ class Membership:
                 started = time.monotonic()
                 try:
                     self.beat_once()
+                except RuntimeError as err:
+                    if "shutdown" in str(err):  # the pool is gone: the process is exiting
+                        return
+                    log.exception("heartbeat round failed; the next one goes on")
                 except Exception:  # one bad beat must not stop heartbeats for good
                     log.exception("heartbeat round failed; the next one goes on")
                 self._stop.wait(

@@ -84,8 +84,9 @@ def pair():
     _rounds([p0, p1], 6)
     p1.neighbourhood.sender = real
     kinds = {h.kind for h, _ in recorded}
-    # Different seeds: the INIT opening is refused and a dense RESYNC follows.
-    assert {pb.RESYNC, pb.DELTA} <= kinds <= {pb.INIT, pb.RESYNC, pb.DELTA}, kinds
+    # Different seeds: the INIT opening is refused and a dense RESYNC follows (FINAL: the
+    # notice at the end of each run of rounds).
+    assert {pb.RESYNC, pb.DELTA} <= kinds <= {pb.INIT, pb.RESYNC, pb.DELTA, pb.FINAL}, kinds
     legit = {h.checksum for h, _ in recorded}
     channel = grpc.insecure_channel(p0.address)
     push = channel.stream_unary(
