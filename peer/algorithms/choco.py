@@ -13,6 +13,7 @@ mixing symmetric are peer/algorithms/edges.py's; this class also keeps diloco's 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -259,23 +260,26 @@ class ChocoGossip(GossipAlgorithm):
     def _mix_ready(self, peers: list[str]) -> tuple[list[str], float]:
         """Mix every edge whose exchange is complete at this end, each exactly once."""
         pairs, mixed, due = [], [], []
-        with torch.no_grad(), self.state_lock:
+        # The ready edges stay locked until the step is taken, so it reads their copies in
+        # place (no model-sized clone per edge) and no update lands in a mirror meanwhile.
+        with torch.no_grad(), self.state_lock, contextlib.ExitStack() as locked:
             for peer in peers:
                 edge = self.edges.get(peer)
                 if edge is None:
                     continue
-                with edge.lock:
-                    if not edge.exchange_ready():
-                        continue
-                    w = edge.weight()
-                    if w > 0:
-                        pairs.append(Pair(edge.mirror.clone(), edge.public.clone(), w))
-                        mixed.append(peer)
-                    due.append((edge, edge.done_mixing()))
+                locked.enter_context(edge.lock)
+                if not edge.exchange_ready():
+                    continue
+                w = edge.weight()
+                if w > 0:
+                    pairs.append(Pair(edge.mirror, edge.public, w))
+                    mixed.append(peer)
+                due.append(edge)
             dist = neighbourhood_distance(self.x, pairs) if pairs else float("nan")
             consensus_step(
                 self.x, pairs, self.settings.gamma, self.settings.robust_clip, self._direction
             )
+            due = [(edge, edge.done_mixing()) for edge in due]
         for edge, held in due:
             if held is not None:
                 with edge.lock:
