@@ -124,11 +124,14 @@ class AddressedSender:
         self._clients = clients
         self._timeout = push_timeout
 
-    def push(self, peer: str, header: pb.UpdateHeader, payload: bytes) -> tuple[pb.PushReply, int]:
+    def push(
+        self, peer: str, header: pb.UpdateHeader, payload: bytes, patience: float = 1.0
+    ) -> tuple[pb.PushReply, int]:
         address = self._membership.address_of(peer)
         if address is None:
             raise ConnectionError(f"no address for peer {peer}")
-        result = self._clients.get(address).push_detailed(header, payload, timeout=self._timeout)
+        client = self._clients.get(address)
+        result = client.push_detailed(header, payload, timeout=self._timeout * patience)
         return result.reply, result.wire_bytes
 
 

@@ -98,9 +98,9 @@ class FaultySender:
         self.fault = fault
         self.n = 0
 
-    def push(self, target: str, header: pb.UpdateHeader, payload: bytes) -> Reply:
+    def push(self, target: str, header: pb.UpdateHeader, payload: bytes, patience=1.0) -> Reply:
         if target != "p1" or header.kind != pb.DELTA:
-            return self.real.push(target, header, payload)
+            return self.real.push(target, header, payload, patience)
         self.n += 1
         return self.fault(self.n, self.real.push, target, header, payload)
 

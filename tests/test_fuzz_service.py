@@ -73,12 +73,12 @@ def pair():
     real = p1.neighbourhood.sender
 
     class Recording:
-        def push(self, target: str, header: pb.UpdateHeader, payload: bytes):
+        def push(self, target: str, header: pb.UpdateHeader, payload: bytes, patience=1.0):
             if target == "p0":
                 copy = pb.UpdateHeader()
                 copy.CopyFrom(header)
                 recorded.append((copy, bytes(payload)))
-            return real.push(target, header, payload)
+            return real.push(target, header, payload, patience)
 
     p1.neighbourhood.sender = Recording()
     _rounds([p0, p1], 6)

@@ -53,6 +53,30 @@ def assert_average_kept(peers: list[Peer], before: torch.Tensor, d0: float) -> N
     assert drift < 1e-4 * d0**0.5, f"drift {drift} (spread {d0}): {sorted(edges.items())}"
 
 
+def mixed(peer: Peer, other: str) -> int:
+    edge = peer.algorithm.edges.get(other)
+    return edge.mixed if edge is not None else 0
+
+
+def rounds_until(peers: list[Peer], done, timeout: float, end: bool = True) -> None:
+    """Every peer runs rounds on its own thread until ``done()`` (or ``timeout``), then
+    (``end``) finishes once, as a daemon's run ends."""
+    deadline = time.monotonic() + timeout
+
+    def work(p: Peer) -> None:
+        while not done() and time.monotonic() < deadline:
+            p.algorithm.step_round()
+        if end:
+            p.algorithm.finish()
+
+    threads = [threading.Thread(target=work, args=(p,)) for p in peers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 60.0)
+    assert done(), "the condition was not reached in time"
+
+
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_both_ends_mix_the_same_copies_under_either_staleness(staleness: int) -> None:
     peers = start_peers(4, {**GOSSIP, "gossip.max_staleness": staleness})
@@ -95,12 +119,12 @@ class FailingSender:
     def __init__(self, real, code: grpc.StatusCode) -> None:
         self.real, self.code, self.n = real, code, 0
 
-    def push(self, target: str, header: pb.UpdateHeader, payload: bytes):
+    def push(self, target: str, header: pb.UpdateHeader, payload: bytes, patience=1.0):
         if target == "p1" and header.kind == pb.DELTA:
             self.n += 1
             if self.n in (3, 4):
                 raise TransportError(self.code, "injected", "injected failure")
-        return self.real.push(target, header, payload)
+        return self.real.push(target, header, payload, patience)
 
 
 @pytest.mark.parametrize(
@@ -195,3 +219,68 @@ def test_a_failing_heartbeat_round_does_not_stop_heartbeats() -> None:
         assert p0.membership.is_alive("p1") and p1.membership.is_alive("p0")
     finally:
         close_all([p0, p1])
+
+
+def test_a_dense_resync_slower_than_the_push_deadline_gets_through() -> None:
+    """p0's pushes to p1 cross a real 2 mbit/s link (the experiment's link emulator): its
+    dense RESYNC (~0.5 MB, ~2 s) takes four push deadlines of 0.5 s. A retry with the same
+    deadline never gets through, so the edge never mixes; the deadline must grow instead."""
+    from gossipgrad.experiment.links import LinkEmulator, Serializer, Stage
+
+    widths = (400, 300, 5)  # 121,805 parameters: a 487 KB dense copy
+    slow = {
+        **GOSSIP,
+        "gossip.round_timeout": 2.0,
+        "transport.push_timeout": 0.5,
+        "transport.retries": 0,
+        # heartbeats queue behind the resync on the same link: no false deaths
+        "membership.suspect_after": 30.0,
+        "membership.dead_after": 60.0,
+    }
+    upstream: list[str] = []
+    with LinkEmulator() as emu:
+        relay = emu.add(
+            "p0->p1",
+            lambda: upstream[0] if upstream else None,
+            [Stage(serializer=Serializer(2e6 / 8))],
+            [Stage()],
+        )
+        p0 = start_peer(
+            "p0", [], 1, {**slow, "transport.dial_via": [f"127.0.0.1={relay.address}"]}, widths
+        )
+        p1 = start_peer("p1", [p0.address], 2, slow, widths)
+        upstream.append(p1.address)
+        peers = [p0, p1]
+        try:
+            wait_until_met(peers, timeout=30.0)
+            m0, d0 = mean(peers), distance(peers)
+            rounds_until(peers, lambda: mixed(p0, "p1") >= 3, timeout=60.0)
+            quiesce(peers, timeout=30.0)
+            edge = p0.algorithm.edges["p1"]
+            assert edge.mixed >= 3, (edge.mixed, edge.sent, edge.acked, edge.timeouts)
+            assert edge.timeouts == 0  # the deadline went back to one push_timeout
+            assert_symmetric(peers)
+            assert_average_kept(peers, m0, d0)
+            assert distance(peers) < 0.5 * d0
+        finally:
+            close_all(peers)
+
+
+def test_an_exchange_left_open_at_the_end_is_never_mixed_at_one_end() -> None:
+    """p1 opens exchange 4 and finishes while p0 is busy elsewhere: its finish wait runs
+    out. When p0 opens exchange 4 later, p1 must not acknowledge an exchange it will never
+    mix (p0 would then mix it alone, moving the swarm's average)."""
+    peers = start_peers(2, {**GOSSIP, "gossip.round_timeout": 0.5})
+    p0, p1 = peers
+    try:
+        m0, d0 = mean(peers), distance(peers)
+        rounds_until(peers, lambda: min(mixed(p0, "p1"), mixed(p1, "p0")) >= 2, 30.0, end=False)
+        quiesce(peers)
+        p1.algorithm.step_round()  # exchange k opened by p1; p0 does not answer yet
+        p1.algorithm.finish()  # gives up after its bounded wait
+        p0.algorithm.step_round()  # p0 opens exchange k now
+        p0.algorithm.finish()
+        quiesce(peers)
+        assert_average_kept(peers, m0, d0)
+    finally:
+        close_all(peers)

@@ -161,19 +161,26 @@ class ChocoGossip(GossipAlgorithm):
         return header, b""
 
     def _send(self, peer: str, edge: Edge, header: pb.UpdateHeader, payload: bytes) -> None:
-        verdict = None
+        verdict, late = None, False
         try:
-            reply = self.nb.push(peer, header, payload)
+            reply = self.nb.push(peer, header, payload, patience=edge.patience())
             verdict = _VERDICT.get(reply.status, Verdict.NEED_RESYNC)
             if verdict is Verdict.NEED_RESYNC and header.edge_epoch:
                 log.info("%s ends the session of our edge (%s)", peer, reply.detail)
         except Exception as err:
             # Not acknowledged: the same update goes again next round (unless the receiver
-            # refused its contents, which a new session heals).
-            log.warning("push to %s failed: %s", peer, err)
-            if isinstance(err, grpc.RpcError) and err.code() in _REFUSED:
+            # refused its contents, which a new session heals), with a longer deadline if
+            # this one ran out.
+            code = err.code() if isinstance(err, grpc.RpcError) else None
+            late = code is grpc.StatusCode.DEADLINE_EXCEEDED
+            log.warning(
+                "push to %s failed (%d bytes, %.0fx the push deadline): %s",
+                peer, len(payload), edge.patience(), err,
+            )  # fmt: skip
+            if code in _REFUSED:
                 verdict = Verdict.NEED_RESYNC
         with edge.lock:
+            edge.timeouts = edge.timeouts + 1 if late else 0
             edge.release()
             if verdict is not None:
                 edge.answered(header.edge_epoch, header.seq, verdict)
@@ -385,6 +392,14 @@ class ChocoGossip(GossipAlgorithm):
         # notice, or its leaving, ends the wait for it at once.
         timeout = FINISH_ROUNDS * self.settings.round_timeout
         self.nb.wait(missing, timeout, "finish", progress, final=True)
+        # An exchange still open now will never be mixed here: end its session, so that
+        # the neighbour's late update is refused (NEED_RESYNC) instead of acknowledged and
+        # then mixed at the other end alone.
+        for peer in missing():
+            edge = edges[peer]
+            with edge.lock:
+                log.info("finish: exchange %d with %s left open, session ended", edge.sent, peer)
+                edge.restart()
 
     def _notify_final(self, peer: str, header: pb.UpdateHeader) -> None:
         try:

@@ -96,6 +96,10 @@ class Incoming:
     dropped: int = 0  # a hello's dropped_epoch
 
 
+#: A push deadline grows at most 2**MAX_DOUBLINGS-fold (64 x the configured push_timeout).
+MAX_DOUBLINGS = 6
+
+
 @dataclass
 class Edge:
     """Both directions of edge i <-> j, as seen from i. Every method expects ``lock`` held."""
@@ -111,6 +115,7 @@ class Edge:
     proposed: float = 0.0  # our weight proposal for exchange `sent`
     last_sent: torch.Tensor | None = None  # error feedback off: x at the last send
     busy: bool = False  # a push is in flight
+    timeouts: int = 0  # pushes in a row that ran past their deadline (each doubles the next)
     idle: threading.Event = field(default_factory=threading.Event)
     # in direction (j -> i)
     received: int = 0  # j's updates applied to `mirror` in this session
@@ -214,6 +219,12 @@ class Edge:
         else:
             c.codec.decode_add_(update.payload, self.mirror)
         return self.finish(update)
+
+    def patience(self) -> float:
+        """How many push deadlines the next push may take: doubled after each push that ran
+        out of time, so a dense resync over a link slower than one deadline gets through
+        instead of being cut off and sent again forever."""
+        return float(2 ** min(self.timeouts, MAX_DOUBLINGS))
 
     def claim(self) -> bool:
         """Mark a push in flight; False if one already is."""

@@ -36,8 +36,10 @@ class UpdateSender(Protocol):
     """One blocking push of an update to a peer: (reply, bytes on the wire)."""
 
     def push(
-        self, peer: str, header: pb.UpdateHeader, payload: bytes
-    ) -> tuple[pb.PushReply, int]: ...
+        self, peer: str, header: pb.UpdateHeader, payload: bytes, patience: float = 1.0
+    ) -> tuple[pb.PushReply, int]:
+        """``patience``: the deadline in units of the configured push deadline."""
+        ...
 
 
 def neighbours_in(topology: Topology, me: str, ids: list[str]) -> set[str]:
@@ -139,10 +141,13 @@ class Neighbourhood:
         }
         return pb.UpdateHeader(**{**stamped, **fields})
 
-    def push(self, peer: str, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
-        """Push one update now (blocking); count it. Raises what the sender raises."""
+    def push(
+        self, peer: str, header: pb.UpdateHeader, payload: bytes, patience: float = 1.0
+    ) -> pb.PushReply:
+        """Push one update now (blocking), within ``patience`` push deadlines; count it.
+        Raises what the sender raises."""
         t0 = time.perf_counter()
-        reply, wire_bytes = self.sender.push(peer, header, payload)
+        reply, wire_bytes = self.sender.push(peer, header, payload, patience)
         if self.metrics is not None:
             kind = "resync" if header.kind in (pb.RESYNC, pb.INIT) else "update"
             self.metrics.observe_push(peer, time.perf_counter() - t0)
