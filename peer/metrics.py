@@ -52,6 +52,10 @@ PEER_STATES: tuple[str, ...] = ("alive", "suspect", "dead")
 #: series without a ``neighbor`` label (an empty label value is an absent label).
 UNATTRIBUTED = ""
 
+#: ``neighbor`` value that keeps the counts of neighbours that left (never a peer id: ids
+#: are letters, digits and ``_.-``).
+DEPARTED = "(departed)"
+
 #: Most distinct ``name`` values ``set_eval`` accepts: eval metric names come from the task
 #: (accuracy, perplexity, ...), a handful; more means a caller is putting data into a label.
 MAX_EVAL_METRICS = 16
@@ -223,18 +227,24 @@ class PeerMetrics:
     def remove_neighbor(self, neighbor: str) -> None:
         """Drop a departed neighbour's series (keeps cardinality bounded under churn).
 
-        Its counters restart from 0 if it comes back; ``rate()``/``increase()`` handle that.
+        Its byte and resync counts move to the :data:`DEPARTED` series, so totals summed
+        over neighbours never go down; its push-time histogram goes. If it comes back, its
+        own series start again from 0.
         """
         with self._lock:
             if neighbor not in self._neighbor_ids:
                 return
             self._neighbor_ids.discard(neighbor)
-        for kind in MESSAGE_KINDS:
-            self.sent_bytes.remove(neighbor, kind)
-            self.received_bytes.remove(neighbor, kind)
-        self.dense_bytes.remove(neighbor)
-        self.push_duration.remove(neighbor)
-        self.resyncs.remove(neighbor)
+            for kind in MESSAGE_KINDS:
+                for counter in (self.sent_bytes, self.received_bytes):
+                    _move(
+                        counter,
+                        {"neighbor": neighbor, "kind": kind},
+                        {"neighbor": DEPARTED, "kind": kind},
+                    )
+            _move(self.dense_bytes, {"neighbor": neighbor}, {"neighbor": DEPARTED})
+            _move(self.resyncs, {"neighbor": neighbor}, {"neighbor": DEPARTED})
+            self.push_duration.remove(neighbor)
 
     @property
     def neighbor_ids(self) -> frozenset[str]:
@@ -366,3 +376,15 @@ class PeerMetrics:
         server.server_close()
         if thread is not None:
             thread.join(timeout=5)
+
+
+def _move(counter: Counter, labels: dict[str, str], to: dict[str, str]) -> None:
+    """Add the count of ``counter``'s series ``labels`` to series ``to``; remove the first."""
+    count = next(
+        sample.value
+        for metric in counter.collect()
+        for sample in metric.samples
+        if sample.name.endswith("_total") and sample.labels == labels
+    )
+    counter.labels(**to).inc(count)
+    counter.remove(*labels.values())

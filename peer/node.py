@@ -378,6 +378,7 @@ class Peer:
         for pid in set(self._incarnations) - present:
             del self._incarnations[pid]
             self.algorithm.forget(pid)
+            self.metrics.remove_neighbor(pid)  # its counts move to the departed series
         self.algorithm.prune(present)
 
     def update_progress(self, step: int, round_: int) -> None:

@@ -284,3 +284,40 @@ def test_an_exchange_left_open_at_the_end_is_never_mixed_at_one_end() -> None:
         assert_average_kept(peers, m0, d0)
     finally:
         close_all(peers)
+
+
+def sent_total(peer: Peer) -> float:
+    return sum(
+        s.value
+        for metric in peer.metrics.sent_bytes.collect()
+        for s in metric.samples
+        if s.name.endswith("_total")
+    )
+
+
+def test_a_departed_neighbour_leaves_no_edge_and_no_series_and_totals_never_drop() -> None:
+    fast = {**GOSSIP, "membership.suspect_after": 0.5, "membership.dead_after": 1.0}
+    peers = start_peers(3, fast)
+    try:
+        run_rounds(peers, 3)
+        quiesce(peers)
+        p0 = peers[0]
+        assert "p2" in p0.metrics.neighbor_ids and "p2" in p0.algorithm.edges
+        before = sent_total(p0)
+        peers[2].close()
+        deadline = time.monotonic() + 20.0
+        while "p2" in p0.membership.present_ids():
+            assert time.monotonic() < deadline, "p2 was never declared dead"
+            time.sleep(0.1)
+        time.sleep(0.3)  # the membership-change hook runs right after
+        assert "p2" not in p0.algorithm.edges
+        assert "p2" not in p0.metrics.neighbor_ids
+        labels = {
+            s.labels.get("neighbor")
+            for metric in p0.metrics.registry.collect()
+            for s in metric.samples
+        }
+        assert "p2" not in labels
+        assert sent_total(p0) >= before
+    finally:
+        close_all(peers[:2])

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from gossipgrad.peer.metrics import (
+    DEPARTED,
     MESSAGE_KINDS,
     PEER_STATES,
     REJECT_REASONS,
@@ -200,16 +201,27 @@ def test_build_info_is_replaced_not_accumulated() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_remove_neighbor_drops_its_series() -> None:
+def test_remove_neighbor_drops_its_series_and_keeps_its_counts() -> None:
     m = PeerMetrics()
     m.record_sent("b", "update", 10, dense_bytes=40)
+    m.record_received("b", "resync", 7)
+    m.record_resync("b")
+    m.observe_push("b", 0.1)
     m.record_sent("c", "update", 10)
     m.remove_neighbor("b")
     assert value(m, "gossipgrad_sent_bytes_total", neighbor="b", kind="update") is None
     assert value(m, "gossipgrad_dense_bytes_total", neighbor="b") is None
+    assert value(m, "gossipgrad_push_duration_seconds_count", neighbor="b") is None
     assert value(m, "gossipgrad_sent_bytes_total", neighbor="c", kind="update") == 10
+    # Totals over neighbours never go down: b's counts live on as the departed series.
+    assert value(m, "gossipgrad_sent_bytes_total", neighbor=DEPARTED, kind="update") == 10
+    assert value(m, "gossipgrad_received_bytes_total", neighbor=DEPARTED, kind="resync") == 7
+    assert value(m, "gossipgrad_dense_bytes_total", neighbor=DEPARTED) == 40
+    assert value(m, "gossipgrad_resyncs_total", neighbor=DEPARTED) == 1
     m.record_sent("b", "update", 3)
     assert value(m, "gossipgrad_sent_bytes_total", neighbor="b", kind="update") == 3
+    m.remove_neighbor("b")
+    assert value(m, "gossipgrad_sent_bytes_total", neighbor=DEPARTED, kind="update") == 13
 
 
 @pytest.mark.timeout(30)
