@@ -1,6 +1,7 @@
 """``gossipgrad-peer``: run one peer daemon from a TOML config plus CLI overrides.
 
-Every config key is also an option, ``--section.key VALUE`` (see ``--help`` or
+Every config key is also an option, ``--section.key VALUE``, and ``--set section.key=VALUE``
+(repeatable) sets any key the way the other gossipgrad tools do (see ``--help`` or
 docs/config.md). A bad key or value is a one-line error before anything starts.
 
 ``gossipgrad-peer certs ID...`` creates the swarm CA and peer certificates instead
@@ -68,6 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
         "logged as a warning)",
     )
     parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="set_items",
+        help="set any config key, e.g. --set gossip.gamma=0.3 (repeatable; list values "
+        "comma-separated; applied after the --section.key options)",
+    )
+    parser.add_argument(
         "--config-reference",
         action="store_true",
         help="print the config reference (markdown) and exit",
@@ -91,12 +101,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The --section.key options that were given, with list keys split on commas."""
+    """The --section.key options and --set items that were given, list keys split on commas.
+    Raises ConfigError for a --set item that is not KEY=VALUE of a known key."""
     fields = {k: ann for k, ann, _, _ in iter_fields()}
-    out: dict[str, Any] = {}
-    for key, value in vars(args).items():
+    given = [(k, v) for k, v in vars(args).items() if k in fields]
+    for item in getattr(args, "set_items", []):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
         if key not in fields:
-            continue
+            raise ConfigError(f"--set {key}: unknown key (see --config-reference)")
+        given.append((key, value))
+    out: dict[str, Any] = {}
+    for key, value in given:
         if _is_list(fields[key]):
             value = [v for v in value.split(",") if v]
         out[key] = value

@@ -81,6 +81,18 @@ def test_every_key_is_a_cli_option() -> None:
     assert overrides_from_args(args) == {"peer.bootstrap": ["a:1", "b:2"], "gossip.gamma": "0.25"}
 
 
+def test_set_key_value_sets_any_key_as_the_other_tools_do(capsys) -> None:
+    args = build_parser().parse_args(
+        ["--gossip.gamma", "0.5", "--set", "gossip.gamma=0.25", "--set", "peer.bootstrap=a:1,b:2"]
+    )
+    assert overrides_from_args(args) == {"peer.bootstrap": ["a:1", "b:2"], "gossip.gamma": "0.25"}
+    assert main(["--set", "train.steps=7", "--print-config"]) == 0
+    assert '"steps": 7' in capsys.readouterr().out
+    for bad, says in [("train.stepz=7", "unknown key"), ("train.steps", "KEY=VALUE")]:
+        assert main(["--set", bad, "--print-config"]) == 2
+        assert says in capsys.readouterr().err
+
+
 def test_cli_reports_config_errors_in_one_line(capsys) -> None:
     assert main(["--gossip.gamma", "2"]) == 2
     err = capsys.readouterr().err.strip()
