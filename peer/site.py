@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,11 @@ from gossipgrad.peer.optimizer import GossipOptimizer, round_due
 from torch import nn
 
 log = logging.getLogger(__name__)
+
+
+class SiteLeaderFailed(RuntimeError):
+    """Raised on a site's other ranks when the leader's gossip work raised (the leader
+    raises its own exception)."""
 
 
 @dataclass(frozen=True)
@@ -137,8 +143,14 @@ class SiteOptimizer:
         self.site = site
         self.verify = verify
         self.gopt: GossipOptimizer | None = None
+        error: Exception | None = None
         if site.leader:
-            self.gopt = GossipOptimizer(model, optimizer, config, registry=registry)
+            try:  # e.g. its port is taken: the other ranks must not wait for it
+                self.gopt = GossipOptimizer(model, optimizer, config, registry=registry)
+            except Exception as err:
+                error = err
+        share_outcome(error, "starting its peer", next(model.parameters()).device)
+        if self.gopt is not None:
             self.flat = self.gopt.flat
             self.peer = self.gopt.peer
             self.metrics = self.gopt.metrics
@@ -202,32 +214,44 @@ class SiteOptimizer:
                 loss = closure()
         self._average_gradients()
         if self.config.gossip.algorithm == "ef-gradient":
-            if self.gopt is not None:
-                self.gopt.exchange_gradients()
-                self._grad_buf.copy_(self.flat.grad())
+            self._on_leader("the gradient exchange", self._exchange_gradients)
             dist.broadcast(self._grad_buf, src=0)
             self.flat.set_grad(self._grad_buf)
         lock = self.gopt.state_lock if self.gopt is not None else _NO_LOCK
         with lock:
             out = self.optimizer.step()
             self.local_step = self.local_step + 1
-        if self.gopt is not None:
-            self.gopt.after_local_step()  # the leader runs the round, when one is due
+        # The leader runs the round, when one is due.
+        self._on_leader("a gossip round", lambda: self.gopt.after_local_step())
         if round_due(self.config.gossip, self.local_step):
             self._take_leaders_parameters()
         self.peer.update_progress(self.local_step, self.round)
         return loss if loss is not None else out
 
+    def _exchange_gradients(self) -> None:
+        self.gopt.exchange_gradients()
+        self._grad_buf.copy_(self.flat.grad())
+
+    def _on_leader(self, what: str, work: Callable[[], object]) -> None:
+        """Run ``work`` on the leader, then tell every rank whether it failed (one flag
+        broadcast): the other ranks raise :class:`SiteLeaderFailed` at once instead of
+        blocking in their next collective for as long as the leader's process lives."""
+        error: Exception | None = None
+        if self.gopt is not None:
+            try:
+                work()
+            except Exception as err:
+                error = err
+        share_outcome(error, what, self.flat.device)
+
     def gossip_round(self) -> None:
         """One gossip-only round across sites: the leader gossips, every rank takes x."""
-        if self.gopt is not None:
-            self.gopt.gossip_round()
+        self._on_leader("a gossip round", lambda: self.gopt.gossip_round())
         self._take_leaders_parameters()
 
     def finish(self) -> None:
         """Training is over: the leader applies what is in flight, every rank takes x."""
-        if self.gopt is not None:
-            self.gopt.finish()
+        self._on_leader("the end of the run", lambda: self.gopt.finish())
         self._take_leaders_parameters()
 
     def _take_leaders_parameters(self) -> None:
@@ -303,6 +327,20 @@ class SiteOptimizer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def share_outcome(error: Exception | None, what: str, device: torch.device) -> None:
+    """Collective after leader-only work: the leader says whether it raised (one flag, and
+    the message if so); it re-raises ``error``, the other ranks raise SiteLeaderFailed."""
+    flag = torch.tensor([error is not None], dtype=torch.int32, device=device)
+    dist.broadcast(flag, src=0)
+    if not flag.item():
+        return
+    box = [f"{type(error).__name__}: {error}" if error is not None else None]
+    dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+    if error is not None:
+        raise error
+    raise SiteLeaderFailed(f"the site leader failed in {what}: {box[0]}")
 
 
 class _NoLock:

@@ -110,3 +110,48 @@ def test_two_sites_of_two_ranks_converge_identical_within_site(
         pushes, rest = divmod(leader["dense_bytes"], 4 * numel)
         assert rest == 0 and 0.8 * STEPS <= pushes <= STEPS, (pushes, STEPS)
         assert leader["dense_bytes"] > 50 * leader["sent_update_bytes"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_a_leader_that_fails_alone_fails_the_other_ranks_at_once(tmp_path: Path) -> None:
+    """Without torchrun nothing kills the other ranks when the leader fails; they must not
+    block in their next collective while the leader's process lives (60 s here)."""
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(__file__).parent / "site_leader_fails.py"
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": "lo",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    leader, follower = procs
+    try:
+        out, _ = follower.communicate(timeout=90)
+        assert follower.returncode == 3, out
+        assert "the site leader failed in a gossip round" in out and "injected" in out, out
+        # It did not wait for the leader's exit: the leader still lives (it sleeps 60 s).
+        assert leader.poll() is None, "the follower only failed once the leader had exited"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
