@@ -1,0 +1,67 @@
+"""A joiner's state download is one consistent snapshot, even while the donor trains.
+
+The donor steps SGD with momentum 1 on a constant gradient of ones (lr 1), so after k steps,
+exactly (small integers in float32): momentum buffer = k, parameters = p0 - k(k+1)/2. A blob
+whose tensors were written while a step ran in place (serialised outside the state lock)
+breaks that law. Real gRPC: the snapshots are downloaded as a joiner does.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+
+import pytest
+import torch
+from gossipgrad.peer.config import build_config
+from gossipgrad.peer.network import PeerClient
+from gossipgrad.peer.optimizer import GossipOptimizer
+from gossipgrad.proto import gossip_pb2 as pb
+from torch import nn
+
+NUMEL = 1 << 21  # 8 MB: serialising takes long enough for a step to land in the middle
+
+
+@pytest.mark.timeout(120)
+def test_state_downloaded_during_training_is_one_consistent_snapshot() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(NUMEL // 8, 8, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=1.0)
+    cfg = build_config(
+        {},
+        {
+            "peer.id": "donor",
+            "metrics.enabled": False,
+            "gossip.local_steps": 1_000_000,  # no rounds: nothing else touches the state
+        },
+    )
+    donor = GossipOptimizer(model, opt, cfg)
+    stop = threading.Event()
+
+    def train() -> None:
+        while not stop.is_set() and donor.local_step < 3000:
+            model.weight.grad = torch.ones_like(model.weight)
+            donor.step()
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    try:
+        with PeerClient(donor.peer.address) as client:
+            for _ in range(12):
+                header, blob = client.download_state(
+                    pb.StateRequest(swarm=cfg.peer.swarm, requester="joiner")
+                )
+                state = torch.load(io.BytesIO(bytes(blob)), weights_only=False)
+                k = state["local_step"]
+                buf = next(iter(state["optimizer"]["state"].values()))["momentum_buffer"]
+                params = state["params"]
+                assert header.step == k
+                assert torch.all(buf == k), (k, buf.min().item(), buf.max().item())
+                assert torch.all(params == -k * (k + 1) / 2), (k, params.min().item())
+        assert donor.local_step > 1, "the donor did not train meanwhile"
+    finally:
+        stop.set()
+        trainer.join(60)
+        donor.close()
