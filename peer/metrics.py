@@ -97,7 +97,21 @@ class PeerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
-        # --- traffic -------------------------------------------------------------------------
+        self._traffic_metrics(r)
+        self._training_metrics(r)
+        self._gossip_metrics(r)
+        for reason in REJECT_REASONS:
+            self.rejected_updates.labels(reason=reason)
+        for state in PEER_STATES:
+            self.peers.labels(state=state)
+
+        self._neighbor_ids: set[str] = set()
+        self._eval_names: set[str] = set()
+        self._lock = threading.Lock()
+        self._server = None
+        self._thread: threading.Thread | None = None
+
+    def _traffic_metrics(self, r: CollectorRegistry) -> None:
         self.sent_bytes = Counter(
             _name("sent_bytes"),
             "Bytes this peer put on the wire to a neighbour, by message kind.",
@@ -117,7 +131,8 @@ class PeerMetrics:
             ["neighbor"],
             registry=r,
         )
-        # --- training ------------------------------------------------------------------------
+
+    def _training_metrics(self, r: CollectorRegistry) -> None:
         self.train_steps = Counter(_name("train_steps"), "Local optimizer steps taken.", registry=r)
         self.samples = Counter(_name("samples"), "Training samples consumed.", registry=r)
         self.train_loss = Gauge(
@@ -129,7 +144,8 @@ class PeerMetrics:
             ["name"],
             registry=r,
         )
-        # --- gossip --------------------------------------------------------------------------
+
+    def _gossip_metrics(self, r: CollectorRegistry) -> None:
         self.gossip_rounds = Counter(_name("gossip_rounds"), "Gossip rounds completed.", registry=r)
         self.round_duration = Histogram(
             _name("round_duration_seconds"),
@@ -189,16 +205,6 @@ class PeerMetrics:
             ["version", "algorithm", "codec", "topology"],
             registry=r,
         )
-        for reason in REJECT_REASONS:
-            self.rejected_updates.labels(reason=reason)
-        for state in PEER_STATES:
-            self.peers.labels(state=state)
-
-        self._neighbor_ids: set[str] = set()
-        self._eval_names: set[str] = set()
-        self._lock = threading.Lock()
-        self._server = None
-        self._thread: threading.Thread | None = None
 
     # --- identity ----------------------------------------------------------------------------
     def set_build_info(self, *, version: str, algorithm: str, codec: str, topology: str) -> None:

@@ -99,6 +99,15 @@ def close(opts: list[GossipOptimizer]) -> None:
         o.close()
 
 
+def finish_all(opts: list[GossipOptimizer]) -> None:
+    threads = [threading.Thread(target=o.finish) for o in opts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "finish did not return"
+
+
 def step_all(opts: list[GossipOptimizer], targets: list[torch.Tensor]) -> None:
     """Each peer takes one SGD(lr=1) step that lands its parameters on its target."""
     errors: list[BaseException] = []
@@ -171,8 +180,7 @@ def test_every_codec_keeps_anchors_together(codec: str, overlap: bool) -> None:
         numel = opts[0].flat.numel
         for _ in range(8):  # 4 phases of 2 inner steps, each peer drifting its own way
             step_all(opts, [o.flat.data + 0.05 * torch.randn(numel, generator=gen) for o in opts])
-        for o in opts:
-            o.finish()
+        finish_all(opts)  # concurrently, as a swarm's peers end their runs
         anchors_exact(opts)
         a, b = (o.algorithm.anchor for o in opts)
         moved = float((a - opts[0].flat.initial).norm())

@@ -30,7 +30,9 @@ from gossipgrad.peer.algorithms.mixing import (
     residual_norm,
 )
 from gossipgrad.peer.algorithms.neighbours import Neighbourhood
+from gossipgrad.peer.algorithms.rounds import OpenRound
 from gossipgrad.peer.algorithms.settings import ChocoSettings
+from gossipgrad.peer.algorithms.wire_kinds import KINDS, REFUSED, STATUS, VERDICT, WIRE_KIND
 from gossipgrad.peer.flat import tensor_checksum
 from gossipgrad.peer.network.errors import UpdateRejected
 from gossipgrad.proto import gossip_pb2 as pb
@@ -43,16 +45,6 @@ DENSE_SPEC = "none"
 INIT_ROUNDS = 50
 # finish() waits up to this many round_timeouts for the exchanges still open.
 FINISH_ROUNDS = 3
-_KINDS = {pb.INIT: Kind.INIT, pb.RESYNC: Kind.RESYNC, pb.DELTA: Kind.DELTA}
-_WIRE_KIND = {v: k for k, v in _KINDS.items()}
-_STATUS = {
-    Verdict.ACCEPTED: pb.PushReply.ACCEPTED,
-    Verdict.DUPLICATE: pb.PushReply.DUPLICATE,
-    Verdict.NEED_RESYNC: pb.PushReply.NEED_RESYNC,
-}
-_VERDICT = {v: k for k, v in _STATUS.items()}
-# Refusals of the update itself: sending the same bytes again cannot help.
-_REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 class ChocoGossip(GossipAlgorithm):
@@ -136,7 +128,7 @@ class ChocoGossip(GossipAlgorithm):
                 self.metrics.observe_compress(time.perf_counter() - t0)
         header = self.nb.header(
             peer,
-            _WIRE_KIND[kind],
+            WIRE_KIND[kind],
             payload,
             seq=edge.sent + 1,
             round=self._round,
@@ -164,7 +156,7 @@ class ChocoGossip(GossipAlgorithm):
         verdict, late = None, False
         try:
             reply = self.nb.push(peer, header, payload, patience=edge.patience())
-            verdict = _VERDICT.get(reply.status, Verdict.NEED_RESYNC)
+            verdict = VERDICT.get(reply.status, Verdict.NEED_RESYNC)
             if verdict is Verdict.NEED_RESYNC and header.edge_epoch:
                 log.info("%s ends the session of our edge (%s)", peer, reply.detail)
         except Exception as err:
@@ -177,7 +169,7 @@ class ChocoGossip(GossipAlgorithm):
                 "push to %s failed (%d bytes, %.0fx the push deadline): %s",
                 peer, len(payload), edge.patience(), err,
             )  # fmt: skip
-            if code in _REFUSED:
+            if code in REFUSED:
                 verdict = Verdict.NEED_RESYNC
         with edge.lock:
             edge.timeouts = edge.timeouts + 1 if late else 0
@@ -226,7 +218,7 @@ class ChocoGossip(GossipAlgorithm):
         update = Incoming(
             epoch=header.edge_epoch,
             seq=header.seq,
-            kind=_KINDS[header.kind],
+            kind=KINDS[header.kind],
             checksum=header.checksum,
             weight=header.weight,
             payload=bytes(payload),
@@ -258,9 +250,7 @@ class ChocoGossip(GossipAlgorithm):
                 update.epoch,
             )
         self.nb.heard(header.sender)
-        return pb.PushReply(
-            status=_STATUS[verdict], expected_seq=received + 1, detail=verdict.value
-        )
+        return pb.PushReply(status=STATUS[verdict], expected_seq=received + 1, detail=verdict.value)
 
     # ------------------------------------------------------------------ the round
 
@@ -300,62 +290,39 @@ class ChocoGossip(GossipAlgorithm):
     def step_round(self) -> RoundStats:
         """Run one gossip round (see the module docstring). Called by the training thread."""
         t_round = time.perf_counter()
-        s = self.settings
         ids = self.nb.ids()
         neighbors = self.nb.neighbors_at(self._round, ids)
-        weights = self.nb.weights_at(self._round, ids)
         owed = [p for p, e in list(self.edges.items()) if p not in neighbors and e.owed()]
-        active = [*neighbors, *owed]
-        edges = {p: self.edge(p) for p in active}
-        start = {p: (e.epoch, e.sent) for p, e in edges.items()}
-        turn: dict[str, int] = {}
-        mixes: dict[str, int] = {}
-        pushed: set[str] = set()
-        dist = float("nan")
+        rnd = OpenRound(
+            {p: self.edge(p) for p in [*neighbors, *owed]},
+            self.nb.weights_at(self._round, ids),
+            self.settings.max_staleness,
+        )
 
         def progress() -> None:
-            nonlocal dist
-            more, d = self._mix_ready(list(self.edges))
-            for p in more:
-                mixes[p] = mixes.get(p, 0) + 1
-            if more:
-                dist = d
-            for p in active:
-                if self.nb.view.is_alive(p) and self._push(p, weights.get(p, 0.0), turn):
-                    pushed.add(p)
-
-        def done(p: str) -> bool:
-            e = edges[p]
-            if e.epoch == 0:
-                return False
-            if s.max_staleness == 0:
-                return mixes.get(p, 0) > 0  # this round's exchange is mixed
-            # The exchange opened before this round is mixed, and this round's is open.
-            epoch, sent = start[p]
-            return (e.epoch != epoch or e.mixed >= sent) and turn.get(p) == e.epoch
+            rnd.record_mixed(*self._mix_ready(list(self.edges)))
+            for p in rnd.edges:
+                if self.nb.view.is_alive(p) and self._push(p, rnd.weights.get(p, 0.0), rnd.turn):
+                    rnd.pushed.add(p)
 
         waited = self.nb.wait(
-            lambda: [p for p in edges if not done(p)],
-            s.round_timeout,
-            f"round {self._round}",
-            progress,
+            rnd.unfinished, self.settings.round_timeout, f"round {self._round}", progress
         )
-        mixed = [p for p in mixes if mixes[p]]
         stats = RoundStats(
             round=self._round,
             neighbors=neighbors,
-            mixed=mixed,
-            pushed=sorted(pushed),
+            mixed=rnd.mixed(),
+            pushed=sorted(rnd.pushed),
             waited_s=waited,
-            consensus_distance=dist,
+            consensus_distance=rnd.distance,
             residual_norm=self._residual_norm(neighbors),
         )
         if self.metrics is not None:
             self.metrics.observe_round(time.perf_counter() - t_round)
-            if mixed:
-                self.metrics.set_consensus_distance(dist)
+            if stats.mixed:
+                self.metrics.set_consensus_distance(stats.consensus_distance)
             self.metrics.set_error_feedback_norm(stats.residual_norm)
-            self.metrics.set_neighbors(len(mixed))
+            self.metrics.set_neighbors(len(stats.mixed))
         self._round += 1
         return stats
 

@@ -1,0 +1,54 @@
+"""The bookkeeping of one CHOCO round: which edges it serves, what it opened and mixed, and
+when it is done (the ``max_staleness`` rule)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gossipgrad.peer.algorithms.edges import Edge
+
+
+@dataclass
+class OpenRound:
+    """One round in progress.
+
+    Args:
+        edges: the edges the round serves (this round's neighbours and those owed an answer).
+        weights: this round's proposed mixing weight per neighbour.
+        max_staleness: 0: done once this round's exchange with the edge is mixed; 1: once the
+            exchange opened before the round is mixed and this round's is open.
+    """
+
+    edges: dict[str, Edge]
+    weights: dict[str, float]
+    max_staleness: int
+    turn: dict[str, int] = field(default_factory=dict)  # per peer: the session opened in
+    pushed: set[str] = field(default_factory=set)
+    mixes: dict[str, int] = field(default_factory=dict)
+    distance: float = float("nan")  # the consensus distance of the latest mix
+    start: dict[str, tuple[int, int]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.start = {p: (e.epoch, e.sent) for p, e in self.edges.items()}
+
+    def record_mixed(self, peers: list[str], distance: float) -> None:
+        for p in peers:
+            self.mixes[p] = self.mixes.get(p, 0) + 1
+        if peers:
+            self.distance = distance
+
+    def mixed(self) -> list[str]:
+        return [p for p, n in self.mixes.items() if n]
+
+    def done(self, peer: str) -> bool:
+        e = self.edges[peer]
+        if e.epoch == 0:
+            return False
+        if self.max_staleness == 0:
+            return self.mixes.get(peer, 0) > 0
+        epoch, sent = self.start[peer]
+        return (e.epoch != epoch or e.mixed >= sent) and self.turn.get(peer) == e.epoch
+
+    def unfinished(self) -> list[str]:
+        """The edges the round still waits for."""
+        return [p for p in self.edges if not self.done(p)]
