@@ -10,6 +10,7 @@ shards), so the file stays within a few minutes on two cores.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -19,9 +20,12 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 import torch
 from gossipgrad.experiment.analysis import consensus_distance
@@ -350,3 +354,423 @@ def test_installed_peer_prints_the_config_reference_of_docs() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout == (ROOT / "docs" / "config.md").read_text()
+
+
+# --- daemon swarms: local_steps with CHOCO, adam/adamw, topologies, Dirichlet shards ----------
+
+SWARM_PEERS = 6
+SWARM_STEPS = 90
+LOCAL_STEPS = 3
+# Shared by every swarm below and by the no-gossip reference, so the reference fits them all.
+SWARM_TRAIN = {
+    "train.task": "digits",
+    "train.steps": str(SWARM_STEPS),
+    "train.batch_size": "32",
+    "train.eval_every": "0",
+    "train.lr": "0.005",
+    "train.schedule": "constant",
+    "train.partition": "dirichlet",
+    "train.alpha": "0.5",
+    "gossip.codec": "int8",
+    "gossip.gamma": "0.5",
+    "gossip.local_steps": str(LOCAL_STEPS),
+    "checkpoint.every": "0",
+}
+SWARM_RUNTIME = {
+    "metrics.enabled": "true",
+    "membership.heartbeat_interval": "0.2",
+    "membership.suspect_after": "2",
+    "membership.dead_after": "4",
+    "gossip.round_timeout": "3",
+}
+# (1/n) sum ||x_i - mean||^2 / ||mean||^2 at the end. Measured on digits (6 Dirichlet shards,
+# 90 steps, adam/adamw at lr 0.005): peers that never gossip end at 0.43, the exponential
+# swarm below at 5.5e-4.
+CONSENSUS_BOUND = 1e-2
+
+
+def optimizer_of(i: int) -> dict[str, str]:
+    """Half the peers run adamw, half adam: the local optimizer is each peer's own choice."""
+    return {"train.optimizer": "adamw" if i % 2 == 0 else "adam"}
+
+
+def expected_neighbours(topology: str, n: int, seed: int = 0) -> list[set[int]]:
+    """Each peer's neighbours by the topology's definition (docs/topologies.md), written out
+    here rather than asked of the code under test (random-regular: checked for shape)."""
+    if topology == "exponential":
+        hops = {1 << k for k in range(n.bit_length()) if (1 << k) < n}
+        return [{(i + s * h) % n for h in hops for s in (1, -1)} - {i} for i in range(n)]
+    if topology == "torus" and n == 6:  # a 2 x 3 grid with wrap-around
+        rows, cols = 2, 3
+        out = []
+        for i in range(n):
+            r, c = divmod(i, cols)
+            near = {
+                ((r + dr) % rows) * cols + (c + dc) % cols
+                for dr, dc in ((1, 0), (-1, 0), (0, 1), (0, -1))
+            }
+            out.append(near - {i})
+        return out
+    raise ValueError(topology)
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models train far faster on one intra-op thread on a busy machine (2 s instead of
+    minutes for the reference below); the process's setting is restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def no_gossip_consensus(n: int, seed: int = 0) -> float:
+    """Relative consensus distance of n peers that train their shards alone (same config)."""
+    from gossipgrad.peer.schedule import make_scheduler
+    from gossipgrad.peer.tasks import build_task
+    from gossipgrad.peer.training import make_optimizer, task_context
+
+    finals = []
+    for i in range(n):
+        cfg = build_config({}, {**SWARM_TRAIN, **optimizer_of(i), "train.seed": str(seed)})
+        task = build_task(cfg.train.task, task_context(cfg.train, i, n))
+        opt = make_optimizer(task.model.parameters(), cfg.train)
+        scheduler = make_scheduler(opt, cfg.train)
+        batches = task.batches()
+        for _ in range(cfg.train.steps):
+            opt.zero_grad()
+            task.loss(task.model, next(batches)).backward()
+            opt.step()
+            scheduler.step()
+        finals.append(torch.cat([p.detach().flatten() for p in task.model.parameters()]))
+    xs = torch.stack(finals).double()
+    mean = xs.mean(0)
+    return float(((xs - mean) ** 2).sum(1).mean() / (mean**2).sum())
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """One peer's /metrics: (name, sorted label items) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def gossip_view(status: PeerStatus) -> tuple[set[str], float, float]:
+    """(peers it has sent compressed updates to, steps, rounds) from a running peer's metrics."""
+    samples = scrape(status.metrics_port)
+    sent_to = {
+        dict(labels)["neighbor"]
+        for (name, labels), value in samples.items()
+        if name == "gossipgrad_sent_bytes_total"
+        and dict(labels).get("kind") == "update"
+        and value > 0
+    }
+    steps = samples[("gossipgrad_train_steps_total", ())]
+    rounds = samples[("gossipgrad_gossip_rounds_total", ())]
+    return sent_to, steps, rounds
+
+
+def observe_mid_run(statuses, n: int, timeout: float = 180) -> list[tuple[set[str], float, float]]:
+    """Every peer's gossip view once all of them are a third into training."""
+    wait_for(
+        lambda: all(
+            (s := statuses(i)).step >= SWARM_STEPS // 3 and s.metrics_port for i in range(n)
+        ),
+        timeout,
+        "every peer to be a third into training",
+    )
+    return [gossip_view(statuses(i)) for i in range(n)]
+
+
+def check_swarm(views, summaries, params, expected: list[set[int]], reference: float) -> float:
+    """The laws every swarm below must show; returns its relative consensus distance."""
+    n = len(summaries)
+    ids = [f"peer{i}" for i in range(n)]  # the topology's index is the sorted peer id
+    for i, (sent_to, steps, rounds) in enumerate(views):
+        assert sent_to == {ids[j] for j in expected[i]}, (i, sent_to, expected[i])
+        # One round every local_steps steps while training.
+        assert abs(rounds - steps / LOCAL_STEPS) <= 1, (i, steps, rounds)
+    for s in summaries:
+        assert s is not None and s.steps == SWARM_STEPS and not s.stopped_early
+        assert s.rounds == SWARM_STEPS // LOCAL_STEPS, s.rounds
+        assert s.sent_update_bytes > 0 and s.final["accuracy"] > 0.5, s
+    cd = consensus_distance(params)
+    assert cd is not None
+    relative = cd[1]
+    assert relative < CONSENSUS_BOUND < reference, (relative, reference)
+    return relative
+
+
+@pytest.fixture(scope="module")
+def no_gossip_reference() -> float:
+    with one_torch_thread():
+        return no_gossip_consensus(SWARM_PEERS)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_daemon_swarm_local_steps_adam_adamw_exponential_dirichlet(
+    tmp_path: Path, no_gossip_reference: float
+) -> None:
+    """Six gossipgrad-peer processes: CHOCO with local_steps = 3, adamw and adam peers, the
+    exponential topology, Dirichlet shards. Then two of them resume from their checkpoints
+    and their Adam moments and step counts go on where they stopped."""
+    swarm = LocalSwarm(
+        tmp_path / "swarm",
+        SWARM_PEERS,
+        {**SWARM_TRAIN, **SWARM_RUNTIME, "gossip.topology": "exponential"},
+        peer_overrides=optimizer_of,
+    )
+    try:
+        swarm.start()
+        views = observe_mid_run(swarm.status, SWARM_PEERS)
+        assert swarm.wait(240), "swarm did not finish"
+        assert swarm.failed() == []
+    finally:
+        swarm.stop(timeout=10)
+    summaries = [
+        read_record(swarm.peer_dir(i) / "summary.json", PeerSummary) for i in range(SWARM_PEERS)
+    ]
+    params = [swarm.peer_dir(i) / "params.pt" for i in range(SWARM_PEERS)]
+    relative = check_swarm(
+        views,
+        summaries,
+        params,
+        expected_neighbours("exponential", SWARM_PEERS),
+        no_gossip_reference,
+    )
+    print(f"exponential: relative consensus {relative:.2e}, no gossip {no_gossip_reference:.2e}")
+
+    # Dirichlet shards: the sizes each daemon logged differ per peer and per seed, and are
+    # the ones the task API gives for that seed.
+    logged = [
+        int(
+            re.search(
+                r"Task\('digits', params=\d+, shard=(\d+)", (swarm.out / f"peer{i}.log").read_text()
+            )[1]
+        )
+        for i in range(SWARM_PEERS)
+    ]
+    from gossipgrad.peer.tasks import build_task
+    from gossipgrad.peer.training import task_context
+
+    def sizes(seed: int) -> list[int]:
+        cfg = build_config({}, {**SWARM_TRAIN, "train.seed": str(seed)})
+        return [
+            build_task("digits", task_context(cfg.train, i, SWARM_PEERS)).num_train_samples
+            for i in range(SWARM_PEERS)
+        ]
+
+    assert logged == sizes(0) and sum(logged) == 1437
+    assert max(logged) - min(logged) > 50, logged  # IID shards differ by at most one sample
+    assert sizes(1) != logged
+    print(f"Dirichlet shard sizes {logged}")
+
+    # Checkpoints keep the local optimizer's state; a restarted peer resumes it.
+    for i in (0, 1):
+        state = torch.load(swarm.peer_dir(i) / "checkpoint.pt", weights_only=True)
+        moments = state["optimizer"]["state"]
+        assert moments and all(float(m["step"]) == SWARM_STEPS for m in moments.values())
+        assert all(float(m["exp_avg_sq"].sum()) > 0 for m in moments.values())
+    more = 4
+    resumed = [
+        subprocess.Popen(
+            [
+                *swarm.command(i, None),
+                "--train.steps",
+                str(SWARM_STEPS + more),
+                "--peer.expected_peers",
+                "1",
+            ],
+            stdout=open(swarm.out / f"resume{i}.log", "w"),  # noqa: SIM115 - closed with the process
+            stderr=subprocess.STDOUT,
+        )
+        for i in (0, 1)
+    ]
+    try:
+        assert [p.wait(timeout=120) for p in resumed] == [0, 0]
+    finally:
+        terminate(resumed, 10)
+    for i in (0, 1):
+        log = (swarm.out / f"resume{i}.log").read_text()
+        assert f"resumed from checkpoint at step {SWARM_STEPS}" in log, log[-2000:]
+        state = torch.load(swarm.peer_dir(i) / "checkpoint.pt", weights_only=True)
+        assert state["local_step"] == SWARM_STEPS + more
+        # Adam's per-parameter step counts went on from the checkpoint instead of restarting.
+        assert all(
+            float(m["step"]) == SWARM_STEPS + more for m in state["optimizer"]["state"].values()
+        )
+
+
+def run_daemon_threads(out: Path, n: int, overrides: dict[str, str]) -> tuple[list, list, list]:
+    """n peer daemons (``Daemon.run``, the daemon's whole code path) on threads of this
+    process: a swarm without n interpreter start-ups. Returns (mid-run views, summaries,
+    params files)."""
+    from gossipgrad.peer.daemon import Daemon
+
+    dirs = [out / f"peer{i}" for i in range(n)]
+    errors: list[BaseException] = []
+
+    def status(i: int) -> PeerStatus:
+        return read_record(dirs[i] / "status.json", PeerStatus) or PeerStatus()
+
+    def run(i: int, bootstrap: list[str]) -> None:
+        cfg = build_config(
+            {},
+            {
+                **overrides,
+                **optimizer_of(i),
+                "peer.id": f"peer{i}",
+                "peer.run_dir": str(dirs[i]),
+                "peer.expected_peers": str(n),
+                "peer.bootstrap": bootstrap,
+                "train.shard_index": str(i),
+                "train.num_shards": str(n),
+            },
+        )
+        try:
+            Daemon(cfg).run()
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(0, []), daemon=True)]
+    threads[0].start()
+    wait_for(lambda: status(0).address, 60, "peer0's address")
+    for i in range(1, n):
+        threads.append(threading.Thread(target=run, args=(i, [status(0).address]), daemon=True))
+        threads[-1].start()
+    views = observe_mid_run(status, n)
+    for t in threads:
+        t.join(timeout=240)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "a daemon thread did not finish"
+    summaries = [read_record(d / "summary.json", PeerSummary) for d in dirs]
+    return views, summaries, [d / "params.pt" for d in dirs]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("topology", ["torus", "random-regular"])
+def test_topology_over_real_gossip(
+    tmp_path: Path, topology: str, no_gossip_reference: float
+) -> None:
+    """Six daemons on threads: each gossips with exactly its neighbours in the topology, and
+    the swarm ends in consensus that peers training alone miss by far."""
+    overrides = {**SWARM_TRAIN, **SWARM_RUNTIME, "gossip.topology": topology}
+    with one_torch_thread():
+        views, summaries, params = run_daemon_threads(tmp_path, SWARM_PEERS, overrides)
+    if topology == "random-regular":
+        from gossipgrad.peer.topology import DEFAULT_DEGREE, topology_from_name
+
+        # No closed form: the graph the peers gossiped over is d-regular and symmetric, and
+        # it is the one the swarm's seed (train.seed) draws.
+        graph = [{int(p.removeprefix("peer")) for p in view[0]} for view in views]
+        assert all(len(g) == DEFAULT_DEGREE for g in graph), graph
+        assert all(i in graph[j] for i in range(SWARM_PEERS) for j in graph[i]), graph
+        drawn = topology_from_name(topology, seed=0)
+        expected = [set(drawn.neighbors(i, SWARM_PEERS)) for i in range(SWARM_PEERS)]
+    else:
+        expected = expected_neighbours(topology, SWARM_PEERS)
+    relative = check_swarm(views, summaries, params, expected, no_gossip_reference)
+    print(f"{topology}: relative consensus {relative:.2e}, no gossip {no_gossip_reference:.2e}")
+
+
+# --- SIGINT, --insecure on a non-loopback address ---------------------------------------------
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _peer_command(run_dir: Path, *extra: str) -> list[str]:
+    """The installed gossipgrad-peer, one peer alone on the digits task."""
+    return [
+        str(BIN / "gossipgrad-peer"),
+        "--peer.id=solo",
+        f"--peer.run_dir={run_dir}",
+        "--train.task=digits",
+        "--train.eval_every=0",
+        "--train.threads=1",
+        "--metrics.enabled=false",
+        "--checkpoint.every=0",
+        *extra,
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_non_loopback_plaintext_needs_insecure_and_ctrl_c_leaves_cleanly(tmp_path: Path) -> None:
+    """Binding 0.0.0.0 without TLS: refused with a clear error, nothing started; with
+    --insecure it serves (reached only via 127.0.0.1 here) and warns. SIGINT (Ctrl-C) to that
+    running daemon: exit 0 within seconds, checkpoint, summary and a final status written,
+    no child process left."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    refused_dir, solo_dir = tmp_path / "refused", tmp_path / "solo"
+    log = open(tmp_path / "solo.log", "w")  # noqa: SIM115 - closed below
+    # Both at once: the refusal costs an interpreter start too.
+    refused = subprocess.Popen(
+        _peer_command(refused_dir, "--peer.listen=0.0.0.0:0", "--train.steps=5"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    solo = subprocess.Popen(
+        _peer_command(solo_dir, "--peer.listen=0.0.0.0:0", "--train.steps=1000000", "--insecure"),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    try:
+        out, err = refused.communicate(timeout=120)
+        assert refused.returncode == 1, (out, err)
+        assert "0.0.0.0:0 is not a loopback address" in err and "--insecure" in err, err
+        assert "Traceback" not in err
+        assert not (refused_dir / "status.json").exists()  # refused before serving anything
+
+        def solo_status() -> PeerStatus:
+            return read_record(solo_dir / "status.json", PeerStatus) or PeerStatus()
+
+        wait_for(lambda: solo_status().step >= 30, 120, "the insecure peer to train")
+        port = int(solo_status().address.rsplit(":", 1)[1])
+        assert solo_status().address == f"0.0.0.0:{port}"
+        # It serves on every interface: ask it over loopback (another swarm's heartbeat,
+        # refused by name, so nothing joins it).
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            beat = channel.unary_unary(
+                method_path("Heartbeat"), response_deserializer=pb.HeartbeatReply.FromString
+            )
+            request = pb.HeartbeatRequest(swarm="elsewhere", sender=pb.PeerInfo(id="probe"))
+            with pytest.raises(grpc.RpcError) as info:
+                beat(request.SerializeToString(), timeout=10)
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "INSECURE" in (tmp_path / "solo.log").read_text()
+
+        children = psutil.Process(solo.pid).children(recursive=True)
+        t0 = time.monotonic()
+        solo.send_signal(signal.SIGINT)
+        assert solo.wait(timeout=30) == 0
+        seconds = time.monotonic() - t0
+    finally:
+        terminate([refused, solo], 10)
+        log.close()
+    assert not [c.pid for c in children if _alive(c)], "child processes outlived the daemon"
+    summary = read_record(solo_dir / "summary.json", PeerSummary)
+    assert summary is not None and summary.stopped_early is True and summary.steps >= 30
+    state = torch.load(solo_dir / "checkpoint.pt", weights_only=True)
+    assert state["local_step"] == summary.steps
+    final = read_record(solo_dir / "status.json", PeerStatus)
+    assert final is not None and final.state == "done" and final.step == summary.steps
+    print(
+        f"SIGINT at step {summary.steps}: exited 0 after {seconds:.2f}s, {len(children)} children"
+    )
