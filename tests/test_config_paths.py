@@ -28,6 +28,7 @@ import grpc
 import psutil
 import pytest
 import torch
+from gossipgrad.experiment import launch
 from gossipgrad.experiment.analysis import consensus_distance
 from gossipgrad.experiment.launch import LocalSwarm, terminate
 from gossipgrad.experiment.links import LinkEmulator
@@ -68,9 +69,18 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("value", [0, 4095, (4 << 20) + 1, "4k"])
-def test_invalid_chunk_bytes_is_refused_at_config_load(value) -> None:
-    with pytest.raises(ConfigError, match=r"^transport\.chunk_bytes: "):
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        (0, "greater than or equal to 4096"),
+        (4095, "greater than or equal to 4096"),
+        ((4 << 20) + 1, "less than or equal to 4194304"),
+        ("4k", "valid integer"),
+    ],
+)
+def test_invalid_chunk_bytes_is_refused_at_config_load(value, why: str) -> None:
+    """One line naming the key and the allowed range, before anything starts."""
+    with pytest.raises(ConfigError, match=rf"^transport\.chunk_bytes: .*{why}"):
         build_config({"transport": {"chunk_bytes": value}})
 
 
@@ -378,15 +388,18 @@ SWARM_TRAIN = {
 }
 SWARM_RUNTIME = {
     "metrics.enabled": "true",
+    # On a loaded machine six interpreters may take minutes to start: peer0 waits for them.
+    "peer.start_timeout": "300",
     "membership.heartbeat_interval": "0.2",
-    "membership.suspect_after": "2",
-    "membership.dead_after": "4",
+    # Lenient: a peer suspected on a busy machine would change the others' neighbours.
+    "membership.suspect_after": "4",
+    "membership.dead_after": "8",
     "gossip.round_timeout": "3",
 }
 # (1/n) sum ||x_i - mean||^2 / ||mean||^2 at the end. Measured on digits (6 Dirichlet shards,
-# 90 steps, adam/adamw at lr 0.005): peers that never gossip end at 0.43, the exponential
-# swarm below at 5.5e-4.
-CONSENSUS_BOUND = 1e-2
+# 90 steps, adam/adamw at lr 0.005): peers that never gossip end at 0.43; the swarms below
+# at 5e-4 (exponential) to 2.4e-3 (random-regular, degree 3).
+CONSENSUS_BOUND = 2e-2
 
 
 def optimizer_of(i: int) -> dict[str, str]:
@@ -477,7 +490,7 @@ def gossip_view(status: PeerStatus) -> tuple[set[str], float, float]:
     return sent_to, steps, rounds
 
 
-def observe_mid_run(statuses, n: int, timeout: float = 180) -> list[tuple[set[str], float, float]]:
+def observe_mid_run(statuses, n: int, timeout: float = 420) -> list[tuple[set[str], float, float]]:
     """Every peer's gossip view once all of them are a third into training."""
     wait_for(
         lambda: all(
@@ -515,13 +528,14 @@ def no_gossip_reference() -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 def test_daemon_swarm_local_steps_adam_adamw_exponential_dirichlet(
-    tmp_path: Path, no_gossip_reference: float
+    tmp_path: Path, no_gossip_reference: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Six gossipgrad-peer processes: CHOCO with local_steps = 3, adamw and adam peers, the
     exponential topology, Dirichlet shards. Then two of them resume from their checkpoints
     and their Adam moments and step counts go on where they stopped."""
+    monkeypatch.setattr(launch, "ADDRESS_TIMEOUT_S", 300.0)  # peer0's start, on a busy machine
     swarm = LocalSwarm(
         tmp_path / "swarm",
         SWARM_PEERS,
@@ -531,7 +545,7 @@ def test_daemon_swarm_local_steps_adam_adamw_exponential_dirichlet(
     try:
         swarm.start()
         views = observe_mid_run(swarm.status, SWARM_PEERS)
-        assert swarm.wait(240), "swarm did not finish"
+        assert swarm.wait(300), "swarm did not finish"
         assert swarm.failed() == []
     finally:
         swarm.stop(timeout=10)
@@ -576,28 +590,30 @@ def test_daemon_swarm_local_steps_adam_adamw_exponential_dirichlet(
     # Checkpoints keep the local optimizer's state; a restarted peer resumes it.
     for i in (0, 1):
         state = torch.load(swarm.peer_dir(i) / "checkpoint.pt", weights_only=True)
+        group = state["optimizer"]["param_groups"][0]
+        # torch >= 2.6 records which of the two it is (older versions have no such key).
+        assert group.get("decoupled_weight_decay", i == 0) == (i == 0), group
         moments = state["optimizer"]["state"]
         assert moments and all(float(m["step"]) == SWARM_STEPS for m in moments.values())
         assert all(float(m["exp_avg_sq"].sum()) > 0 for m in moments.values())
     more = 4
-    resumed = [
-        subprocess.Popen(
-            [
-                *swarm.command(i, None),
-                "--train.steps",
-                str(SWARM_STEPS + more),
-                "--peer.expected_peers",
-                "1",
-            ],
-            stdout=open(swarm.out / f"resume{i}.log", "w"),  # noqa: SIM115 - closed with the process
-            stderr=subprocess.STDOUT,
-        )
-        for i in (0, 1)
-    ]
-    try:
-        assert [p.wait(timeout=120) for p in resumed] == [0, 0]
-    finally:
-        terminate(resumed, 10)
+    with contextlib.ExitStack() as logs:
+        resumed = [
+            subprocess.Popen(
+                [
+                    *swarm.command(i, None),
+                    f"--train.steps={SWARM_STEPS + more}",
+                    "--peer.expected_peers=1",  # alone now: the others have finished
+                ],
+                stdout=logs.enter_context(open(swarm.out / f"resume{i}.log", "w")),
+                stderr=subprocess.STDOUT,
+            )
+            for i in (0, 1)
+        ]
+        try:
+            assert [p.wait(timeout=120) for p in resumed] == [0, 0]
+        finally:
+            terminate(resumed, 10)
     for i in (0, 1):
         log = (swarm.out / f"resume{i}.log").read_text()
         assert f"resumed from checkpoint at step {SWARM_STEPS}" in log, log[-2000:]
@@ -648,7 +664,7 @@ def run_daemon_threads(out: Path, n: int, overrides: dict[str, str]) -> tuple[li
         threads[-1].start()
     views = observe_mid_run(status, n)
     for t in threads:
-        t.join(timeout=240)
+        t.join(timeout=300)
     assert not errors, errors
     assert not any(t.is_alive() for t in threads), "a daemon thread did not finish"
     summaries = [read_record(d / "summary.json", PeerSummary) for d in dirs]
@@ -656,7 +672,7 @@ def run_daemon_threads(out: Path, n: int, overrides: dict[str, str]) -> tuple[li
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("topology", ["torus", "random-regular"])
 def test_topology_over_real_gossip(
     tmp_path: Path, topology: str, no_gossip_reference: float
@@ -708,7 +724,7 @@ def _peer_command(run_dir: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(700)
 def test_non_loopback_plaintext_needs_insecure_and_ctrl_c_leaves_cleanly(tmp_path: Path) -> None:
     """Binding 0.0.0.0 without TLS: refused with a clear error, nothing started; with
     --insecure it serves (reached only via 127.0.0.1 here) and warns. SIGINT (Ctrl-C) to that
@@ -732,7 +748,7 @@ def test_non_loopback_plaintext_needs_insecure_and_ctrl_c_leaves_cleanly(tmp_pat
         env=env,
     )
     try:
-        out, err = refused.communicate(timeout=120)
+        out, err = refused.communicate(timeout=300)
         assert refused.returncode == 1, (out, err)
         assert "0.0.0.0:0 is not a loopback address" in err and "--insecure" in err, err
         assert "Traceback" not in err
@@ -741,7 +757,7 @@ def test_non_loopback_plaintext_needs_insecure_and_ctrl_c_leaves_cleanly(tmp_pat
         def solo_status() -> PeerStatus:
             return read_record(solo_dir / "status.json", PeerStatus) or PeerStatus()
 
-        wait_for(lambda: solo_status().step >= 30, 120, "the insecure peer to train")
+        wait_for(lambda: solo_status().step >= 30, 300, "the insecure peer to train")
         port = int(solo_status().address.rsplit(":", 1)[1])
         assert solo_status().address == f"0.0.0.0:{port}"
         # It serves on every interface: ask it over loopback (another swarm's heartbeat,
