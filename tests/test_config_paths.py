@@ -296,28 +296,35 @@ def _train(gopt: GossipOptimizer, steps: int) -> None:
 
 @pytest.mark.timeout(120)
 def test_a_fresh_peer_joins_from_the_swarm_once_a_donor_is_join_after_steps_in() -> None:
-    """join_after_steps = 6: below 6 steps the newcomer keeps its own seeded start; at 6 it
-    takes over the donor's parameters, optimizer state and step."""
+    """join_after_steps = 6: a donor 5 steps in is not taken, the newcomer keeps its own
+    seeded start; a donor 6 steps in is: the newcomer takes over its parameters, optimizer
+    state and step (the daemon makes the same call before its first step)."""
     donor = _gossip_optimizer("d0", [])
     newcomers: list[GossipOptimizer] = []
+
+    def newcomer(pid: str) -> GossipOptimizer:
+        g = _gossip_optimizer(pid, [donor.peer.address], **{"peer.join_after_steps": 6})
+        newcomers.append(g)
+
+        def sees_donor_step() -> bool:
+            record = g.peer.membership.record("d0")
+            return record is not None and record.info.step == donor.local_step
+
+        wait_for(sees_donor_step, 10, f"{pid} to hear the donor's step")
+        return g
+
     try:
         _train(donor, 5)
-        early = _gossip_optimizer("n1", [donor.peer.address], **{"peer.join_after_steps": 6})
-        newcomers.append(early)
-        early.peer.membership.beat_once()  # as the daemon does before joining
+        early = newcomer("n1")
+        start = early.flat.data.clone()
         assert early.join_from_swarm(timeout=10) is False
-        assert early.local_step == 0
-        assert (
-            sample(early, "gossipgrad_received_bytes_total", {"neighbor": "d0", "kind": "state"})
-            == 0
-        )
+        assert early.local_step == 0 and torch.equal(early.flat.data, start)
+        state_bytes = {"neighbor": "d0", "kind": "state"}
+        assert sample(early, "gossipgrad_received_bytes_total", state_bytes) == 0
+        early.close()
 
         _train(donor, 1)  # step 6: exactly join_after_steps
-        donor.peer.update_progress(donor.local_step, donor.round)
-        late = _gossip_optimizer("n2", [donor.peer.address], **{"peer.join_after_steps": 6})
-        newcomers.append(late)
-        wait_for(lambda: late.peer.membership.record("d0") is not None, 10, "n2 to see d0")
-        late.peer.membership.beat_once()
+        late = newcomer("n2")
         with donor.state_lock:
             expected = donor.flat.data.clone()
             momentum = [s["momentum_buffer"].clone() for s in donor.optimizer.state.values()]
@@ -326,9 +333,7 @@ def test_a_fresh_peer_joins_from_the_swarm_once_a_donor_is_join_after_steps_in()
         assert torch.equal(late.flat.data, expected)
         got = [s["momentum_buffer"] for s in late.optimizer.state.values()]
         assert all(torch.equal(a, b) for a, b in zip(got, momentum, strict=True))
-        assert (
-            sample(late, "gossipgrad_received_bytes_total", {"neighbor": "d0", "kind": "state"}) > 0
-        )
+        assert sample(late, "gossipgrad_received_bytes_total", state_bytes) > 0
     finally:
         for g in [donor, *newcomers]:
             g.close()
