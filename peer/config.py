@@ -31,7 +31,8 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-Address = Annotated[str, Field(pattern=r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.\-]+):\d{1,5}$")]
+ADDRESS_PATTERN = r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.\-]+):\d{1,5}$"
+Address = Annotated[str, Field(pattern=ADDRESS_PATTERN)]
 
 
 class PeerSection(Section):
@@ -56,6 +57,7 @@ class PeerSection(Section):
         "",
         description="host:port other peers use to reach this one. Empty: the listen host "
         "with the bound port.",
+        pattern=rf"^$|{ADDRESS_PATTERN}",
     )
     bootstrap: list[Address] = Field(
         default_factory=list,
