@@ -33,7 +33,7 @@ import threading
 
 import torch
 from gossipgrad.peer.algorithms import GossipAlgorithm, RoundStats
-from gossipgrad.peer.config import GossipSection, PeerConfig
+from gossipgrad.peer.config import PeerConfig
 from gossipgrad.peer.flat import FlatParameters
 from gossipgrad.peer.node import Peer
 from torch import nn
@@ -232,9 +232,3 @@ def _to_device(state, device: torch.device):
     if isinstance(state, dict):
         return {k: _to_device(v, device) for k, v in state.items()}
     return state
-
-
-def round_due(cfg: GossipSection, local_step: int) -> bool:
-    """Whether a gossip round follows optimizer step ``local_step`` (1-based)."""
-    every = cfg.consensus_every if cfg.algorithm == "ef-gradient" else cfg.local_steps
-    return local_step % every == 0

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from gossipgrad.peer.config import PeerConfig
 from gossipgrad.peer.flat import FlatParameters, tensor_checksum
 from gossipgrad.peer.metrics import PeerMetrics
-from gossipgrad.peer.optimizer import GossipOptimizer, round_due
+from gossipgrad.peer.optimizer import GossipOptimizer
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ class SiteOptimizer:
                 self.gopt = GossipOptimizer(model, optimizer, config, registry=registry)
             except Exception as err:
                 error = err
-        share_outcome(error, "starting its peer", next(model.parameters()).device)
+        share_outcome(error, False, "starting its peer", next(model.parameters()).device)
         if self.gopt is not None:
             self.flat = self.gopt.flat
             self.peer = self.gopt.peer
@@ -221,9 +221,8 @@ class SiteOptimizer:
         with lock:
             out = self.optimizer.step()
             self.local_step = self.local_step + 1
-        # The leader runs the round, when one is due.
-        self._on_leader("a gossip round", lambda: self.gopt.after_local_step())
-        if round_due(self.config.gossip, self.local_step):
+        # The leader runs the round when the algorithm says one is due, and says so.
+        if self._on_leader("a gossip round", lambda: self.gopt.after_local_step() is not None):
             self._take_leaders_parameters()
         self.peer.update_progress(self.local_step, self.round)
         return loss if loss is not None else out
@@ -232,17 +231,19 @@ class SiteOptimizer:
         self.gopt.exchange_gradients()
         self._grad_buf.copy_(self.flat.grad())
 
-    def _on_leader(self, what: str, work: Callable[[], object]) -> None:
-        """Run ``work`` on the leader, then tell every rank whether it failed (one flag
-        broadcast): the other ranks raise :class:`SiteLeaderFailed` at once instead of
-        blocking in their next collective for as long as the leader's process lives."""
+    def _on_leader(self, what: str, work: Callable[[], object]) -> bool:
+        """Run ``work`` on the leader, then tell every rank its truth value, or that it
+        failed (one flag broadcast): the other ranks raise :class:`SiteLeaderFailed` at once
+        instead of blocking in their next collective for as long as the leader's process
+        lives."""
         error: Exception | None = None
+        result = False
         if self.gopt is not None:
             try:
-                work()
+                result = bool(work())
             except Exception as err:
                 error = err
-        share_outcome(error, what, self.flat.device)
+        return share_outcome(error, result, what, self.flat.device)
 
     def gossip_round(self) -> None:
         """One gossip-only round across sites: the leader gossips, every rank takes x."""
@@ -329,13 +330,13 @@ class SiteOptimizer:
         self.close()
 
 
-def share_outcome(error: Exception | None, what: str, device: torch.device) -> None:
-    """Collective after leader-only work: the leader says whether it raised (one flag, and
-    the message if so); it re-raises ``error``, the other ranks raise SiteLeaderFailed."""
-    flag = torch.tensor([error is not None], dtype=torch.int32, device=device)
+def share_outcome(error: Exception | None, result: bool, what: str, device: torch.device) -> bool:
+    """Collective after leader-only work: every rank gets the leader's ``result``, or, if it
+    raised, the message (the leader re-raises ``error``, the others raise SiteLeaderFailed)."""
+    flag = torch.tensor([2 if error is not None else int(result)], dtype=torch.int32, device=device)
     dist.broadcast(flag, src=0)
-    if not flag.item():
-        return
+    if flag.item() != 2:
+        return bool(flag.item())
     box = [f"{type(error).__name__}: {error}" if error is not None else None]
     dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
     if error is not None:
