@@ -11,7 +11,7 @@ Writes into ``peer.run_dir``:
   params.pt        the final flat parameter vector (true consensus distance across peers)
 SIGTERM or SIGINT finishes the current step, checkpoints and leaves the swarm cleanly.
 
-Under torchrun with more than one rank, the job is one site (peer/site.py): ranks all-reduce
+Under torchrun with more than one rank, the job is one site (peer/runtime/site.py): ranks all-reduce
 gradients densely, only rank 0 gossips, and ranks other than 0 write into ``run_dir/rank<N>/``.
 """
 
@@ -27,14 +27,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gossipgrad.peer import checkpoint
 from gossipgrad.peer.config import PeerConfig
-from gossipgrad.peer.optimizer import GossipOptimizer
 from gossipgrad.peer.records import PeerStatus, PeerSummary, write_record
-from gossipgrad.peer.schedule import make_scheduler
-from gossipgrad.peer.site import SiteContext, SiteOptimizer, close_site, init_site
+from gossipgrad.peer.runtime import checkpoint
+from gossipgrad.peer.runtime.optimizer import GossipOptimizer
+from gossipgrad.peer.runtime.site import SiteContext, SiteOptimizer, close_site, init_site
 from gossipgrad.peer.tasks import build_task
-from gossipgrad.peer.training import TrainClock, make_optimizer, task_context
+from gossipgrad.peer.tasks.schedule import make_scheduler
+from gossipgrad.peer.tasks.training import TrainClock, make_optimizer, task_context
 
 log = logging.getLogger(__name__)
 
