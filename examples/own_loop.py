@@ -21,8 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from gossipgrad.peer.config import load_config
-from gossipgrad.peer.optimizer import GossipOptimizer
+from gossipgrad.peer import GossipOptimizer, load_config
 from sklearn.datasets import load_digits
 from torch import nn
 

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from gossipgrad.peer.daemon import Daemon  # heavy imports after the config is valid
+    from gossipgrad.peer.runtime.daemon import Daemon  # heavy imports after the config is valid
 
     try:
         summary = Daemon(cfg).run()

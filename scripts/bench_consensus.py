@@ -19,7 +19,7 @@ import threading
 import torch
 from gossipgrad.peer.config import build_config
 from gossipgrad.peer.flat import FlatParameters
-from gossipgrad.peer.node import Peer
+from gossipgrad.peer.runtime.node import Peer
 from torch import nn
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from gossipgrad.peer.config import build_config
 from gossipgrad.peer.flat import FlatParameters
-from gossipgrad.peer.node import Peer
+from gossipgrad.peer.runtime.node import Peer
 from torch import nn
 
 FAST_MEMBERSHIP = {

@@ -10,7 +10,7 @@ import time
 
 import torch
 from gossipgrad.peer.config import build_config
-from gossipgrad.peer.site import SiteContext, SiteLeaderFailed, SiteOptimizer, init_site
+from gossipgrad.peer.runtime.site import SiteContext, SiteLeaderFailed, SiteOptimizer, init_site
 from torch import nn
 
 LEADER_STAYS = 60.0

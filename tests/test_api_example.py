@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gossipgrad.peer.config import build_config
-from gossipgrad.peer.optimizer import GossipOptimizer
+from gossipgrad.peer import GossipOptimizer, build_config
 from torch import nn
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "own_loop.py"

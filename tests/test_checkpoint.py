@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gossipgrad.peer import checkpoint
+from gossipgrad.peer.runtime import checkpoint
 
 pytestmark = pytest.mark.timeout(60)
 

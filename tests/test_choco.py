@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from gossipgrad.peer.node import Peer
+from gossipgrad.peer.runtime.node import Peer
 from gossipgrad.proto import gossip_pb2 as pb
 from peer_harness import close_all, quiesce, run_rounds
 from peer_harness import start_peers as harness_start

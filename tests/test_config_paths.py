@@ -36,8 +36,8 @@ from gossipgrad.peer.config import ConfigError, build_config
 from gossipgrad.peer.network.errors import REASON_METADATA_KEY
 from gossipgrad.peer.network.framing import GRPC_FRAME_OVERHEAD
 from gossipgrad.peer.network.protocol import PUSH, UPDATE_CODEC, method_path
-from gossipgrad.peer.optimizer import GossipOptimizer
 from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
+from gossipgrad.peer.runtime.optimizer import GossipOptimizer
 from gossipgrad.proto import gossip_pb2 as pb
 from peer_harness import FAST_MEMBERSHIP, close_all, quiesce, rejected, run_rounds, start_peer
 from peer_harness import start_peers as harness_start_peers
@@ -446,9 +446,9 @@ def one_torch_thread() -> Iterator[None]:
 
 def no_gossip_consensus(n: int, seed: int = 0) -> float:
     """Relative consensus distance of n peers that train their shards alone (same config)."""
-    from gossipgrad.peer.schedule import make_scheduler
     from gossipgrad.peer.tasks import build_task
-    from gossipgrad.peer.training import make_optimizer, task_context
+    from gossipgrad.peer.tasks.schedule import make_scheduler
+    from gossipgrad.peer.tasks.training import make_optimizer, task_context
 
     finals = []
     for i in range(n):
@@ -578,7 +578,7 @@ def test_daemon_swarm_local_steps_adam_adamw_exponential_dirichlet(
         for i in range(SWARM_PEERS)
     ]
     from gossipgrad.peer.tasks import build_task
-    from gossipgrad.peer.training import task_context
+    from gossipgrad.peer.tasks.training import task_context
 
     def sizes(seed: int) -> list[int]:
         cfg = build_config({}, {**SWARM_TRAIN, "train.seed": str(seed)})
@@ -634,7 +634,7 @@ def run_daemon_threads(out: Path, n: int, overrides: dict[str, str]) -> tuple[li
     """n peer daemons (``Daemon.run``, the daemon's whole code path) on threads of this
     process: a swarm without n interpreter start-ups. Returns (mid-run views, summaries,
     params files)."""
-    from gossipgrad.peer.daemon import Daemon
+    from gossipgrad.peer.runtime.daemon import Daemon
 
     dirs = [out / f"peer{i}" for i in range(n)]
     errors: list[BaseException] = []
@@ -688,7 +688,7 @@ def test_topology_over_real_gossip(
     with one_torch_thread():
         views, summaries, params = run_daemon_threads(tmp_path, SWARM_PEERS, overrides)
     if topology == "random-regular":
-        from gossipgrad.peer.topology import DEFAULT_DEGREE, topology_from_name
+        from gossipgrad.peer.membership.topology import DEFAULT_DEGREE, topology_from_name
 
         # No closed form: the graph the peers gossiped over is d-regular and symmetric, and
         # it is the one the swarm's seed (train.seed) draws.

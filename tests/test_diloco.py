@@ -18,8 +18,8 @@ from gossipgrad.peer.algorithms import DiLoCo, Identity, Neighbourhood
 from gossipgrad.peer.algorithms.averaging import CompressedAverage
 from gossipgrad.peer.algorithms.outer import OuterSettings, outer_step
 from gossipgrad.peer.config import build_config
-from gossipgrad.peer.optimizer import GossipOptimizer
-from gossipgrad.peer.topology import topology_from_name
+from gossipgrad.peer.membership.topology import topology_from_name
+from gossipgrad.peer.runtime.optimizer import GossipOptimizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_ef_gradient import LoneView, NoSender, small_model, start_optimizers

@@ -18,9 +18,9 @@ from gossipgrad.experiment.swarm import summarize
 from gossipgrad.peer.algorithms import EFGradient, Identity, Neighbourhood, build_algorithm
 from gossipgrad.peer.config import build_config
 from gossipgrad.peer.flat import FlatParameters
-from gossipgrad.peer.optimizer import GossipOptimizer
+from gossipgrad.peer.membership.topology import topology_from_name
+from gossipgrad.peer.runtime.optimizer import GossipOptimizer
 from gossipgrad.peer.tasks import TaskContext, train_centralized
-from gossipgrad.peer.topology import topology_from_name
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_swarm import BASE as SWARM_BASE

@@ -29,9 +29,9 @@ from gossipgrad.experiment.diloco import OuterSettings, chunk_length
 from gossipgrad.experiment.socket_bytes import parse_ss
 from gossipgrad.experiment.spec import parse_spec
 from gossipgrad.peer.config import TrainSection
-from gossipgrad.peer.schedule import make_scheduler
 from gossipgrad.peer.tasks import build_task
-from gossipgrad.peer.training import make_optimizer, task_context
+from gossipgrad.peer.tasks.schedule import make_scheduler
+from gossipgrad.peer.tasks.training import make_optimizer, task_context
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests_helpers_experiment import processes_mentioning

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gossipgrad.peer import checkpoint
+from gossipgrad.peer.runtime import checkpoint
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,7 +31,7 @@ WRITER = textwrap.dedent(
     """
     import sys, torch
     from pathlib import Path
-    from gossipgrad.peer.checkpoint import save_atomic
+    from gossipgrad.peer.runtime.checkpoint import save_atomic
     path = Path(sys.argv[1])
     n = 0
     while True:
@@ -169,7 +169,7 @@ def test_a_diverged_step_never_overwrites_the_last_good_checkpoint(tmp_path: Pat
     clear error, and the checkpoint left is the one of step 30, finite, so a restart resumes
     from good parameters instead of crash-looping on NaN."""
     from gossipgrad.peer.config import build_config
-    from gossipgrad.peer.daemon import Daemon
+    from gossipgrad.peer.runtime.daemon import Daemon
 
     cfg = build_config(
         {},

@@ -25,7 +25,7 @@ import torch
 from gossipgrad.peer.flat import tensor_checksum
 from gossipgrad.peer.network import PeerClient
 from gossipgrad.peer.network.framing import data_prefix
-from gossipgrad.peer.node import Peer
+from gossipgrad.peer.runtime.node import Peer
 from gossipgrad.proto import gossip_pb2 as pb
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -17,7 +17,7 @@ import pytest
 import torch
 from gossipgrad.experiment.launch import LocalSwarm
 from gossipgrad.experiment.swarm import summarize
-from gossipgrad.peer.site import SiteContext
+from gossipgrad.peer.runtime.site import SiteContext
 from gossipgrad.peer.tasks import TaskContext, train_centralized
 
 SITES, RANKS = 2, 2

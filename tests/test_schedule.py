@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from gossipgrad.peer.config import TrainSection
-from gossipgrad.peer.schedule import lr_factor, make_scheduler
+from gossipgrad.peer.tasks.schedule import lr_factor, make_scheduler
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -24,7 +24,7 @@ from cryptography import x509
 from gossipgrad.peer.config import ConfigError, build_config
 from gossipgrad.peer.flat import FlatParameters
 from gossipgrad.peer.network import PeerClient, TransportError, TransportOptions
-from gossipgrad.peer.node import Peer
+from gossipgrad.peer.runtime.node import Peer
 from gossipgrad.peer.security import (
     TransportSecurity,
     certificate_identity,

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 import torch
-from gossipgrad.peer.node import Peer
+from gossipgrad.peer.runtime.node import Peer
 from peer_harness import start_peers
 
 pytestmark = pytest.mark.timeout(90)

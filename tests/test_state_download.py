@@ -15,7 +15,7 @@ import pytest
 import torch
 from gossipgrad.peer.config import build_config
 from gossipgrad.peer.network import PeerClient
-from gossipgrad.peer.optimizer import GossipOptimizer
+from gossipgrad.peer.runtime.optimizer import GossipOptimizer
 from gossipgrad.proto import gossip_pb2 as pb
 from torch import nn
 

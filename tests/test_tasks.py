@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gossipgrad.peer.membership import metropolis_hastings_weights, topology_from_name
 from gossipgrad.peer.tasks import (
     BUILTIN_TASKS,
     DataUnavailableError,
@@ -28,7 +29,6 @@ from gossipgrad.peer.tasks.data import (
     read_idx,
 )
 from gossipgrad.peer.tasks.sharding import balanced_groups, dirichlet_partition, iid_partition
-from gossipgrad.peer.topology import metropolis_hastings_weights, topology_from_name
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gossipgrad.peer.topology import (
+from gossipgrad.peer.membership.topology import (
     TOPOLOGIES,
     OnePeerExponential,
     Topology,
+    topology_from_name,
+)
+from gossipgrad.peer.membership.weights import (
     metropolis_hastings_weights,
     mixing_matrix,
     spectral_gap,
-    topology_from_name,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st

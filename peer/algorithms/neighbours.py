@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
+from gossipgrad.peer.membership.topology import Topology
+from gossipgrad.peer.membership.weights import metropolis_hastings_weights
 from gossipgrad.peer.network.errors import UpdateRejected
-from gossipgrad.peer.topology import Topology, metropolis_hastings_weights
 from gossipgrad.proto import gossip_pb2 as pb
 
 log = logging.getLogger(__name__)

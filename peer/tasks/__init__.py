@@ -6,6 +6,10 @@
 Built-ins: ``digits``, ``fashion-mnist-mlp``, ``fashion-mnist-cnn``, ``shakespeare``; a user
 task is ``"package.module:factory"`` with ``factory(ctx) -> Task`` (see ``Task.from_parts``
 and docs/tasks.md).
+
+How a ``[train]`` section trains a task locally, the same for a peer and for the experiment's
+baselines: ``training`` (the local optimizer, a shard's ``TaskContext``, the training clock)
+and ``schedule`` (the learning-rate schedule).
 """
 
 from gossipgrad.peer.tasks.base import (

@@ -275,41 +275,8 @@ class Task:
         else:
             model = model.to(ctx.device)
         tensors = _as_tensor_tuple(train_dataset)
-        num_items = len(tensors[0]) if tensors is not None else len(train_dataset)  # type: ignore[arg-type]
-        if ctx.partition == "iid":
-            shards = iid_partition(num_items, ctx.num_peers, ctx.seed)
-        else:
-            y = _find_labels(train_dataset, tensors, labels)
-            if len(y) != num_items:
-                raise ValueError(f"{len(y)} labels for {num_items} training samples")
-            shards = dirichlet_partition(y, ctx.num_peers, ctx.alpha, ctx.seed)
-        mine = torch.from_numpy(shards[ctx.peer_index])
-        if len(mine) == 0:
-            raise ValueError(
-                f"peer {ctx.peer_index} got no training samples: {num_items} samples cannot "
-                f"be split between {ctx.num_peers} peers (use fewer peers or more data)"
-            )
-        if tensors is not None:
-            shard = tuple(t[mine] for t in tensors)
-
-            def fetch(idx: torch.Tensor) -> Batch:
-                return tuple(t[idx] for t in shard)
-
-        else:
-            dataset = train_dataset
-
-            def fetch(idx: torch.Tensor) -> Batch:
-                return default_collate([dataset[int(i)] for i in mine[idx]])  # type: ignore[index]
-
-        seed = ctx.stream_seed(1)
-
-        def batches() -> Iterator[Batch]:
-            for idx in index_batches(len(mine), ctx.batch_size, seed):
-                batch = fetch(idx)
-                if batch_transform is not None:
-                    batch = batch_transform(batch)
-                yield to_device(batch, ctx.device)
-
+        mine = _shard_indices(ctx, train_dataset, tensors, labels)
+        batches = _batch_source(ctx, train_dataset, tensors, mine, batch_transform)
         return cls(
             model=model,
             batches=batches,
@@ -321,6 +288,58 @@ class Task:
             optimizer=optimizer,
             name=name,
         )
+
+
+def _shard_indices(
+    ctx: TaskContext, dataset: Any, tensors: tuple[torch.Tensor, ...] | None, labels: Any
+) -> torch.Tensor:
+    """Indices of this peer's training samples (IID, or Dirichlet over the labels)."""
+    num_items = len(tensors[0]) if tensors is not None else len(dataset)
+    if ctx.partition == "iid":
+        shards = iid_partition(num_items, ctx.num_peers, ctx.seed)
+    else:
+        y = _find_labels(dataset, tensors, labels)
+        if len(y) != num_items:
+            raise ValueError(f"{len(y)} labels for {num_items} training samples")
+        shards = dirichlet_partition(y, ctx.num_peers, ctx.alpha, ctx.seed)
+    mine = torch.from_numpy(shards[ctx.peer_index])
+    if len(mine) == 0:
+        raise ValueError(
+            f"peer {ctx.peer_index} got no training samples: {num_items} samples cannot "
+            f"be split between {ctx.num_peers} peers (use fewer peers or more data)"
+        )
+    return mine
+
+
+def _batch_source(
+    ctx: TaskContext,
+    dataset: Any,
+    tensors: tuple[torch.Tensor, ...] | None,
+    mine: torch.Tensor,
+    batch_transform: Callable[[Batch], Batch] | None,
+) -> Callable[[], Iterator[Batch]]:
+    """A factory of infinite batch iterators over the shard ``mine``, shuffled per peer."""
+    if tensors is not None:
+        shard = tuple(t[mine] for t in tensors)
+
+        def fetch(idx: torch.Tensor) -> Batch:
+            return tuple(t[idx] for t in shard)
+
+    else:
+
+        def fetch(idx: torch.Tensor) -> Batch:
+            return default_collate([dataset[int(i)] for i in mine[idx]])
+
+    seed = ctx.stream_seed(1)
+
+    def batches() -> Iterator[Batch]:
+        for idx in index_batches(len(mine), ctx.batch_size, seed):
+            batch = fetch(idx)
+            if batch_transform is not None:
+                batch = batch_transform(batch)
+            yield to_device(batch, ctx.device)
+
+    return batches
 
 
 def _as_tensor_tuple(data: Any) -> tuple[torch.Tensor, ...] | None:

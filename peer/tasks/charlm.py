@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -156,6 +156,35 @@ def shakespeare_task(ctx: TaskContext) -> Task:
     """Char-level transformer LM on 42 Shakespeare works (~5M characters); metric: val loss."""
     works = load_shakespeare(ctx.data_dir)
     train, valid = _blocks(works)
+    shard = _train_shard(ctx, train)
+    evaluate = _lm_evaluation(_eval_windows(ctx, valid))
+
+    def make_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
+
+    model = seeded_model(ctx, CharTransformer)
+    seed = ctx.stream_seed(2)
+
+    def batches() -> Iterator[Batch]:
+        for batch in _window_batches(shard, ctx.batch_size, CONTEXT, seed):
+            yield to_device(batch, ctx.device)
+
+    return Task(
+        model=model,
+        batches=batches,
+        loss_fn=lm_loss,
+        eval_fn=evaluate,
+        metric="loss",
+        higher_is_better=False,
+        num_train_samples=int(shard.numel()),
+        optimizer=make_optimizer,
+        name="shakespeare",
+    )
+
+
+def _train_shard(ctx: TaskContext, train: list[np.ndarray]) -> torch.Tensor:
+    """This peer's training blocks: whole works per peer, groups balanced by size, for
+    ``dirichlet``; an IID split of all blocks otherwise."""
     if ctx.partition == "dirichlet" and ctx.num_peers <= len(train):
         groups = balanced_groups([len(b) for b in train], ctx.num_peers, ctx.seed)
         mine = np.concatenate([train[g] for g in groups[ctx.peer_index]])
@@ -168,14 +197,21 @@ def shakespeare_task(ctx: TaskContext) -> Task:
             )
         all_train = np.concatenate(train)
         mine = all_train[iid_partition(len(all_train), ctx.num_peers, ctx.seed)[ctx.peer_index]]
-    shard = torch.from_numpy(np.ascontiguousarray(mine))
+    return torch.from_numpy(np.ascontiguousarray(mine))
 
+
+def _eval_windows(ctx: TaskContext, valid: list[np.ndarray]) -> torch.Tensor:
+    """Fixed held-out windows (same on every peer): ``CONTEXT + 1`` characters each."""
     all_valid = torch.from_numpy(np.concatenate(valid))
     n_eval = ctx.eval_samples or EVAL_WINDOWS
     eval_gen = torch.Generator().manual_seed(_EVAL_SEED)
     rows = torch.randint(0, len(all_valid), (n_eval, 1), generator=eval_gen)
     starts = torch.randint(0, BLOCK_CHARS - CONTEXT, (n_eval, 1), generator=eval_gen)
-    eval_windows = all_valid[rows, starts + torch.arange(CONTEXT + 1)].long()
+    return all_valid[rows, starts + torch.arange(CONTEXT + 1)].long()
+
+
+def _lm_evaluation(eval_windows: torch.Tensor) -> Callable[[nn.Module], dict[str, float]]:
+    """Next-character loss, perplexity, bits per character and accuracy on the windows."""
 
     def evaluate(model: nn.Module) -> dict[str, float]:
         device = next(model.parameters()).device
@@ -199,24 +235,4 @@ def shakespeare_task(ctx: TaskContext) -> Task:
             "accuracy": correct / count,
         }
 
-    def make_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
-
-    model = seeded_model(ctx, CharTransformer)
-    seed = ctx.stream_seed(2)
-
-    def batches() -> Iterator[Batch]:
-        for batch in _window_batches(shard, ctx.batch_size, CONTEXT, seed):
-            yield to_device(batch, ctx.device)
-
-    return Task(
-        model=model,
-        batches=batches,
-        loss_fn=lm_loss,
-        eval_fn=evaluate,
-        metric="loss",
-        higher_is_better=False,
-        num_train_samples=int(shard.numel()),
-        optimizer=make_optimizer,
-        name="shakespeare",
-    )
+    return evaluate

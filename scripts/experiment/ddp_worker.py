@@ -22,8 +22,8 @@ kernel counted on its gloo TCP connections over the training loop (``wire_sent_b
 Every ``eval_every`` steps each rank evaluates the global model (DDP keeps the ranks' models
 identical; DiLoCo's is the anchor; evaluating on all ranks keeps them in step) into ``evals``.
 Their ``seconds``, the history's and ``wall_seconds`` are training time with evaluation time
-left out, the same clock as the swarm's peers (``gossipgrad.peer.daemon.TrainClock``). At the
-end each rank saves its parameters as ``rank<r>.params.pt``.
+left out, the same clock as the swarm's peers (``gossipgrad.peer.tasks.training.TrainClock``).
+At the end each rank saves its parameters as ``rank<r>.params.pt``.
 
 Rendezvous is race-free: rank 0 opens a TCPStore on port 0 and publishes the bound port in a
 file; the other ranks read it and connect.
@@ -49,9 +49,14 @@ import torch.distributed as dist
 from gossipgrad.experiment.diloco import PSEUDO_GRADIENT_DTYPES, OuterOptimizer, OuterSettings
 from gossipgrad.experiment.socket_bytes import ConnectionBytes
 from gossipgrad.peer.config import TrainSection
-from gossipgrad.peer.schedule import make_scheduler
 from gossipgrad.peer.tasks import build_task
-from gossipgrad.peer.training import TrainClock, make_optimizer, task_context, write_json_atomic
+from gossipgrad.peer.tasks.schedule import make_scheduler
+from gossipgrad.peer.tasks.training import (
+    TrainClock,
+    make_optimizer,
+    task_context,
+    write_json_atomic,
+)
 
 log = logging.getLogger(__name__)
 

@@ -48,9 +48,14 @@ from typing import Any
 import hivemind
 import torch
 from gossipgrad.peer.config import TrainSection
-from gossipgrad.peer.schedule import lr_factor
 from gossipgrad.peer.tasks import build_task
-from gossipgrad.peer.training import TrainClock, make_optimizer, task_context, write_json_atomic
+from gossipgrad.peer.tasks.schedule import lr_factor
+from gossipgrad.peer.tasks.training import (
+    TrainClock,
+    make_optimizer,
+    task_context,
+    write_json_atomic,
+)
 
 log = logging.getLogger(__name__)
 

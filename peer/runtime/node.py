@@ -25,11 +25,11 @@ from gossipgrad.peer.algorithms import (
 from gossipgrad.peer.algorithms.neighbours import neighbours_in
 from gossipgrad.peer.config import PeerConfig
 from gossipgrad.peer.flat import FlatParameters
-from gossipgrad.peer.membership import Membership
+from gossipgrad.peer.membership.heartbeats import Membership
+from gossipgrad.peer.membership.topology import topology_from_name
 from gossipgrad.peer.metrics import PeerMetrics
 from gossipgrad.peer.network import GossipServer, PeerClient, TransportOptions, UpdateRejected
 from gossipgrad.peer.security import TransportSecurity, resolve_security
-from gossipgrad.peer.topology import topology_from_name
 from gossipgrad.proto import gossip_pb2 as pb
 
 log = logging.getLogger(__name__)

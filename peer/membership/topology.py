@@ -1,4 +1,4 @@
-"""Gossip topologies over peers indexed 0..n-1, and Metropolis-Hastings mixing weights.
+"""Gossip topologies over peers indexed 0..n-1 (their mixing weights: ``weights.py``).
 
 Pure functions of (peer index, swarm size, round): no gRPC, no state that differs between
 peers, so every peer computes the same graph from the same sorted list of peer ids. Every graph
@@ -25,7 +25,6 @@ import functools
 import logging
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 
 import numpy as np
 
@@ -280,45 +279,3 @@ def topology_from_name(name: str, seed: int = 0, degree: int | None = None) -> T
         "exponential": Exponential,
         "one-peer-exponential": OnePeerExponential,
     }[key]()
-
-
-def metropolis_hastings_weights(
-    i: int, neighbors_of: Callable[[int], list[int]]
-) -> dict[int, float]:
-    """Peer i's row of the Metropolis-Hastings mixing matrix.
-
-    w_ij = 1 / (1 + max(deg_i, deg_j)) for j in N(i), w_ii = 1 - sum_j w_ij (Xiao & Boyd,
-    "Fast linear iterations for distributed averaging", 2004). Over an undirected graph the
-    full matrix is symmetric and doubly stochastic, which is what gossip averaging needs;
-    only the degrees of i's neighbours are required, so each peer computes its own row.
-
-    Args:
-        i: this peer.
-        neighbors_of: neighbour list of any peer (for the round at hand), e.g.
-            ``lambda j: topo.neighbors(j, n, r)``; restrict it to peers present to handle churn.
-
-    Returns:
-        {j: w_ij} for j in N(i) and for i itself.
-    """
-    nbrs = neighbors_of(i)
-    deg_i = len(nbrs)
-    weights = {j: 1.0 / (1.0 + max(deg_i, len(neighbors_of(j)))) for j in nbrs}
-    weights[i] = 1.0 - sum(weights.values())
-    return weights
-
-
-def mixing_matrix(topology: Topology, n: int, round: int = 0) -> np.ndarray:
-    """The dense n x n Metropolis-Hastings matrix of ``topology`` in ``round`` (for analysis)."""
-    w = np.zeros((n, n))
-    for i in range(n):
-        for j, v in metropolis_hastings_weights(
-            i, lambda k: topology.neighbors(k, n, round)
-        ).items():
-            w[i, j] = v
-    return w
-
-
-def spectral_gap(w: np.ndarray) -> float:
-    """1 - |lambda_2| of a symmetric mixing matrix: how fast gossip averaging contracts."""
-    eig = np.sort(np.abs(np.linalg.eigvalsh(w)))[::-1]
-    return float(1.0 - eig[1]) if len(eig) > 1 else 1.0

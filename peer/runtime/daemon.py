@@ -11,7 +11,7 @@ Writes into ``peer.run_dir``:
   params.pt        the final flat parameter vector (true consensus distance across peers)
 SIGTERM or SIGINT finishes the current step, checkpoints and leaves the swarm cleanly.
 
-Under torchrun with more than one rank, the job is one site (peer/site.py): ranks all-reduce
+Under torchrun with more than one rank, the job is one site (peer/runtime/site.py): ranks all-reduce
 gradients densely, only rank 0 gossips, and ranks other than 0 write into ``run_dir/rank<N>/``.
 """
 
@@ -27,14 +27,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gossipgrad.peer import checkpoint
 from gossipgrad.peer.config import PeerConfig
-from gossipgrad.peer.optimizer import GossipOptimizer
 from gossipgrad.peer.records import PeerStatus, PeerSummary, write_record
-from gossipgrad.peer.schedule import make_scheduler
-from gossipgrad.peer.site import SiteContext, SiteOptimizer, close_site, init_site
+from gossipgrad.peer.runtime import checkpoint
+from gossipgrad.peer.runtime.optimizer import GossipOptimizer
+from gossipgrad.peer.runtime.site import SiteContext, SiteOptimizer, close_site, init_site
 from gossipgrad.peer.tasks import build_task
-from gossipgrad.peer.training import TrainClock, make_optimizer, task_context
+from gossipgrad.peer.tasks.schedule import make_scheduler
+from gossipgrad.peer.tasks.training import TrainClock, make_optimizer, task_context
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ class Daemon:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.stop_requested = threading.Event()
         self.status: dict[str, Any] = {}
+        self._last_status = 0.0  # when status.json was last rewritten (monotonic seconds)
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -90,32 +91,25 @@ class Daemon:
             log.debug("status.json not written: %s", err)
 
     def run(self) -> dict[str, Any]:
-        cfg, t = self.cfg, self.cfg.train
+        """Build the task and the optimizer, join the swarm, train, write the summary."""
+        t = self.cfg.train
         if t.threads:
             torch.set_num_threads(t.threads)
-        device = resolve_device(t.device)
         site = SiteContext.from_env()
-        shard_index, num_shards = t.shard_index, t.num_shards
-        if site is not None:
-            device = site.device(device)
-            init_site(device)
-            shard_index, num_shards = site.shard(t.shard_index, t.num_shards)
-            self.run_dir = site.run_dir(self.run_dir)
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+        device, shard_index, num_shards = self._placement(site)
         task = build_task(t.task, task_context(t, shard_index, num_shards, device))
         model = task.model.to(device)
         optimizer = make_optimizer(model.parameters(), t)
         scheduler = make_scheduler(optimizer, t)
         self._install_signal_handlers()
         if site is None:
-            gopt = GossipOptimizer(model, optimizer, cfg)
+            gopt = GossipOptimizer(model, optimizer, self.cfg)
         else:
-            gopt = SiteOptimizer(model, optimizer, cfg, site, verify=t.verify_site)
-        peer = gopt.peer
+            gopt = SiteOptimizer(model, optimizer, self.cfg, site, verify=t.verify_site)
         self._write_status(
-            id=peer.id,
-            address=peer.address,
-            metrics_port=peer.metrics_port,
+            id=gopt.peer.id,
+            address=gopt.peer.address,
+            metrics_port=gopt.peer.metrics_port,
             pid=os.getpid(),
             state="starting",
             step=0,
@@ -125,29 +119,7 @@ class Daemon:
         summary: dict[str, Any] = {}
         failed = False
         try:
-            resumed = False
-            if cfg.checkpoint.resume:
-                state = checkpoint.load(self.run_dir / "checkpoint.pt", map_location=device)
-                if state is not None:
-                    gopt.load_state_dict(state)
-                    resumed = True
-                    log.info("resumed from checkpoint at step %d", gopt.local_step)
-            if cfg.peer.expected_peers > 1:
-                ok = gopt.wait_for_peers(cfg.peer.expected_peers, cfg.peer.start_timeout)
-                if not ok:
-                    log.warning(
-                        "only %d of %d peers after %.0fs; training anyway",
-                        len(peer.membership.present_ids()),
-                        cfg.peer.expected_peers,
-                        cfg.peer.start_timeout,
-                    )
-            if not resumed and cfg.peer.bootstrap and peer.membership is not None:
-                # A late joiner starts from the swarm's state instead of from scratch.
-                peer.membership.beat_once()
-                if gopt.join_from_swarm():
-                    self._write_status(joined_at_step=gopt.local_step)
-            if site is not None:
-                gopt.sync_site()  # all ranks take the leader's state (resumed or joined)
+            self._start(gopt, site, device)
             for _ in range(gopt.local_step):
                 scheduler.step()
             summary = self._train(task, model, gopt, scheduler)
@@ -174,62 +146,60 @@ class Daemon:
         self._write_status(state="done")
         return summary
 
+    def _placement(self, site: SiteContext | None) -> tuple[torch.device, int, int]:
+        """(device, shard index, number of shards) of this process; under torchrun also
+        starts the site's process group and moves ``run_dir`` to this rank's."""
+        t = self.cfg.train
+        device = resolve_device(t.device)
+        if site is None:
+            return device, t.shard_index, t.num_shards
+        device = site.device(device)
+        init_site(device)
+        shard_index, num_shards = site.shard(t.shard_index, t.num_shards)
+        self.run_dir = site.run_dir(self.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        return device, shard_index, num_shards
+
+    def _start(self, gopt: GossipOptimizer, site: SiteContext | None, device: torch.device) -> None:
+        """Resume from the checkpoint, wait for the expected peers, join a running swarm."""
+        cfg, peer = self.cfg, gopt.peer
+        resumed = False
+        if cfg.checkpoint.resume:
+            state = checkpoint.load(self.run_dir / "checkpoint.pt", map_location=device)
+            if state is not None:
+                gopt.load_state_dict(state)
+                resumed = True
+                log.info("resumed from checkpoint at step %d", gopt.local_step)
+        if cfg.peer.expected_peers > 1:
+            ok = gopt.wait_for_peers(cfg.peer.expected_peers, cfg.peer.start_timeout)
+            if not ok:
+                log.warning(
+                    "only %d of %d peers after %.0fs; training anyway",
+                    len(peer.membership.present_ids()),
+                    cfg.peer.expected_peers,
+                    cfg.peer.start_timeout,
+                )
+        if not resumed and cfg.peer.bootstrap and peer.membership is not None:
+            # A late joiner starts from the swarm's state instead of from scratch.
+            peer.membership.beat_once()
+            if gopt.join_from_swarm():
+                self._write_status(joined_at_step=gopt.local_step)
+        if site is not None:
+            gopt.sync_site()  # all ranks take the leader's state (resumed or joined)
+
     def _train(self, task, model, gopt: GossipOptimizer, scheduler) -> dict[str, Any]:
-        cfg, t = self.cfg, self.cfg.train
-        metrics = gopt.metrics
+        """The training steps, ``finish()``, the final gossip rounds; returns the summary."""
         batches = task.batches()
-        last_status = 0.0
-        loss_value = math.nan
-        evals: list[dict[str, float]] = []
+        self._last_status = 0.0
         self._write_status(state="training")
         clock = TrainClock()
-        while gopt.local_step < t.steps and not self.stop_requested.is_set():
-            batch = next(batches)
-            gopt.zero_grad()
-            loss = task.loss(model, batch)
-            loss.backward()
-            gopt.step()
-            scheduler.step()
-            loss_value = float(loss.detach())
-            if not math.isfinite(loss_value):
-                raise FloatingPointError(f"loss is {loss_value} at step {gopt.local_step}")
-            metrics.record_step(loss_value, t.batch_size)
-            step = gopt.local_step
-            if t.eval_every and step % t.eval_every == 0:
-                seconds = clock.seconds()
-                with clock.paused():
-                    ev = task.evaluate(model)
-                metrics.set_eval(ev)
-                evals.append({"step": step, "seconds": seconds, **ev})
-                log.info("step %d loss %.4f %s", step, loss_value, _fmt(ev))
-            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                self._save_checkpoint(gopt)
-            now = time.monotonic()
-            if now - last_status > STATUS_EVERY_S:
-                last_status = now
-                self._write_status(
-                    step=step, loss=loss_value, **self._traffic(gopt), **_consensus(gopt)
-                )
+        loss_value, evals = self._train_steps(task, model, gopt, scheduler, batches, clock)
         if not self.stop_requested.is_set():
             gopt.finish()
-        before_rounds = None
-        if cfg.gossip.final_rounds and not self.stop_requested.is_set():
-            with clock.paused():
-                before_rounds = task.evaluate(model)
-            for _ in range(cfg.gossip.final_rounds):
-                if self.stop_requested.is_set():
-                    break
-                gopt.gossip_round()
-                gopt.peer.update_progress(gopt.local_step, gopt.round)
-                now = time.monotonic()
-                if now - last_status > STATUS_EVERY_S:
-                    last_status = now
-                    self._write_status(
-                        state="final-rounds", **self._traffic(gopt), **_consensus(gopt)
-                    )
+        before_rounds = self._final_rounds(task, model, gopt, clock)
         final_seconds = clock.seconds()
         final = task.evaluate(model)
-        metrics.set_eval(final)
+        gopt.metrics.set_eval(final)
         stats = gopt.last_round
         traffic = self._traffic(gopt)
         try:
@@ -238,7 +208,7 @@ class Daemon:
             log.error("final parameters not written to params.pt: %s", err)
         summary = {
             "id": gopt.peer.id,
-            "task": t.task,
+            "task": self.cfg.train.task,
             "steps": gopt.local_step,
             "rounds": gopt.round,
             "stopped_early": self.stop_requested.is_set(),
@@ -257,6 +227,69 @@ class Daemon:
             step=gopt.local_step, loss=loss_value, final=final, **traffic, **_consensus(gopt)
         )
         return summary
+
+    def _train_steps(
+        self, task, model, gopt: GossipOptimizer, scheduler, batches, clock: TrainClock
+    ) -> tuple[float, list[dict[str, float]]]:
+        """Local steps until ``train.steps`` or a stop signal: (last loss, evaluations)."""
+        t = self.cfg.train
+        loss_value = math.nan
+        evals: list[dict[str, float]] = []
+        while gopt.local_step < t.steps and not self.stop_requested.is_set():
+            loss_value = self._step(task, model, gopt, scheduler, next(batches))
+            step = gopt.local_step
+            if t.eval_every and step % t.eval_every == 0:
+                seconds = clock.seconds()
+                with clock.paused():
+                    ev = task.evaluate(model)
+                gopt.metrics.set_eval(ev)
+                evals.append({"step": step, "seconds": seconds, **ev})
+                log.info("step %d loss %.4f %s", step, loss_value, _fmt(ev))
+            if self.cfg.checkpoint.every and step % self.cfg.checkpoint.every == 0:
+                self._save_checkpoint(gopt)
+            if self._status_due():
+                self._write_status(
+                    step=step, loss=loss_value, **self._traffic(gopt), **_consensus(gopt)
+                )
+        return loss_value, evals
+
+    def _step(self, task, model, gopt: GossipOptimizer, scheduler, batch: Any) -> float:
+        """One local step on ``batch``; its loss (a non-finite loss raises)."""
+        gopt.zero_grad()
+        loss = task.loss(model, batch)
+        loss.backward()
+        gopt.step()
+        scheduler.step()
+        loss_value = float(loss.detach())
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"loss is {loss_value} at step {gopt.local_step}")
+        gopt.metrics.record_step(loss_value, self.cfg.train.batch_size)
+        return loss_value
+
+    def _final_rounds(
+        self, task, model, gopt: GossipOptimizer, clock: TrainClock
+    ) -> dict[str, float] | None:
+        """``gossip.final_rounds`` gossip-only rounds; the evaluation before them (or None)."""
+        if not self.cfg.gossip.final_rounds or self.stop_requested.is_set():
+            return None
+        with clock.paused():
+            before_rounds = task.evaluate(model)
+        for _ in range(self.cfg.gossip.final_rounds):
+            if self.stop_requested.is_set():
+                break
+            gopt.gossip_round()
+            gopt.peer.update_progress(gopt.local_step, gopt.round)
+            if self._status_due():
+                self._write_status(state="final-rounds", **self._traffic(gopt), **_consensus(gopt))
+        return before_rounds
+
+    def _status_due(self) -> bool:
+        """True at most every ``STATUS_EVERY_S`` seconds (status.json is rewritten then)."""
+        now = time.monotonic()
+        if now - self._last_status > STATUS_EVERY_S:
+            self._last_status = now
+            return True
+        return False
 
     @staticmethod
     def _traffic(gopt: GossipOptimizer) -> dict[str, int]:

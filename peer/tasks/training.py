@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from gossipgrad.peer.config import TrainSection
 from gossipgrad.peer.records import write_json_atomic
-from gossipgrad.peer.tasks import TaskContext
+from gossipgrad.peer.tasks.base import TaskContext
 
 __all__ = ["TrainClock", "make_optimizer", "task_context", "write_json_atomic"]
 

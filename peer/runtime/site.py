@@ -32,7 +32,7 @@ import torch.distributed as dist
 from gossipgrad.peer.config import PeerConfig
 from gossipgrad.peer.flat import FlatParameters, tensor_checksum
 from gossipgrad.peer.metrics import PeerMetrics
-from gossipgrad.peer.optimizer import GossipOptimizer
+from gossipgrad.peer.runtime.optimizer import GossipOptimizer
 from torch import nn
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ import torch
 from gossipgrad.peer.algorithms import GossipAlgorithm, RoundStats
 from gossipgrad.peer.config import PeerConfig
 from gossipgrad.peer.flat import FlatParameters
-from gossipgrad.peer.node import Peer
+from gossipgrad.peer.runtime.node import Peer
 from torch import nn
 
 log = logging.getLogger(__name__)

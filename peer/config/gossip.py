@@ -1,0 +1,151 @@
+"""The ``[gossip]`` section: which algorithm, codec and topology, and their step sizes."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from gossipgrad.peer.config.base import Section
+from pydantic import Field, field_validator, model_validator
+
+
+class GossipSection(Section):
+    """How peers exchange and merge models (Koloskova et al., ICML 2019: CHOCO-SGD)."""
+
+    algorithm: Literal["choco", "ef-gradient", "diloco"] = Field(
+        "choco",
+        description="choco: compressed model gossip with public copies (default). "
+        "ef-gradient: compressed gradient exchange with error feedback, plus choco gossip "
+        "every consensus_every rounds to keep models together. diloco: phases of "
+        "local_steps inner steps, error-feedback-compressed pseudo-gradients averaged over "
+        "the neighbours, an outer SGD step with Nesterov momentum on an anchor, and choco "
+        "gossip that keeps the anchors together (for AdamW transformers; docs/algorithms.md).",
+    )
+    codec: str = Field(
+        "topk:0.01+int8",
+        description="Compression spec, e.g. none, fp16, int8, int4, sign, qsgd:16, "
+        "topk:0.01, randomk:0.01, topk:0.01+int8 (docs/compression.md).",
+    )
+    topology: str = Field(
+        "ring",
+        description="ring, torus, full, random-regular, exponential, one-peer-exponential "
+        "(docs/topologies.md).",
+    )
+    degree: int | None = Field(
+        None,
+        ge=2,
+        description="Degree of the random-regular topology (empty: 3); other topologies "
+        "have a fixed shape and reject it.",
+    )
+    gamma: float = Field(
+        0.03,
+        gt=0,
+        le=1,
+        description="CHOCO consensus step size: x_i += gamma * sum_j w_ij (xhat_j - xhat_i). "
+        "Stability needs it small against the codec's precision (Koloskova et al. 2019): "
+        "with topk:0.01 on digits, 0.1 drifted apart over a few thousand rounds while 0.03 "
+        "stayed in consensus; dense-ish codecs (fp16, int8) tolerate 0.5.",
+    )
+    local_steps: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps between gossip rounds (H); diloco: inner steps per phase "
+        "(tens to hundreds).",
+    )
+    outer_lr: float = Field(
+        0.7,
+        gt=0,
+        le=2,
+        description="diloco: outer learning rate (DiLoCo, Douillard et al. 2023: 0.7).",
+    )
+    outer_momentum: float = Field(
+        0.9, ge=0, lt=1, description="diloco: outer momentum (DiLoCo: 0.9; 0: none)."
+    )
+    outer_nesterov: bool = Field(
+        True, description="diloco: Nesterov momentum in the outer step (false: heavy ball)."
+    )
+    anchor_codec: str = Field(
+        "int8",
+        description="diloco: codec of the CHOCO gossip that keeps the anchors together (codec "
+        "compresses the pseudo-gradients). An anchor moves densely once a phase, so it needs "
+        "a codec precise enough for a large anchor_gamma.",
+    )
+    anchor_gamma: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="diloco: consensus step of the anchors' CHOCO gossip (0.5 with int8 held "
+        "4 peers on digits at 3.6e-6 relative consensus distance; 0.03 with top-1% let them "
+        "drift apart).",
+    )
+    overlap: bool = Field(
+        False,
+        description="diloco: exchange a phase's pseudo-gradient while the next phase "
+        "computes, applying it one phase late (hides a WAN round trip behind compute).",
+    )
+    consensus_every: int = Field(
+        1,
+        ge=1,
+        description="ef-gradient: local steps between CHOCO model-gossip rounds that keep the "
+        "models together (1-2 measured best on digits; 4 and more lost accuracy).",
+    )
+    ef_momentum: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="ef-gradient: DGC momentum correction (Lin et al. 2018), the momentum "
+        "folded into the compressed gradient; use it with a momentum-free local optimizer "
+        "(0: off).",
+    )
+    error_feedback: bool = Field(
+        True,
+        description="Keep what the codec drops and send it later (error feedback). false is "
+        "the ablation without it, where dropped information is lost for good. choco: each "
+        "edge sends q = Q(x - b), b being x at the previous send on that edge (DCD-PSGD "
+        "difference compression without memory, Tang et al. 2018) instead of "
+        "Q(x - xhat), so xhat drifts away from x; costs one more model-sized copy per "
+        "out-edge. ef-gradient: c = Q(g) with no residual, and its choco consensus rounds "
+        "drop error feedback as above. Both ends of an edge stay identical either way.",
+    )
+    final_rounds: int = Field(
+        0,
+        ge=0,
+        description="Gossip-only rounds after the last training step (no gradients, the "
+        "same codec): the peers' models move towards their average, so each site ends "
+        "closer to the swarm's consensus. Every peer of a swarm must use the same value. "
+        "Pure consensus: keep gamma in the range where gossip alone converges "
+        "(scripts/bench_consensus.py; 0.03 with top-1%, not 0.1).",
+    )
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        le=1,
+        description="0: each round waits for the exchanges it opens (lock-step). 1: an "
+        "exchange opened in one round is waited for and mixed in the next, so compute "
+        "overlaps communication. Both ends of an edge mix the same copies either way; "
+        "waiting is bounded by round_timeout.",
+    )
+    round_timeout: float = Field(
+        10.0, gt=0, description="Seconds to wait for a lagging neighbour before suspecting it."
+    )
+    robust_clip: float = Field(
+        0.0,
+        ge=0,
+        description="Robust merging against a faulty or malicious neighbour: clip each "
+        "neighbour's pull xhat_j - xhat_i to this L2 norm before mixing (self-centred "
+        "clipping, He, Karimireddy, Jaggi 2022, ClippedGossip). 0: off (plain CHOCO). Set it "
+        "to a few times the usual gossipgrad_consensus_distance; see SECURITY.md.",
+    )
+
+    @field_validator("codec", "anchor_codec")
+    @classmethod
+    def _codec_parses(cls, spec: str) -> str:
+        from gossipgrad.compression import from_spec
+
+        return from_spec(spec).spec
+
+    @model_validator(mode="after")
+    def _topology_known(self) -> GossipSection:
+        from gossipgrad.peer.membership.topology import topology_from_name
+
+        topology_from_name(self.topology, seed=0, degree=self.degree)
+        return self

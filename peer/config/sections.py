@@ -1,0 +1,251 @@
+"""The config sections other than ``[gossip]``: one pydantic model per TOML section.
+
+Each field's description is the documentation of its key (docs/config.md is generated from
+them). Components receive only their own section, never the whole config.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from gossipgrad.peer.config.base import ADDRESS_PATTERN, Address, Section
+from pydantic import Field, field_validator, model_validator
+
+
+class PeerSection(Section):
+    """Who this peer is and how it reaches the swarm."""
+
+    id: str = Field(
+        "",
+        description="Unique name of this peer in the swarm (letters, digits, '-', '_', '.'). "
+        "Empty: derived from the host name and listen port.",
+        pattern=r"^[A-Za-z0-9_.\-]{0,64}$",
+    )
+    swarm: str = Field(
+        "gossipgrad",
+        description="Swarm name; peers refuse updates from another swarm.",
+        pattern=r"^[A-Za-z0-9_.\-]{1,64}$",
+    )
+    listen: Address = Field(
+        "127.0.0.1:0",
+        description="host:port the gossip server binds; port 0 picks a free one.",
+    )
+    advertise: str = Field(
+        "",
+        description="host:port other peers use to reach this one. Empty: the listen host "
+        "with the bound port.",
+        pattern=rf"^$|{ADDRESS_PATTERN}",
+    )
+    bootstrap: list[Address] = Field(
+        default_factory=list,
+        description="Addresses of peers already in the swarm; one is enough to join. Empty "
+        "for the first peer.",
+    )
+    run_dir: Path = Field(
+        Path("runs/peer"),
+        description="Directory for checkpoints, status.json and the final summary.",
+    )
+    expected_peers: int = Field(
+        1,
+        ge=1,
+        description="Wait at start until this many peers (self included) are known, so a "
+        "swarm started together begins with its full topology.",
+    )
+    start_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds to wait for expected_peers before training anyway.",
+    )
+    join_after_steps: int = Field(
+        20,
+        ge=0,
+        description="A fresh peer (no checkpoint) downloads model and optimizer state from "
+        "the most advanced peer when that one is at least this many steps in; peers started "
+        "together begin from the same seeded initialisation instead.",
+    )
+
+
+class TrainSection(Section):
+    """What this peer trains and how (local optimizer, data shard)."""
+
+    task: str = Field(
+        "digits",
+        description="Built-in task (digits, fashion-mnist-mlp, fashion-mnist-cnn, "
+        "shakespeare) or a user task 'package.module:factory'.",
+    )
+    steps: int = Field(300, ge=0, description="Local optimizer steps to run.")
+    batch_size: int = Field(32, ge=1, description="Samples per local step.")
+    seed: int = Field(0, ge=0, description="Seed of model init, data split and sampling.")
+    shard_index: int = Field(0, ge=0, description="This peer's shard of the built-in data.")
+    num_shards: int = Field(1, ge=1, description="Number of shards the data is split into.")
+    partition: Literal["iid", "dirichlet"] = Field(
+        "iid", description="How data is split over shards: iid, or non-IID Dirichlet(alpha)."
+    )
+    alpha: float = Field(0.5, gt=0, description="Dirichlet concentration for partition=dirichlet.")
+    optimizer: Literal["sgd", "adam", "adamw"] = Field("sgd", description="Local optimizer.")
+    lr: float = Field(0.05, gt=0, description="Learning rate.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum (sgd only).")
+    weight_decay: float = Field(0.0, ge=0, description="Weight decay.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    schedule: Literal["constant", "cosine"] = Field(
+        "cosine",
+        description="Learning rate after warm-up: cosine decay from lr to min_lr_ratio x lr "
+        "at the last step (default: the peers' disagreement shrinks with the step size, so "
+        "they end close together; see BENCHMARKS.md), or constant.",
+    )
+    min_lr_ratio: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Final learning rate of the cosine schedule, as a fraction of lr.",
+    )
+    eval_every: int = Field(100, ge=0, description="Evaluate every N steps (0: only at the end).")
+    device: str = Field("auto", description="torch device: auto (cuda if available), cpu, cuda:N.")
+    threads: int = Field(
+        0,
+        ge=0,
+        description="torch intra-op threads (0: torch's default). 1 suits many peers per host.",
+    )
+    verify_site: bool = Field(
+        False,
+        description="Under torchrun (one site, many ranks): after every gossip round, check "
+        "that all ranks hold bit-identical parameters (one tiny all-gather; for tests).",
+    )
+
+    @model_validator(mode="after")
+    def _shard_in_range(self) -> TrainSection:
+        if self.shard_index >= self.num_shards:
+            raise ValueError(
+                f"train.shard_index={self.shard_index} must be < train.num_shards={self.num_shards}"
+            )
+        return self
+
+
+class MembershipSection(Section):
+    """Failure detection: heartbeats, suspicion, removal (phi-less, timeout based)."""
+
+    heartbeat_interval: float = Field(0.5, gt=0, description="Seconds between heartbeats.")
+    suspect_after: float = Field(
+        3.0, gt=0, description="Seconds of silence before a peer is suspect (excluded from mixing)."
+    )
+    dead_after: float = Field(
+        10.0, gt=0, description="Seconds of silence before a peer is dropped from the topology."
+    )
+    far_every: int = Field(
+        4,
+        ge=1,
+        description="Heartbeat peers that are not gossip neighbours only every N intervals "
+        "(neighbours every interval), so heartbeat bytes per peer grow slowly with the swarm.",
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> MembershipSection:
+        if not self.heartbeat_interval < self.suspect_after <= self.dead_after:
+            raise ValueError(
+                "membership: need heartbeat_interval < suspect_after <= dead_after, got "
+                f"{self.heartbeat_interval} / {self.suspect_after} / {self.dead_after}"
+            )
+        if self.far_every * self.heartbeat_interval >= self.dead_after:
+            raise ValueError(
+                "membership: far_every * heartbeat_interval must stay below dead_after, got "
+                f"{self.far_every} * {self.heartbeat_interval} >= {self.dead_after}"
+            )
+        return self
+
+
+class CheckpointSection(Section):
+    """Atomic checkpoints (temp file + fsync + rename) and resume."""
+
+    every: int = Field(100, ge=0, description="Checkpoint every N steps (0: only at exit).")
+    resume: bool = Field(True, description="Resume from run_dir/checkpoint.pt if it exists.")
+
+
+class MetricsSection(Section):
+    """Prometheus endpoint."""
+
+    enabled: bool = Field(True, description="Serve Prometheus metrics over HTTP.")
+    host: str = Field(
+        "127.0.0.1", description="Address the metrics endpoint binds (loopback by default)."
+    )
+    port: int = Field(0, ge=0, le=65535, description="Metrics port (0: a free one).")
+
+
+class TransportSection(Section):
+    """gRPC limits and timeouts."""
+
+    chunk_bytes: int = Field(1 << 20, ge=4096, le=4 << 20, description="Streaming chunk size.")
+    max_payload_bytes: int = Field(
+        1 << 30, ge=1 << 16, description="Largest update or state a peer accepts."
+    )
+    push_timeout: float = Field(30.0, gt=0, description="Deadline of one push, seconds.")
+    retries: int = Field(3, ge=0, description="Retries of an idempotent call on UNAVAILABLE.")
+    dial_via: list[str] = Field(
+        default_factory=list,
+        description="Connect to some peers through another address, e.g. an emulated WAN "
+        "link: entries FROM=VIA, where FROM is a peer's host:port, or a bare host for every "
+        "port on it, and VIA the host:port actually dialled. Peers are still known by their "
+        "own addresses. The experiment runner sets it for its link emulator.",
+    )
+
+    @field_validator("dial_via")
+    @classmethod
+    def _dial_via(cls, v: list[str]) -> list[str]:
+        addr = r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.\-]+)"
+        for entry in v:
+            if not re.fullmatch(rf"{addr}(:\d{{1,5}})?={addr}:\d{{1,5}}", entry):
+                raise ValueError(f"{entry!r} must look like HOST[:PORT]=HOST:PORT")
+        return v
+
+    def dial_target(self, address: str) -> str:
+        """The address to dial for a peer at ``address`` (``dial_via``, else itself)."""
+        via = dict(entry.split("=", 1) for entry in self.dial_via)
+        return via.get(address) or via.get(address.rsplit(":", 1)[0]) or address
+
+
+class SecuritySection(Section):
+    """Peer authentication and admission limits (SECURITY.md).
+
+    Mutual TLS is required as soon as any address (listen, advertise, bootstrap) is not
+    loopback; a swarm that lives entirely on 127.0.0.1 / ::1 may run plaintext without
+    certificates. Plaintext on other addresses needs ``insecure = true`` (or ``--insecure``)
+    and is logged as a warning.
+    """
+
+    ca: str = Field(
+        "",
+        description="PEM file of the swarm CA certificate; peers must present a certificate "
+        "it signed (make them with 'gossipgrad-peer certs').",
+    )
+    cert: str = Field(
+        "",
+        description="PEM file of this peer's certificate; its common name must equal peer.id.",
+    )
+    key: str = Field("", description="PEM file of this peer's private key (keep it mode 0600).")
+    token: str = Field(
+        "",
+        description="Optional shared swarm secret every call must carry, on top of TLS. Prefer "
+        "the GOSSIPGRAD_TOKEN environment variable to writing it into a file.",
+    )
+    insecure: bool = Field(
+        False,
+        description="Allow plaintext gRPC on non-loopback addresses (no authentication, no "
+        "encryption). For trusted private networks only.",
+    )
+    max_streams_per_peer: int = Field(
+        8, ge=0, description="Calls one peer may have in flight on this server (0: no limit)."
+    )
+    peer_rate: float = Field(
+        1000.0, ge=0, description="Sustained calls per second one peer may make (0: no limit)."
+    )
+    peer_burst: int = Field(2000, ge=1, description="Calls a quiet peer may make at once.")
+
+    @model_validator(mode="after")
+    def _tls_files_together(self) -> SecuritySection:
+        given = [k for k in ("ca", "cert", "key") if getattr(self, k)]
+        if given and len(given) != 3:
+            raise ValueError(f"security: set all of ca, cert and key, not only {given}")
+        if given and self.insecure:
+            raise ValueError("security: insecure = true contradicts ca/cert/key; drop one")
+        return self
