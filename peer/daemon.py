@@ -150,6 +150,12 @@ class Daemon:
                 gopt.sync_site()  # all ranks take the leader's state (resumed or joined)
             for _ in range(gopt.local_step):
                 scheduler.step()
+            # Evidence of the state training starts from (resumed, joined or fresh).
+            self._write_status(
+                start_step=gopt.local_step,
+                start_params=checkpoint.params_digest(gopt.flat.data),
+                start_lr=optimizer.param_groups[0]["lr"],
+            )
             summary = self._train(task, model, gopt, scheduler)
             if site is not None:
                 summary["site"] = {
