@@ -775,6 +775,21 @@ def test_config_rejects_bad_input(targets, interval) -> None:
 
 
 @pytest.mark.timeout(30)
+def test_alert_for_replaces_every_alerts_duration() -> None:
+    cfg = load_script("prometheus_config")
+    own = cfg.render_rules()
+    short = cfg.render_rules(alert_for="5s")
+    assert [f"for: {a[2]}" for a in cfg.ALERT_RULES] == [
+        line.strip() for line in own.splitlines() if "for:" in line
+    ]
+    assert [line.strip() for line in short.splitlines() if "for:" in line] == ["for: 5s"] * len(
+        cfg.ALERT_RULES
+    )
+    with pytest.raises(ValueError, match="duration"):
+        cfg.render_rules(alert_for="5 seconds")
+
+
+@pytest.mark.timeout(30)
 def test_targets_from_status_files(tmp_path) -> None:
     cfg = load_script("prometheus_config")
     for i, port in enumerate((9101, 9102)):
