@@ -155,6 +155,7 @@ class Daemon:
                 start_step=gopt.local_step,
                 start_params=checkpoint.params_digest(gopt.flat.data),
                 start_lr=optimizer.param_groups[0]["lr"],
+                start_schedule_step=scheduler.last_epoch,
             )
             summary = self._train(task, model, gopt, scheduler)
             if site is not None:

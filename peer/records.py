@@ -77,6 +77,11 @@ class PeerStatus(TrafficTotals):
     start_lr: float | None = Field(
         None, description="Learning rate of the first step taken (the schedule at start_step)."
     )
+    start_schedule_step: int | None = Field(
+        None,
+        description="Step the learning-rate schedule stood at then (start_step once it was "
+        "fast-forwarded; a restored optimizer alone gets start_lr right but not the steps after).",
+    )
     final: dict[str, float] | None = Field(
         None, description="Final evaluation (metric name -> value), once training ended."
     )

@@ -127,12 +127,14 @@ def test_killed_peer_others_go_on_and_it_resumes_from_checkpoint(swarm_factory) 
     resumed_at = int(log.split("resumed from checkpoint at step ")[1].split()[0])
     assert resumed_at % 50 == 0 and 0 < resumed_at <= killed_at
     # It went on from the checkpoint itself: its step, its parameters bit for bit (not a
-    # re-initialised model), and the learning-rate schedule fast-forwarded to that step.
+    # re-initialised model), and the learning-rate schedule fast-forwarded to that step (the
+    # optimizer's state alone restores the first step's LR, not the schedule's position).
     status = read_record(swarm.peer_dir(2) / "status.json", PeerStatus)
     assert status is not None
     assert status.start_step == resumed_at == saved["local_step"]
     assert status.start_params == params_digest(saved["params"])
     assert status.start_lr == pytest.approx(scheduled_lr(swarm, resumed_at), rel=1e-9)
+    assert status.start_schedule_step == resumed_at
     result = summarize(swarm)
     for p in result["peers"]:
         assert p["steps"] == 700
@@ -156,6 +158,7 @@ def test_late_joiner_downloads_state_and_catches_up(swarm_factory) -> None:
     assert status.start_step == status.joined_at_step
     assert (status.start_step, status.start_params) in served_states(swarm, range(3))
     assert status.start_lr == pytest.approx(scheduled_lr(swarm, status.start_step), rel=1e-9)
+    assert status.start_schedule_step == status.start_step
     result = summarize(swarm)
     late = result["peers"][3]
     assert late["received_state_bytes"] > 0
