@@ -436,6 +436,16 @@ def wait_for(what: str, check: Callable[[], object], timeout: float, every: floa
         time.sleep(every)
 
 
+def wait_until_all_up(prom: Prometheus, peers: set[str], timeout: float = 30) -> None:
+    """Until every target is up, each series labelled with its peer id by the scrape config."""
+
+    def all_up() -> bool:
+        body = prom.query('up{job="gossipgrad"} == 1')
+        return {s["metric"]["peer"] for s in body["data"]["result"]} == peers
+
+    wait_for("every peer to be scraped", all_up, timeout=timeout)
+
+
 # --- dashboards through Prometheus ----------------------------------------------------------
 
 
@@ -490,13 +500,7 @@ def has_finite_value(body: dict) -> bool:
 def test_every_dashboard_query_returns_data_and_byte_counters_match(scraped_swarm) -> None:
     swarm, prom = scraped_swarm.swarm, scraped_swarm.prom
     peers = set(swarm.targets)
-
-    # All targets up, each series labelled with its peer id by the scrape config.
-    def all_up() -> bool:
-        body = prom.query('up{job="gossipgrad"} == 1')
-        return {s["metric"]["peer"] for s in body["data"]["result"]} == peers
-
-    wait_for("every peer to be scraped", all_up, timeout=30)
+    wait_until_all_up(prom, peers)
     time.sleep(5)  # enough history for rate() over $__rate_interval
     swarm.check_alive()
 
@@ -645,12 +649,7 @@ def test_compression_ratio_panel_matches_the_counters_and_peer_down_fires(scrape
     the same swarm, since it kills a peer."""
     swarm, prom = scraped_swarm.swarm, scraped_swarm.prom
     peers = set(swarm.targets)
-
-    def all_up() -> bool:
-        body = prom.query('up{job="gossipgrad"} == 1')
-        return {s["metric"]["peer"] for s in body["data"]["result"]} == peers
-
-    wait_for("every peer to be scraped", all_up, timeout=30)
+    wait_until_all_up(prom, peers)
     swarm.check_alive()
     dash = dashboards()["gossipgrad-overview.json"]
     (panel,) = [p for p in dash["panels"] if p["title"] == "Compression ratio (since start)"]
