@@ -66,6 +66,22 @@ class PeerStatus(TrafficTotals):
     joined_at_step: int | None = Field(
         None, description="Step it took over from the swarm when it joined late."
     )
+    start_step: int | None = Field(
+        None, description="Step training started from: 0, or a checkpoint's or donor's step."
+    )
+    start_params: str | None = Field(
+        None,
+        description="Digest of the parameters training started from (checkpoint.params_digest; "
+        "a donor logs the digest of the state it serves).",
+    )
+    start_lr: float | None = Field(
+        None, description="Learning rate of the first step taken (the schedule at start_step)."
+    )
+    start_schedule_step: int | None = Field(
+        None,
+        description="Step the learning-rate schedule stood at then (start_step once it was "
+        "fast-forwarded; a restored optimizer alone gets start_lr right but not the steps after).",
+    )
     final: dict[str, float] | None = Field(
         None, description="Final evaluation (metric name -> value), once training ended."
     )

@@ -15,6 +15,8 @@ from tests_helpers_experiment import PNG_SIGNATURE, png_size, processes_mentioni
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "scripts" / "experiments" / "digits-small.toml"
+# (1/n) Σ||x_i - x̄||² / ||x̄||² of the final models: gossip 1.0e-3, no gossip 1.27e-2.
+RELATIVE_CONSENSUS_BOUND = 4e-3
 
 
 @pytest.mark.timeout(280)
@@ -48,7 +50,11 @@ def test_local_experiment_end_to_end(tmp_path: Path) -> None:
     estimates = [h.consensus_distance for p in swarm.peers for h in p.history
                  if h.consensus_distance is not None]  # fmt: skip
     assert estimates and all(c >= 0 for c in estimates)
-    assert 0 <= (swarm.relative_consensus_distance or 1) < 0.05
+    # The peers end on nearly one model. Calibrated on this spec with 3 peers (seed 0): with
+    # gossip 1.0e-3; the same peers with gossip cut off (each in a swarm of its own,
+    # tests/test_diloco_swarm.py's control) 1.27e-2, and their accuracies (0.92-0.93) pass the
+    # bars above too, so this bound is what a swarm that does not mix fails.
+    assert 0 <= (swarm.relative_consensus_distance or 1) < RELATIVE_CONSENSUS_BOUND
     assert swarm.link_bytes and all(v > 0 for v in swarm.link_bytes.values())
 
     params = swarm.peers[0].params or 0

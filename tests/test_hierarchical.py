@@ -23,6 +23,8 @@ from gossipgrad.peer.tasks import TaskContext, train_centralized
 SITES, RANKS = 2, 2
 STEPS = 200
 BATCH = 32
+# (1/n) Σ||x_i - x̄||² / ||x̄||² between the sites' final models: gossip 5.8e-5, no gossip 9.6e-3.
+RELATIVE_CONSENSUS_BOUND = 1e-3
 
 
 def torchrun_prefix(_site: int) -> list[str]:
@@ -90,7 +92,11 @@ def test_two_sites_of_two_ranks_converge_identical_within_site(
     print(f"relative consensus distance between sites {result['relative_consensus_distance']:.3e}")
     for acc in accs:
         assert acc >= central["accuracy"] - 0.03
-    assert result["relative_consensus_distance"] < 0.02
+    # Calibrated: the sites end 5.8e-5 apart with gossip; the same two sites with gossip cut
+    # off (each in a swarm of its own, tests/test_diloco_swarm.py's control) end 9.6e-3 apart
+    # and their accuracies (0.94, 0.95) pass the bar above too, so this bound is what sites
+    # that do not mix fail.
+    assert result["relative_consensus_distance"] < RELATIVE_CONSENSUS_BOUND
 
     numel = result["peers"][0]["params"]
     for i, leader in enumerate(result["peers"]):

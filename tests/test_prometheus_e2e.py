@@ -59,6 +59,9 @@ SCRAPE_INTERVAL = "1s"
 # What Grafana substitutes for $__rate_interval at a 1 s scrape interval: max(interval +
 # scrape, 4 x scrape) -- four scrapes.
 RATE_INTERVAL = "4s"
+# Every alert's ``for:`` in the generated rules (their own are minutes), so that an alert can
+# be seen firing within seconds.
+ALERT_FOR = "2s"
 BYTE_COUNTERS = (
     "gossipgrad_sent_bytes_total",
     "gossipgrad_received_bytes_total",
@@ -408,6 +411,7 @@ def scraped_swarm(request, tmp_path_factory) -> Iterator[Scraped]:
             {pid: r.address for pid, r in recorders.items()},
             tmp / "prometheus.yml",
             scrape_interval=SCRAPE_INTERVAL,
+            alert_for=ALERT_FOR,
         )
         prom = start_prometheus(config, tmp / "data")
         yield Scraped(swarm, prom, recorders)
@@ -430,6 +434,16 @@ def wait_for(what: str, check: Callable[[], object], timeout: float, every: floa
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout}s waiting for {what}")
         time.sleep(every)
+
+
+def wait_until_all_up(prom: Prometheus, peers: set[str], timeout: float = 30) -> None:
+    """Until every target is up, each series labelled with its peer id by the scrape config."""
+
+    def all_up() -> bool:
+        body = prom.query('up{job="gossipgrad"} == 1')
+        return {s["metric"]["peer"] for s in body["data"]["result"]} == peers
+
+    wait_for("every peer to be scraped", all_up, timeout=timeout)
 
 
 # --- dashboards through Prometheus ----------------------------------------------------------
@@ -486,13 +500,7 @@ def has_finite_value(body: dict) -> bool:
 def test_every_dashboard_query_returns_data_and_byte_counters_match(scraped_swarm) -> None:
     swarm, prom = scraped_swarm.swarm, scraped_swarm.prom
     peers = set(swarm.targets)
-
-    # All targets up, each series labelled with its peer id by the scrape config.
-    def all_up() -> bool:
-        body = prom.query('up{job="gossipgrad"} == 1')
-        return {s["metric"]["peer"] for s in body["data"]["result"]} == peers
-
-    wait_for("every peer to be scraped", all_up, timeout=30)
+    wait_until_all_up(prom, peers)
     time.sleep(5)  # enough history for rate() over $__rate_interval
     swarm.check_alive()
 
@@ -593,10 +601,14 @@ def parse_byte_counters(text: str, content_type: str = "text/plain") -> dict[Ser
     return out
 
 
-def prometheus_byte_samples(prom: Prometheus, peer: str) -> dict[SeriesKey, list[tuple]]:
-    """Every raw (timestamp, value) sample Prometheus holds for ``peer``'s byte counters."""
+def prometheus_byte_samples(
+    prom: Prometheus, peer: str, at: float | None = None
+) -> dict[SeriesKey, list[tuple]]:
+    """Every raw (timestamp, value) sample Prometheus holds for ``peer``'s byte counters (up
+    to the Unix time ``at``, default now)."""
     names = "|".join(BYTE_COUNTERS)
-    body = prom.query(f'{{__name__=~"{names}", peer="{peer}"}}[10m]')
+    query = f'{{__name__=~"{names}", peer="{peer}"}}[10m]'
+    body = prom.query(query) if at is None else prom.api("/api/v1/query", query=query, time=at)
     assert body["status"] == "success", body
     out = {}
     for series in body["data"]["result"]:
@@ -604,6 +616,85 @@ def prometheus_byte_samples(prom: Prometheus, peer: str) -> dict[SeriesKey, list
         key = (labels["__name__"], labels.get("neighbor", ""), labels.get("kind", ""))
         out[key] = [(float(ts), float(v)) for ts, v in series["values"]]
     return out
+
+
+def instant_value(prom: Prometheus, expr: str, at: float | None = None) -> float:
+    """The single value an instant query of ``expr`` returns (at Unix time ``at``)."""
+    body = prom.query(expr) if at is None else prom.api("/api/v1/query", query=expr, time=at)
+    assert body["status"] == "success" and len(body["data"]["result"]) == 1, (expr, body)
+    return float(body["data"]["result"][0]["value"][1])
+
+
+def update_compression_ratio(counters: list[dict[SeriesKey, float]]) -> float:
+    """Dense fp32 bytes over wire bytes of updates, summed over the peers' counters."""
+    dense = sum(v for c in counters for (name, _, _), v in c.items()
+                if name == "gossipgrad_dense_bytes_total")  # fmt: skip
+    wire = sum(v for c in counters for (name, _, kind), v in c.items()
+               if name == "gossipgrad_sent_bytes_total" and kind == "update")  # fmt: skip
+    assert dense > 0 and wire > 0, counters
+    return dense / wire
+
+
+def scrape_byte_counters(target: str) -> dict[SeriesKey, float]:
+    """The byte counters of one peer's /metrics, fetched directly (not through Prometheus)."""
+    with urllib.request.urlopen(f"http://{target}/metrics", timeout=5) as resp:
+        return parse_byte_counters(resp.read().decode(), resp.headers["Content-Type"])
+
+
+@needs_prometheus
+@pytest.mark.timeout(200)
+def test_compression_ratio_panel_matches_the_counters_and_peer_down_fires(scraped_swarm) -> None:
+    """The overview's compression-ratio stat is the ratio of the peers' own byte counters, and
+    GossipgradPeerDown fires for a killed peer (and only for it). Runs after the test above on
+    the same swarm, since it kills a peer."""
+    swarm, prom = scraped_swarm.swarm, scraped_swarm.prom
+    peers = set(swarm.targets)
+    wait_until_all_up(prom, peers)
+    swarm.check_alive()
+    dash = dashboards()["gossipgrad-overview.json"]
+    (panel,) = [p for p in dash["panels"] if p["title"] == "Compression ratio (since start)"]
+    (target,) = panel["targets"]
+    expr = substitute(target["expr"], resolve_variables(dash, prom))
+
+    # 1. Exactly, at one instant: what the panel shows at time T is the ratio of the counters
+    # each peer served in its last scrape before T (as the pass-through recorder kept them).
+    assert has_finite_value(query_until_data(prom, expr, timeout=15)), expr
+    time.sleep(3)
+    at = time.time() - 2  # scrapes up to T are stored by now
+    shown = instant_value(prom, expr, at)
+    served = []
+    for pid, recorder in scraped_swarm.recorders.items():
+        stored = prometheus_byte_samples(prom, pid, at)
+        last = max(ts for samples in stored.values() for ts, _ in samples)
+        snapshot = relayed_for_scrape(recorder.snapshots(), last)
+        assert snapshot is not None, (pid, last)
+        served.append(snapshot)
+    expected = update_compression_ratio(served)
+    print(f"compression-ratio panel {shown:.2f}, from the served counters {expected:.2f}")
+    assert shown == pytest.approx(expected, rel=1e-9)
+    # Top-1 % + int8 updates: far smaller than dense (a panel of the wrong counters is not).
+    assert shown > 20
+
+    # 2. Against the peers' /metrics fetched directly now: equal up to the counters' movement
+    # between Prometheus's last scrape and this fetch.
+    direct = update_compression_ratio([scrape_byte_counters(t) for t in swarm.targets.values()])
+    assert instant_value(prom, expr) == pytest.approx(direct, rel=0.05)
+
+    # 3. Kill one peer: Prometheus's scrapes of it fail, and GossipgradPeerDown (its for:
+    # shortened to ALERT_FOR) goes pending, then firing -- for that peer only.
+    victim = sorted(peers)[-1]
+    proc = swarm.procs[sorted(swarm.targets).index(victim)]
+    proc.kill()
+    proc.wait(timeout=10)
+
+    def peer_down_firing() -> list[dict]:
+        alerts = prom.api("/api/v1/alerts")["data"]["alerts"]
+        down = [a for a in alerts if a["labels"]["alertname"] == "GossipgradPeerDown"]
+        return down if any(a["state"] == "firing" for a in down) else []
+
+    down = wait_for("GossipgradPeerDown to fire", peer_down_firing, timeout=30)
+    assert [(a["labels"]["peer"], a["state"]) for a in down] == [(victim, "firing")], down
+    assert down[0]["labels"]["severity"] == "critical"
 
 
 # --- the generated scrape config ------------------------------------------------------------
@@ -680,6 +771,21 @@ def test_config_rejects_bad_input(targets, interval) -> None:
     cfg = load_script("prometheus_config")
     with pytest.raises(ValueError):
         cfg.render_prometheus_config(targets, scrape_interval=interval)
+
+
+@pytest.mark.timeout(30)
+def test_alert_for_replaces_every_alerts_duration() -> None:
+    cfg = load_script("prometheus_config")
+    own = cfg.render_rules()
+    short = cfg.render_rules(alert_for="5s")
+    assert [f"for: {a[2]}" for a in cfg.ALERT_RULES] == [
+        line.strip() for line in own.splitlines() if "for:" in line
+    ]
+    assert [line.strip() for line in short.splitlines() if "for:" in line] == ["for: 5s"] * len(
+        cfg.ALERT_RULES
+    )
+    with pytest.raises(ValueError, match="duration"):
+        cfg.render_rules(alert_for="5 seconds")
 
 
 @pytest.mark.timeout(30)

@@ -319,3 +319,45 @@ def test_a_flooding_member_is_rate_limited_and_honest_calls_pass(certs) -> None:
     assert flood_results["limited"] > flood_results["ok"]
     assert flood_results["ok"] <= 20 + 20 * 3  # burst + rate * (test seconds, generous)
     assert limited == flood_results["limited"] > 0
+
+
+def test_a_server_certificate_from_another_ca_fails_the_clients_handshake(certs) -> None:
+    """The client checks the server too: an impostor answering with a certificate of the
+    right name (p1) but signed by another CA gets no update and no heartbeat from a member."""
+    swarm, other = certs
+    # The impostor trusts the swarm CA for its clients, so only the client's check of the
+    # server certificate can stop the call.
+    impostor = make_peer(
+        "p1",
+        swarm,
+        [],
+        seed=5,
+        **{"security.cert": str(other.certs["p1"]), "security.key": str(other.keys["p1"])},
+    )
+    try:
+        before = impostor.flat.data.clone()
+        header = _update("p0", impostor.flat.fingerprint)
+        header.receiver = "p1"
+        payload = impostor.algorithm.dense_codec.encode(torch.zeros_like(before))
+        member = sec_of(swarm, "p0")
+        with PeerClient(impostor.address, FAST, member) as c:
+            with pytest.raises(TransportError) as err:
+                c.push(header, payload, timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+            with pytest.raises(TransportError) as err:
+                c.heartbeat(_heartbeat("p0"), timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        # Nothing reached the handler: no member learnt, no byte received, model unchanged.
+        assert impostor.membership.present_ids() == ["p1"]
+        assert torch.equal(impostor.flat.data, before)
+        received = impostor.metrics.registry.get_sample_value(
+            "gossipgrad_received_bytes_total", {"neighbor": "p0", "kind": "update"}
+        )
+        assert not received
+        # Control: the same client key trusting the impostor's CA gets through, so it was the
+        # server-certificate check that refused above, not the server.
+        trusting = TransportSecurity(other.ca.read_bytes(), member.cert_pem, member.key_pem)
+        with PeerClient(impostor.address, FAST, trusting) as c:
+            assert c.heartbeat(_heartbeat("p0"), timeout=5).responder.id == "p1"
+    finally:
+        impostor.close()

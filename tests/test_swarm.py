@@ -14,8 +14,11 @@ import pytest
 import torch
 from gossipgrad.experiment.launch import LocalSwarm
 from gossipgrad.experiment.swarm import summarize
+from gossipgrad.peer.config import build_config
 from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
+from gossipgrad.peer.runtime.checkpoint import params_digest
 from gossipgrad.peer.tasks import TaskContext, train_centralized
+from gossipgrad.peer.tasks.schedule import lr_factor
 
 STEPS = 300
 BATCH = 32
@@ -47,6 +50,23 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 
 def step_of(swarm: LocalSwarm, i: int) -> int:
     return swarm.status(i).step
+
+
+def scheduled_lr(swarm: LocalSwarm, step: int) -> float:
+    """The learning rate the peers' schedule gives optimizer step ``step`` (0-based)."""
+    train = build_config({}, swarm.overrides).train
+    return train.lr * lr_factor(step, train)
+
+
+def served_states(swarm: LocalSwarm, peers: range) -> list[tuple[int, str]]:
+    """(step, params digest) of every state the given peers logged serving to a joiner."""
+    served = []
+    for i in peers:
+        for line in (swarm.out / f"peer{i}.log").read_text().splitlines():
+            if "serving state at step " in line:
+                step = int(line.split("serving state at step ")[1].split()[0])
+                served.append((step, line.rsplit("params ", 1)[1].strip()))
+    return served
 
 
 @pytest.fixture
@@ -91,6 +111,7 @@ def test_killed_peer_others_go_on_and_it_resumes_from_checkpoint(swarm_factory) 
     wait_for(lambda: step_of(swarm, 2) >= 150, 120, "peer2 to reach step 150")
     swarm.kill(2)
     killed_at = step_of(swarm, 2)
+    saved = torch.load(swarm.peer_dir(2) / "checkpoint.pt", weights_only=True)
     others = [step_of(swarm, i) for i in (0, 1, 3)]
     # Nobody blocks on the dead peer: the others make real progress without it.
     wait_for(
@@ -105,6 +126,15 @@ def test_killed_peer_others_go_on_and_it_resumes_from_checkpoint(swarm_factory) 
     assert "resumed from checkpoint at step" in log
     resumed_at = int(log.split("resumed from checkpoint at step ")[1].split()[0])
     assert resumed_at % 50 == 0 and 0 < resumed_at <= killed_at
+    # It went on from the checkpoint itself: its step, its parameters bit for bit (not a
+    # re-initialised model), and the learning-rate schedule fast-forwarded to that step (the
+    # optimizer's state alone restores the first step's LR, not the schedule's position).
+    status = read_record(swarm.peer_dir(2) / "status.json", PeerStatus)
+    assert status is not None
+    assert status.start_step == resumed_at == saved["local_step"]
+    assert status.start_params == params_digest(saved["params"])
+    assert status.start_lr == pytest.approx(scheduled_lr(swarm, resumed_at), rel=1e-9)
+    assert status.start_schedule_step == resumed_at
     result = summarize(swarm)
     for p in result["peers"]:
         assert p["steps"] == 700
@@ -122,6 +152,13 @@ def test_late_joiner_downloads_state_and_catches_up(swarm_factory) -> None:
     assert swarm.failed() == []
     status = read_record(swarm.peer_dir(3) / "status.json", PeerStatus)
     assert status is not None and (status.joined_at_step or 0) >= 150
+    # What it trained from is the snapshot a donor logged serving: same step, same parameters
+    # bit for bit (the download was applied), and its first step ran at the schedule's
+    # learning rate for that step (fast-forwarded, not restarted at step 0).
+    assert status.start_step == status.joined_at_step
+    assert (status.start_step, status.start_params) in served_states(swarm, range(3))
+    assert status.start_lr == pytest.approx(scheduled_lr(swarm, status.start_step), rel=1e-9)
+    assert status.start_schedule_step == status.start_step
     result = summarize(swarm)
     late = result["peers"][3]
     assert late["received_state_bytes"] > 0

@@ -7,6 +7,7 @@ A failed write (disk full, read-only directory) is reported and leaves the old f
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import os
@@ -57,3 +58,11 @@ def load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:
         raise ValueError(f"checkpoint {path} is unreadable: {err}") from err
+
+
+def params_digest(params: torch.Tensor) -> str:
+    """A short SHA-256 of a flat parameter tensor's float32 bytes: the evidence a donor logs for
+    the state it sends and a joiner or a resumed peer records for the state it applied, so a
+    test can tell that the two are bit-identical without shipping the tensors."""
+    data = params.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()[:16]

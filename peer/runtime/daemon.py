@@ -122,6 +122,13 @@ class Daemon:
             self._start(gopt, site, device)
             for _ in range(gopt.local_step):
                 scheduler.step()
+            # Evidence of the state training starts from (resumed, joined or fresh).
+            self._write_status(
+                start_step=gopt.local_step,
+                start_params=checkpoint.params_digest(gopt.flat.data),
+                start_lr=optimizer.param_groups[0]["lr"],
+                start_schedule_step=scheduler.last_epoch,
+            )
             summary = self._train(task, model, gopt, scheduler)
             if site is not None:
                 summary["site"] = {

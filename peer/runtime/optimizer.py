@@ -35,6 +35,7 @@ import torch
 from gossipgrad.peer.algorithms import GossipAlgorithm, RoundStats
 from gossipgrad.peer.config import PeerConfig
 from gossipgrad.peer.flat import FlatParameters
+from gossipgrad.peer.runtime.checkpoint import params_digest
 from gossipgrad.peer.runtime.node import Peer
 from torch import nn
 
@@ -196,6 +197,11 @@ class GossipOptimizer:
         with self.state_lock:
             state = self.state_dict(for_joiner=True)
             torch.save(state, buf)
+        # Evidence for the joiner's side (its status.json start_params): what was sent.
+        log.info(
+            "serving state at step %d (round %d), params %s",
+            state["local_step"], state["round"], params_digest(state["params"]),
+        )  # fmt: skip
         return state["local_step"], state["round"], buf.getvalue()
 
     def join_from_swarm(self, timeout: float = 60.0) -> bool:

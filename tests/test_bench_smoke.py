@@ -1,0 +1,68 @@
+"""The benchmark scripts in a tiny configuration, marked ``bench``: ``pytest -m bench`` runs
+them and the default run (``-m "not bench"`` in pyproject's addopts) leaves them out.
+
+Each runs the real script as a process and checks the figures it prints or writes: the
+compression ratios are those of the codecs' wire formats, and gossip-only rounds shrink the
+peers' disagreement.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.bench, pytest.mark.timeout(180)]
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def run_script(name: str, *args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_bench_compression_reports_the_wire_ratios(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    stdout = run_script(
+        "bench_compression.py", "--sizes", "100k", "--codecs", "int8,topk:0.01+int8",
+        "--repeat", "1", "--out", str(out),
+    )  # fmt: skip
+    # One progress line per codec: "<codec> enc X ms dec Y ms into Z ms add W ms B B/el".
+    per_codec = dict(re.findall(r"^\s+(\S+)\s+enc .*?([0-9.]+) B/el$", stdout, re.M))
+    assert set(per_codec) == {"int8", "topk:0.01+int8"}, stdout[-2000:]
+    results = {r["codec"]: r for r in json.loads(out.read_text())["results"]}
+    for codec, printed in per_codec.items():
+        r = results[codec]
+        assert r["numel"] == 100_000
+        assert float(printed) == pytest.approx(r["bytes_per_element"], abs=1e-4)
+        assert r["ratio_vs_fp32"] == pytest.approx(4 / r["bytes_per_element"], rel=1e-6)
+        assert r["encode_s"] > 0 and r["decode_s"] > 0
+    # int8: a byte per element plus a scale per block, entropy-coded (heavy tails shrink it to
+    # ~0.8 B, docs/compression.md); top-1 % + int8: under 0.024 B per element (BENCHMARKS.md).
+    print({c: round(r["ratio_vs_fp32"], 2) for c, r in results.items()})
+    assert 3.5 < results["int8"]["ratio_vs_fp32"] < 6
+    assert results["int8"]["rel_error"] < 0.05
+    assert results["topk:0.01+int8"]["bytes_per_element"] < 0.024
+
+
+def test_bench_consensus_rounds_shrink_the_disagreement() -> None:
+    stdout = run_script(
+        "bench_consensus.py", "--gammas", "0.5", "--codec", "int8", "--peers", "3",
+        "--rounds", "40", "--every", "20",
+    )  # fmt: skip
+    rows = re.findall(r"^0\.5\s+(\d+)\s+([0-9.]+e[-+]\d+)$", stdout, re.M)
+    assert [int(r) for r, _ in rows] == [0, 20, 40], stdout
+    start, *_, end = (float(d) for _, d in rows)
+    assert start > 0 and end < start / 10, rows
