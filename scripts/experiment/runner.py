@@ -22,10 +22,11 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from gossipgrad.experiment import links, netns, ssh
+from gossipgrad.experiment import netns, ssh
 from gossipgrad.experiment.analysis import consensus_distance
 from gossipgrad.experiment.baselines import BaselineRun, RankPlacement
 from gossipgrad.experiment.launch import LocalSwarm
+from gossipgrad.experiment.link_swarm import SwarmRelays, site_host
 from gossipgrad.experiment.live import LiveView, Progress
 from gossipgrad.experiment.records import (
     BaselineResult,
@@ -115,7 +116,7 @@ class Experiment:
         self.n = spec.experiment.peers
         self.cfg = spec.peer_config()
         self.lab: netns.NetnsLab | None = None
-        self.relays: links.SwarmRelays | None = None
+        self.relays: SwarmRelays | None = None
         self.inventory: ssh.Inventory | None = None
         if spec.experiment.mode == "ssh":
             assert spec.ssh.inventory is not None
@@ -192,7 +193,7 @@ class Experiment:
             lines.append(
                 f"links: {self.n * (self.n - 1)} user-space relays on 127.0.0.1 (one per "
                 f"directed site pair, ports picked at run time: 127.0.0.1:0 below); site i "
-                f"listens on {links.site_host(0)[:-1]}<i+1>"
+                f"listens on {site_host(0)[:-1]}<i+1>"
             )
             for i in range(self.n):
                 site = s.network.site(i)
@@ -203,7 +204,7 @@ class Experiment:
             for link in s.network.links:
                 pair = link.model_dump(exclude={"a", "b"}, exclude_unset=True)
                 lines.append(f"link {link.a}<->{link.b}: {pair}")
-            self.relays = links.SwarmRelays(s.network, self.n, s.experiment.seed, lambda j: None)
+            self.relays = SwarmRelays(s.network, self.n, s.experiment.seed, lambda j: None)
         try:
             swarm = self.make_swarm()
             for i in range(self.n):
@@ -304,7 +305,7 @@ class Experiment:
             result.link_emulator = relays.report()
         return result
 
-    def _start_relays(self, swarm: LocalSwarm | ssh.SshSwarm) -> links.SwarmRelays | None:
+    def _start_relays(self, swarm: LocalSwarm | ssh.SshSwarm) -> SwarmRelays | None:
         """Local mode with a shaped [network]: one relay per directed site pair; peer j's
         address is read from its status.json once it is up."""
         if not self.spec.network.uses_relay(self.spec.experiment.mode):
@@ -314,9 +315,7 @@ class Experiment:
             status = read_record(swarm.peer_dir(j) / "status.json", PeerStatus)
             return status.address if status is not None else None
 
-        self.relays = links.SwarmRelays(
-            self.spec.network, self.n, self.spec.experiment.seed, address
-        )
+        self.relays = SwarmRelays(self.spec.network, self.n, self.spec.experiment.seed, address)
         return self.relays.start()
 
     @staticmethod
