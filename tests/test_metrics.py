@@ -326,7 +326,7 @@ def test_http_endpoint_serves_the_text_format_on_loopback() -> None:
 @pytest.mark.timeout(60)
 def test_experiment_runner_reads_edge_bytes_from_the_exposition() -> None:
     """The runner's bytes-per-link plot sums a peer's byte counters per neighbour."""
-    from gossipgrad.experiment.runner import edge_bytes
+    from gossipgrad.experiment.swarm_sampling import edge_bytes
     from prometheus_client import generate_latest
 
     m = PeerMetrics()
