@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .frame import dashboard
 from .layout import Layout
-from .panels import Panel, stat, table, timeseries
+from .panels import Panel, rejected_by_reason, stat, table, timeseries
 from .promql import (
     RECEIVED,
     SENT,
@@ -139,11 +139,7 @@ def _health_row(lay: Layout, s: str) -> None:
             timeseries(
                 "Neighbours per peer", [(f"gossipgrad_neighbors{{{s}}}", "{{peer}}")], "none"
             ),
-            timeseries(
-                "Rejected updates by reason",
-                [(rate("gossipgrad_rejected_updates_total", s, "reason"), "{{reason}}")],
-                "cps",
-            ),
+            rejected_by_reason(s),
         ]
     )
     resyncs = rate("gossipgrad_resyncs_total", s, "peer, neighbor")

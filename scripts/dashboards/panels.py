@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .promql import rate
+
 DS = {"type": "prometheus", "uid": "${datasource}"}
 
 Panel = dict[str, Any]
@@ -83,3 +85,9 @@ def table(title: str, expr: str, description: str = "") -> Panel:
             }
         ],
     }
+
+
+def rejected_by_reason(sel: str) -> Panel:
+    """Rejected updates per second by reason (both dashboards show it the same way)."""
+    by_reason = rate("gossipgrad_rejected_updates_total", sel, "reason")
+    return timeseries("Rejected updates by reason", [(by_reason, "{{reason}}")], "cps")

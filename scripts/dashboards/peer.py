@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .frame import dashboard
 from .layout import Layout
-from .panels import Panel, stat, table, timeseries
+from .panels import Panel, rejected_by_reason, stat, table, timeseries
 from .promql import (
     RECEIVED,
     SENT,
@@ -131,11 +131,7 @@ def _health_row(lay: Layout, s: str) -> None:
     lay.add_all(
         [
             timeseries("Peers by state", [(f"gossipgrad_peers{{{s}}}", "{{state}}")], "none"),
-            timeseries(
-                "Rejected updates by reason",
-                [(rate("gossipgrad_rejected_updates_total", s, "reason"), "{{reason}}")],
-                "cps",
-            ),
+            rejected_by_reason(s),
             timeseries(
                 "Resyncs per neighbour",
                 [(rate("gossipgrad_resyncs_total", s, "neighbor"), "{{neighbor}}")],
