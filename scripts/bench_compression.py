@@ -197,7 +197,8 @@ def check_targets(results: list[dict], baselines: list[dict]) -> list[dict[str, 
     return checks
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
+    """The command line; ``--quick`` rewrites sizes, repeat and (unless given) codecs."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--sizes", default="1M,10M,100M", help="comma-separated element counts")
     p.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="comma-separated specs")
@@ -213,40 +214,41 @@ def main() -> int:
         args.sizes, args.repeat = "1M,10M", 2
         if args.codecs == ",".join(DEFAULT_CODECS):
             args.codecs = ",".join(QUICK_CODECS)
-    torch.set_num_threads(args.threads)
-    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
-    specs = [s.strip() for s in args.codecs.split(",") if s.strip()]
-    for s in specs:
-        from_spec(s)  # fail fast on a typo
+    return args
 
-    results: list[dict] = []
-    baselines: list[dict] = []
-    for n in sizes:
-        console.print(f"[bold]n = {n:,}[/bold] generating Student-t(3) data ...")
-        x = gradient_like(n)
-        b = bench_baselines(x, args.repeat, args.topk_ratio)
-        baselines.append(b)
+
+def bench_size(
+    n: int, specs: list[str], repeat: int, topk_ratio: float
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The baselines and every codec on one tensor of ``n`` elements, each line printed."""
+    console.print(f"[bold]n = {n:,}[/bold] generating Student-t(3) data ...")
+    x = gradient_like(n)
+    b = bench_baselines(x, repeat, topk_ratio)
+    console.print(
+        f"  copy_ {b['copy_s'] * 1e3:.1f} ms, clone {b['clone_s'] * 1e3:.1f} ms; "
+        f"top-{b['k']:,}: "
+        f"exact {b['exact_topk_s'] * 1e3:.0f} ms, approx {b['approx_topk_s'] * 1e3:.0f} ms "
+        f"(x{b['approx_speedup']:.1f}), kept {b['approx_kept']:,}, "
+        f"energy {b['approx_energy_vs_exact']:.4f} of exact"
+    )
+    results = []
+    for spec in specs:
+        if spec.endswith(":exact") and n > EXACT_CODEC_MAX:
+            continue
+        r = bench_codec(spec, x, repeat)
+        r["copy_gbps"] = b["copy_gbps"]
+        results.append(r)
         console.print(
-            f"  copy_ {b['copy_s'] * 1e3:.1f} ms, clone {b['clone_s'] * 1e3:.1f} ms; "
-            f"top-{b['k']:,}: "
-            f"exact {b['exact_topk_s'] * 1e3:.0f} ms, approx {b['approx_topk_s'] * 1e3:.0f} ms "
-            f"(x{b['approx_speedup']:.1f}), kept {b['approx_kept']:,}, "
-            f"energy {b['approx_energy_vs_exact']:.4f} of exact"
+            f"  {spec:20s} enc {r['encode_s'] * 1e3:8.1f} ms  dec {r['decode_s'] * 1e3:8.1f} ms"
+            f"  into {r['decode_into_s'] * 1e3:8.1f} ms  add {r['decode_add_s'] * 1e3:8.1f} ms"
+            f"  {r['bytes_per_element']:.4f} B/el"
         )
-        for spec in specs:
-            if spec.endswith(":exact") and n > EXACT_CODEC_MAX:
-                continue
-            r = bench_codec(spec, x, args.repeat)
-            r["copy_gbps"] = b["copy_gbps"]
-            results.append(r)
-            console.print(
-                f"  {spec:20s} enc {r['encode_s'] * 1e3:8.1f} ms  dec {r['decode_s'] * 1e3:8.1f} ms"
-                f"  into {r['decode_into_s'] * 1e3:8.1f} ms  add {r['decode_add_s'] * 1e3:8.1f} ms"
-                f"  {r['bytes_per_element']:.4f} B/el"
-            )
-        del x
+    return b, results
 
-    table = Table(title=f"gossipgrad.compression, {args.threads} thread(s), Student-t(3) fp32")
+
+def results_table(results: list[dict], baselines: list[dict], threads: int) -> Table:
+    """Throughput, size and error of every codec, after its size's baselines."""
+    table = Table(title=f"gossipgrad.compression, {threads} thread(s), Student-t(3) fp32")
     cols = ("n", "codec", "enc GB/s", "dec GB/s", "into GB/s", "add GB/s", "B/elem", "ratio")
     for col in (*cols, "rel err"):
         table.add_column(col, justify="right" if col not in ("codec",) else "left")
@@ -273,9 +275,11 @@ def main() -> int:
                 f"{r['ratio_vs_fp32']:.1f}",
                 f"{r['rel_error']:.4f}",
             )
-    console.print(table)
+    return table
 
-    checks = check_targets(results, baselines)
+
+def targets_table(checks: list[dict[str, Any]]) -> Table:
+    """Each target of ``check_targets`` with its value and PASS/MISS."""
     ct = Table(title="targets")
     for col in ("target", "value", "goal", "status"):
         ct.add_column(col)
@@ -283,22 +287,48 @@ def main() -> int:
         value = "-" if c["value"] is None else f"{c['value']:.4g}"
         color = {"PASS": "green", "MISS": "red"}.get(c["status"], "yellow")
         ct.add_row(c["target"], value, f"{c['goal']:.4g}", f"[{color}]{c['status']}")
-    console.print(ct)
+    return ct
 
+
+def write_results(
+    path: str, args: argparse.Namespace, baselines: list[dict], results: list[dict],
+    checks: list[dict],
+) -> None:  # fmt: skip
+    """Everything measured, with the machine and settings, as JSON."""
+    meta = {
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "repeat": args.repeat,
+    }
+    with open(path, "w") as f:
+        json.dump(
+            {"meta": meta, "baselines": baselines, "results": results, "targets": checks},
+            f,
+            indent=2,
+        )
+
+
+def main() -> int:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    specs = [s.strip() for s in args.codecs.split(",") if s.strip()]
+    for s in specs:
+        from_spec(s)  # fail fast on a typo
+
+    results: list[dict] = []
+    baselines: list[dict] = []
+    for n in sizes:
+        b, rs = bench_size(n, specs, args.repeat, args.topk_ratio)
+        baselines.append(b)
+        results.extend(rs)
+    console.print(results_table(results, baselines, args.threads))
+    checks = check_targets(results, baselines)
+    console.print(targets_table(checks))
     if args.out:
-        meta = {
-            "torch": torch.__version__,
-            "threads": args.threads,
-            "machine": platform.machine(),
-            "processor": platform.processor(),
-            "repeat": args.repeat,
-        }
-        with open(args.out, "w") as f:
-            json.dump(
-                {"meta": meta, "baselines": baselines, "results": results, "targets": checks},
-                f,
-                indent=2,
-            )
+        write_results(args.out, args, baselines, results, checks)
         console.print(f"wrote {args.out}")
     return 0
 

@@ -150,83 +150,131 @@ def _measure(push: Callable[[], float], server_pid: int, repeats: int) -> tuple[
     return walls, time.process_time() + _cpu_seconds(server_pid) - cpu0
 
 
+def _kind(variant: str) -> str:
+    """The receiver process a variant pushes to."""
+    return "grpc-nopool" if variant == "nopool" else "grpc"
+
+
+def _start_receivers(
+    args: argparse.Namespace, max_bytes: int, procs: dict[str, subprocess.Popen]
+) -> tuple[socket.socket, dict[str, str]]:
+    """Start the TCP receiver and each gRPC receiver the variants need (into ``procs``, so
+    the caller stops them whatever happens); the TCP connection and the gRPC addresses."""
+    procs["tcp"], tcp_addr = _spawn("--serve", "tcp", "--max-bytes", str(max_bytes))
+    host, port = tcp_addr.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    addresses = {}
+    for kind in sorted({_kind(v) for v in args.variants.split(",")}):
+        extra = ["--no-tune-malloc"] if args.no_tune_malloc else []
+        procs[kind], addresses[kind] = _spawn(
+            "--serve", kind, "--max-bytes", str(max_bytes), *extra
+        )
+    return sock, addresses
+
+
+def _stop_receivers(procs: dict[str, subprocess.Popen]) -> None:
+    """Close each receiver's stdin (its signal to exit); kill one that lingers."""
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.stdin.close()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _print_header(args: argparse.Namespace) -> None:
+    load = os.getloadavg()
+    print(
+        f"# {os.cpu_count()} CPUs, load {load[0]:.2f}; "
+        f"malloc tuned: {not args.no_tune_malloc}; "
+        f"{args.rounds}x{args.repeats} timed pushes per cell, "
+        "TCP and gRPC alternating; GB/s of payload (1 GB = 1e9 B), median [best]; "
+        "CPU = sender + receiver CPU seconds per GB"
+    )
+    print(
+        "| variant | chunk | size MB | raw TCP GB/s | gRPC GB/s | gRPC / TCP "
+        "| TCP CPU s/GB | gRPC CPU s/GB |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+
+
+def _alternate(
+    tcp_push: Callable[[], float], tcp_pid: int, grpc_push: Callable[[], float], grpc_pid: int,
+    args: argparse.Namespace,
+) -> tuple[list[float], list[float], float, float]:  # fmt: skip
+    """TCP and gRPC push times and CPU seconds, measured in alternating rounds so both paths
+    see the same background load."""
+    tcp_t, grpc_t, tcp_cpu, grpc_cpu = [], [], 0.0, 0.0
+    for _ in range(args.rounds):
+        walls, cpu = _measure(tcp_push, tcp_pid, args.repeats)
+        tcp_t += walls
+        tcp_cpu += cpu
+        walls, cpu = _measure(grpc_push, grpc_pid, args.repeats)
+        grpc_t += walls
+        grpc_cpu += cpu
+    return tcp_t, grpc_t, tcp_cpu, grpc_cpu
+
+
+def _bench_chunk(
+    variant: str, chunk: int, sizes: list[int], max_bytes: int, sock: socket.socket,
+    address: str, procs: dict[str, subprocess.Popen], args: argparse.Namespace,
+    totals: dict[str, float],
+) -> None:  # fmt: skip
+    """One table row per payload size for ``variant`` with ``chunk``-byte chunks; adds the
+    times and bytes to ``totals``."""
+    opts = TransportOptions(
+        chunk_size=chunk, max_payload_bytes=max_bytes, tune_malloc=not args.no_tune_malloc
+    )
+    client = PeerClient(address, options=opts)
+    channel = grpc.insecure_channel(address, options=[
+        ("grpc.max_send_message_length", opts.max_message_bytes),
+        ("grpc.max_receive_message_length", opts.max_message_bytes),
+    ])  # fmt: skip
+    stub = pb_grpc.GossipStub(channel)
+    pattern = bytes(range(256)) * 4096
+    for size in sizes:
+        payload = memoryview((pattern * (size // len(pattern) + 1))[:size])
+        if variant == "protobuf":
+            grpc_push = functools.partial(_protobuf_push, stub, payload, chunk)
+        else:
+            grpc_push = functools.partial(_fast_push, client, payload)
+        tcp_push = functools.partial(_tcp_push, sock, payload)
+        tcp_t, grpc_t, tcp_cpu, grpc_cpu = _alternate(
+            tcp_push, procs["tcp"].pid, grpc_push, procs[_kind(variant)].pid, args
+        )
+        totals["tcp"] += sum(tcp_t)
+        totals["grpc"] += sum(grpc_t)
+        totals["bytes"] += size * len(tcp_t)
+        gb = size * len(tcp_t) / 1e9
+        tcp_med = size / statistics.median(tcp_t) / 1e9
+        grpc_med = size / statistics.median(grpc_t) / 1e9
+        print(
+            f"| {variant} | {chunk // 1024} KiB | {size / MB:g} "
+            f"| {tcp_med:.2f} [{size / min(tcp_t) / 1e9:.2f}] "
+            f"| {grpc_med:.2f} [{size / min(grpc_t) / 1e9:.2f}] "
+            f"| {grpc_med / tcp_med:.2f} | {tcp_cpu / gb:.2f} | {grpc_cpu / gb:.2f} |",
+            flush=True,
+        )
+    client.close()
+    channel.close()
+
+
 def run(args: argparse.Namespace) -> int:
     sizes = [int(float(s) * MB) for s in args.sizes_mb.split(",")]
     chunks = [int(c) * 1024 for c in args.chunk_kib.split(",")]
-    variants = args.variants.split(",")
     max_bytes = max(sizes)
     procs: dict[str, subprocess.Popen] = {}
     try:
-        procs["tcp"], tcp_addr = _spawn("--serve", "tcp", "--max-bytes", str(max_bytes))
-        host, port = tcp_addr.rsplit(":", 1)
-        sock = socket.create_connection((host, int(port)))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        addresses = {}
-        for kind in sorted({"grpc-nopool" if v == "nopool" else "grpc" for v in variants}):
-            extra = ["--no-tune-malloc"] if args.no_tune_malloc else []
-            procs[kind], addresses[kind] = _spawn(
-                "--serve", kind, "--max-bytes", str(max_bytes), *extra
-            )
-        load = os.getloadavg()
-        print(
-            f"# {os.cpu_count()} CPUs, load {load[0]:.2f}; "
-            f"malloc tuned: {not args.no_tune_malloc}; "
-            f"{args.rounds}x{args.repeats} timed pushes per cell, "
-            "TCP and gRPC alternating; GB/s of payload (1 GB = 1e9 B), median [best]; "
-            "CPU = sender + receiver CPU seconds per GB"
-        )
-        print(
-            "| variant | chunk | size MB | raw TCP GB/s | gRPC GB/s | gRPC / TCP "
-            "| TCP CPU s/GB | gRPC CPU s/GB |"
-        )
-        print("|---|---|---|---|---|---|---|---|")
+        sock, addresses = _start_receivers(args, max_bytes, procs)
+        _print_header(args)
         totals = {"tcp": 0.0, "grpc": 0.0, "bytes": 0}
-        pattern = bytes(range(256)) * 4096
-        for variant in variants:
-            kind = "grpc-nopool" if variant == "nopool" else "grpc"
+        for variant in args.variants.split(","):
             for chunk in chunks:
-                opts = TransportOptions(
-                    chunk_size=chunk,
-                    max_payload_bytes=max_bytes,
-                    tune_malloc=not args.no_tune_malloc,
-                )
-                client = PeerClient(addresses[kind], options=opts)
-                channel = grpc.insecure_channel(addresses[kind], options=[
-                    ("grpc.max_send_message_length", opts.max_message_bytes),
-                    ("grpc.max_receive_message_length", opts.max_message_bytes),
-                ])  # fmt: skip
-                stub = pb_grpc.GossipStub(channel)
-                for size in sizes:
-                    payload = memoryview((pattern * (size // len(pattern) + 1))[:size])
-                    if variant == "protobuf":
-                        grpc_push = functools.partial(_protobuf_push, stub, payload, chunk)
-                    else:
-                        grpc_push = functools.partial(_fast_push, client, payload)
-                    tcp_push = functools.partial(_tcp_push, sock, payload)
-                    tcp_t, grpc_t, tcp_cpu, grpc_cpu = [], [], 0.0, 0.0
-                    # Alternate in rounds so both paths see the same background load.
-                    for _ in range(args.rounds):
-                        walls, cpu = _measure(tcp_push, procs["tcp"].pid, args.repeats)
-                        tcp_t += walls
-                        tcp_cpu += cpu
-                        walls, cpu = _measure(grpc_push, procs[kind].pid, args.repeats)
-                        grpc_t += walls
-                        grpc_cpu += cpu
-                    totals["tcp"] += sum(tcp_t)
-                    totals["grpc"] += sum(grpc_t)
-                    totals["bytes"] += size * len(tcp_t)
-                    gb = size * len(tcp_t) / 1e9
-                    tcp_med = size / statistics.median(tcp_t) / 1e9
-                    grpc_med = size / statistics.median(grpc_t) / 1e9
-                    print(
-                        f"| {variant} | {chunk // 1024} KiB | {size / MB:g} "
-                        f"| {tcp_med:.2f} [{size / min(tcp_t) / 1e9:.2f}] "
-                        f"| {grpc_med:.2f} [{size / min(grpc_t) / 1e9:.2f}] "
-                        f"| {grpc_med / tcp_med:.2f} | {tcp_cpu / gb:.2f} | {grpc_cpu / gb:.2f} |",
-                        flush=True,
-                    )
-                client.close()
-                channel.close()
+                address = addresses[_kind(variant)]
+                _bench_chunk(variant, chunk, sizes, max_bytes, sock, address, procs, args, totals)
         print(
             f"# overall: raw TCP {totals['bytes'] / totals['tcp'] / 1e9:.2f} GB/s, "
             f"gRPC {totals['bytes'] / totals['grpc'] / 1e9:.2f} GB/s, "
@@ -234,14 +282,7 @@ def run(args: argparse.Namespace) -> int:
         )
         sock.close()
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.stdin.close()
-                try:
-                    proc.wait(5)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+        _stop_receivers(procs)
     return 0
 
 

@@ -32,7 +32,7 @@ def update_wire_bytes(params: int, density: float, rng: random.Random) -> int:
     return HEADER_BYTES + k + int(1.3 * k) + 4 * (k // 64 + 1)  # values, indices, block scales
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--id", required=True)
     ap.add_argument("--neighbors", required=True, help="comma-separated neighbour ids")
@@ -41,16 +41,53 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--round-seconds", type=float, default=0.05)
     ap.add_argument("--max-seconds", type=float, default=120.0)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    neighbors = [n for n in args.neighbors.split(",") if n]
-    rng = random.Random(f"{args.id}:{args.seed}")
+
+def joined_metrics(neighbors: list[str]) -> PeerMetrics:
+    """PeerMetrics of a peer that has just joined a ring with ``neighbors``, all alive."""
     m = PeerMetrics()
     m.set_build_info(version="0.1.0", algorithm="choco", codec="topk:0.01+int8", topology="ring")
     for n in neighbors:
         m.add_neighbor(n)
     m.set_neighbors(len(neighbors))
     m.set_peers(alive=len(neighbors), suspect=0, dead=0)
+    return m
+
+
+def play_round(
+    m: PeerMetrics, r: int, neighbors: list[str], args: argparse.Namespace, rng: random.Random
+) -> None:
+    """Round ``r``'s metrics (all but its duration): a step, an update each way per
+    neighbour, heartbeats, and now and then a resync, a rejected update or an evaluation."""
+    dense = 4 * args.params
+    loss = 2.3 * math.exp(-r / 60) + 0.1 + rng.uniform(0, 0.05)
+    m.record_step(loss=loss, samples=32)
+    m.observe_compress(rng.lognormvariate(math.log(0.004), 0.3))
+    for n in neighbors:
+        m.record_sent(n, "update", update_wire_bytes(args.params, args.density, rng), dense)
+        m.record_received(n, "update", update_wire_bytes(args.params, args.density, rng))
+        m.observe_push(n, rng.lognormvariate(math.log(0.02), 0.5))
+    m.record_sent(UNATTRIBUTED, "heartbeat", HEARTBEAT_BYTES * len(neighbors))
+    m.record_received(UNATTRIBUTED, "heartbeat", HEARTBEAT_BYTES * len(neighbors))
+    if r % 25 == 24:
+        n = neighbors[r // 25 % len(neighbors)]
+        m.record_resync(n)
+        m.record_sent(n, "resync", dense // 2 + HEADER_BYTES)
+    if r % 40 == 7:
+        m.record_rejected("stale")
+    if r % 10 == 0:
+        acc = 0.95 - 0.85 * math.exp(-r / 80)
+        m.set_eval({"accuracy": acc, "loss": loss * 1.1})
+    m.set_consensus_distance(math.exp(-r / 40) + rng.uniform(0, 0.01))
+    m.set_error_feedback_norm(5.0 + rng.uniform(-0.5, 0.5))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    neighbors = [n for n in args.neighbors.split(",") if n]
+    rng = random.Random(f"{args.id}:{args.seed}")
+    m = joined_metrics(neighbors)
     port = m.serve(host="127.0.0.1", port=0)
 
     stopping = False
@@ -73,26 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     r = 0
     while not stopping and time.monotonic() - start < args.max_seconds:
         t0 = time.monotonic()
-        loss = 2.3 * math.exp(-r / 60) + 0.1 + rng.uniform(0, 0.05)
-        m.record_step(loss=loss, samples=32)
-        m.observe_compress(rng.lognormvariate(math.log(0.004), 0.3))
-        for n in neighbors:
-            m.record_sent(n, "update", update_wire_bytes(args.params, args.density, rng), dense)
-            m.record_received(n, "update", update_wire_bytes(args.params, args.density, rng))
-            m.observe_push(n, rng.lognormvariate(math.log(0.02), 0.5))
-        m.record_sent(UNATTRIBUTED, "heartbeat", HEARTBEAT_BYTES * len(neighbors))
-        m.record_received(UNATTRIBUTED, "heartbeat", HEARTBEAT_BYTES * len(neighbors))
-        if r % 25 == 24:
-            n = neighbors[r // 25 % len(neighbors)]
-            m.record_resync(n)
-            m.record_sent(n, "resync", dense // 2 + HEADER_BYTES)
-        if r % 40 == 7:
-            m.record_rejected("stale")
-        if r % 10 == 0:
-            acc = 0.95 - 0.85 * math.exp(-r / 80)
-            m.set_eval({"accuracy": acc, "loss": loss * 1.1})
-        m.set_consensus_distance(math.exp(-r / 40) + rng.uniform(0, 0.01))
-        m.set_error_feedback_norm(5.0 + rng.uniform(-0.5, 0.5))
+        play_round(m, r, neighbors, args, rng)
         time.sleep(max(0.0, args.round_seconds - (time.monotonic() - t0)))
         m.observe_round(time.monotonic() - t0)
         r += 1

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from gossipgrad.experiment.link_path import WAKE_LEAD_SHARE
 from gossipgrad.experiment.links import (
-    WAKE_LEAD_SHARE,
     LinkEmulator,
     LinkPath,
     Relay,

@@ -338,7 +338,7 @@ def test_http_endpoint_serves_the_text_format_on_loopback() -> None:
 @pytest.mark.timeout(60)
 def test_experiment_runner_reads_edge_bytes_from_the_exposition() -> None:
     """The runner's bytes-per-link plot sums a peer's byte counters per neighbour."""
-    from gossipgrad.experiment.runner import edge_bytes
+    from gossipgrad.experiment.swarm_sampling import edge_bytes
     from prometheus_client import generate_latest
 
     m = PeerMetrics()
@@ -364,7 +364,8 @@ def dashboard_exprs(dash: dict) -> list[str]:
 
 
 @pytest.mark.timeout(60)
-def test_committed_dashboards_equal_the_generator_output() -> None:
+def test_committed_dashboards_equal_the_generator_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # it imports scripts/dashboards/
     gen = load_script("make_dashboards")
     built = gen.build_dashboards()
     assert sorted(built) == sorted(p.name for p in DASHBOARD_DIR.glob("*.json"))

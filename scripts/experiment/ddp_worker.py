@@ -176,7 +176,37 @@ def baseline_name(args: argparse.Namespace) -> str:
     return "ddp" if args.hook == "dense" else "powersgd"
 
 
-def train(args: argparse.Namespace) -> dict[str, Any]:
+@dataclass
+class RankRun:
+    """One rank's training state once the process group is up."""
+
+    args: argparse.Namespace
+    cfg: TrainSection
+    out: Path
+    store: dist.Store
+    counter: WireCounter
+    task: Any
+    model: torch.nn.Module
+    """What steps: the DDP wrapper, or (DiLoCo) the module itself."""
+    module: torch.nn.Module
+    """The task's model, the one evaluated and saved."""
+    outer: OuterOptimizer | None
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+
+
+@dataclass
+class LoopResult:
+    """What the training loop measured."""
+
+    history: list[dict[str, float]]
+    evals: list[dict[str, float]]
+    loss: float
+    wall_seconds: float
+
+
+def setup_rank(args: argparse.Namespace) -> RankRun:
+    """Join the gloo group, count its collectives, and build task, model and optimizers."""
     cfg = TrainSection.model_validate(json.loads(Path(args.train_json).read_text()))
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -195,25 +225,29 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         module = model.module
     optimizer = make_optimizer(model.parameters(), cfg)
     scheduler = make_scheduler(optimizer, cfg)
-    params = sum(p.numel() for p in model.parameters())
-    batches = task.batches()
+    return RankRun(args, cfg, out, store, counter, task, model, module, outer, optimizer,
+                   scheduler)  # fmt: skip
+
+
+def train_loop(run: RankRun) -> LoopResult:
+    """``cfg.steps`` steps (with DiLoCo's outer syncs), evaluations every ``eval_every``
+    steps off the clock, and the rank's status file every ``STATUS_EVERY_S``."""
+    cfg, counter = run.cfg, run.counter
+    batches = run.task.batches()
     history: list[dict[str, float]] = []
     evals: list[dict[str, float]] = []
-    status_path = out / f"rank{args.rank}.status.json"
-    # After DDP's initial broadcast (not counted by WireCounter either).
-    wire = ConnectionBytes(exclude_port=store.port)
-    wire.start()
+    status_path = run.out / f"rank{run.args.rank}.status.json"
     clock = TrainClock()
     last = 0.0
     loss_value = math.nan
     for step in range(1, cfg.steps + 1):
-        optimizer.zero_grad(set_to_none=True)
-        loss = task.loss(model, next(batches))
+        run.optimizer.zero_grad(set_to_none=True)
+        loss = run.task.loss(run.model, next(batches))
         loss.backward()
-        optimizer.step()
-        scheduler.step()
-        if outer is not None and outer.phase_ends(step, cfg.steps):
-            outer.sync()
+        run.optimizer.step()
+        run.scheduler.step()
+        if run.outer is not None and run.outer.phase_ends(step, cfg.steps):
+            run.outer.sync()
         loss_value = float(loss.detach())
         seconds = clock.seconds()
         history.append({"step": step, "loss": loss_value, "sent_bytes": counter.sent,
@@ -221,32 +255,36 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         # The last step's evaluation is ``final`` (at ``final_seconds``), as in the daemon.
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
             with clock.paused():
-                evals.append({"step": step, "seconds": seconds, **evaluate(task, module, outer)})
+                scores = evaluate(run.task, run.module, run.outer)
+            evals.append({"step": step, "seconds": seconds, **scores})
         now = time.monotonic()
         if now - last > STATUS_EVERY_S or step == cfg.steps:
             last = now
-            write_json_atomic(status_path, {"id": f"rank{args.rank}", "state": "training",
+            write_json_atomic(status_path, {"id": f"rank{run.args.rank}", "state": "training",
                                             "step": step, "steps": cfg.steps,
                                             "loss": loss_value,
                                             "sent_bytes": int(counter.sent)})  # fmt: skip
-    wall = clock.seconds()
-    dist.barrier()
-    wire_sent, wire_received = wire.totals()
-    final = task.evaluate(module)
-    torch.save(module.state_dict(), out / f"rank{args.rank}.params.pt")
-    dist.destroy_process_group()
+    return LoopResult(history, evals, loss_value, clock.seconds())
+
+
+def rank_result(
+    run: RankRun, loop: LoopResult, final: dict[str, float], wire: tuple[int | None, int | None]
+) -> dict[str, Any]:
+    """The rank's ``rank<r>.json``: final metrics, bytes by each count, history."""
+    args, cfg, counter = run.args, run.cfg, run.counter
+    params = sum(p.numel() for p in run.model.parameters())
     result = {
         "id": f"rank{args.rank}",
         "baseline": baseline_name(args),
         "steps": cfg.steps,
         "params": params,
         "final": final,
-        "final_seconds": wall,
-        "metric": task.metric,
-        "higher_is_better": task.higher_is_better,
-        "train_loss": loss_value,
-        "wall_seconds": wall,
-        "evals": evals,
+        "final_seconds": loop.wall_seconds,
+        "metric": run.task.metric,
+        "higher_is_better": run.task.higher_is_better,
+        "train_loss": loop.loss,
+        "wall_seconds": loop.wall_seconds,
+        "evals": loop.evals,
         # Every counted collective is symmetric: each rank receives what it sends.
         "sent_bytes": int(counter.sent),
         "received_bytes": int(counter.sent),
@@ -254,20 +292,35 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "allreduce_calls": counter.calls["all_reduce"],
         "collectives": counter.summary(),
         # The kernel's count on the rank's gloo connections (None without ``ss``).
-        "wire_sent_bytes": wire_sent,
-        "wire_received_bytes": wire_received,
+        "wire_sent_bytes": wire[0],
+        "wire_received_bytes": wire[1],
         "dense_bytes": int(2 * (args.world - 1) / args.world * 4 * params * cfg.steps),
-        "history": history,
+        "history": loop.history,
     }
-    if outer is not None:
+    if run.outer is not None:
         result.update(
             local_steps=args.local_steps,
             outer_lr=args.outer_lr,
             outer_momentum=args.outer_momentum,
             pseudo_gradient_dtype=args.pseudo_gradient_dtype,
-            outer_steps=outer.outer_steps,
+            outer_steps=run.outer.outer_steps,
         )
     return result
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Train this rank, save its parameters and return its result."""
+    run = setup_rank(args)
+    # After DDP's initial broadcast (not counted by WireCounter either).
+    wire = ConnectionBytes(exclude_port=run.store.port)
+    wire.start()
+    loop = train_loop(run)
+    dist.barrier()
+    wire_totals = wire.totals()
+    final = run.task.evaluate(run.module)
+    torch.save(run.module.state_dict(), run.out / f"rank{args.rank}.params.pt")
+    dist.destroy_process_group()
+    return rank_result(run, loop, final, wire_totals)
 
 
 def evaluate(task: Any, module: torch.nn.Module, outer: OuterOptimizer | None) -> dict[str, float]:

@@ -42,6 +42,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -210,18 +211,13 @@ def start_dht(rank: int, host: str, listen: str, out: Path) -> hivemind.DHT:
     return hivemind.DHT(host_maddrs=maddrs, initial_peers=peers, start=True)
 
 
-def train(args: argparse.Namespace) -> dict[str, Any]:
-    """Train this rank; returns its result (hivemind's processes still running)."""
-    cfg = TrainSection.model_validate(json.loads(Path(args.train_json).read_text()))
-    torch.set_num_threads(1)
-    out = Path(args.out)
-    rounds = RoundCounter()
-    logging.getLogger("hivemind").addHandler(rounds)
-    dht = start_dht(args.rank, args.host, args.listen or args.host, out)
-    task = build_task(cfg.task, task_context(cfg, args.rank, args.world))
-    model = task.model
+def make_hivemind_optimizer(
+    dht: hivemind.DHT, model: torch.nn.Module, cfg: TrainSection, args: argparse.Namespace
+) -> hivemind.Optimizer:
+    """hivemind's Optimizer around the task's optimizer: one global step per
+    ``world x batch_size`` samples, gradients averaged (no local updates)."""
     mm = args.matchmaking_time
-    opt = hivemind.Optimizer(
+    return hivemind.Optimizer(
         dht=dht,
         run_id=RUN_ID,
         target_batch_size=args.world * cfg.batch_size,
@@ -237,10 +233,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         tracker_opts={"min_refresh_period": 0.05, "max_refresh_period": 0.5,
                       "default_refresh_period": 0.1},
     )  # fmt: skip
-    _KEEP_ALIVE.extend((dht, opt))
-    wire = SocketCounter()
-    write_json_atomic(out / f"rank{args.rank}.ready", {})
-    wait_for([out / f"rank{r}.ready" for r in range(args.world)], "every rank's optimizer")
+
+
+@contextlib.contextmanager
+def sampling(wire: SocketCounter) -> Iterator[None]:
+    """Sample ``wire`` every ``SAMPLE_EVERY_S`` in a thread while the block runs."""
     stop = threading.Event()
 
     def sampler() -> None:
@@ -249,11 +246,24 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
     thread = threading.Thread(target=sampler, daemon=True)
     thread.start()
-    params = sum(p.numel() for p in model.parameters())
-    batches = task.batches()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def train_loop(
+    opt: hivemind.Optimizer, task: Any, cfg: TrainSection, wire: SocketCounter, rank: int,
+    out: Path,
+) -> dict[str, Any]:  # fmt: skip
+    """Local batches until hivemind's epoch reaches ``cfg.steps``; evaluations off the clock
+    each time an epoch passes a multiple of ``eval_every``; the status file every
+    ``STATUS_EVERY_S``. Returns history, evals, last loss, batches and training seconds."""
+    model, batches = task.model, task.batches()
     history: list[dict[str, Any]] = []
     evals: list[dict[str, float]] = []
-    status_path = out / f"rank{args.rank}.status.json"
+    status_path = out / f"rank{rank}.status.json"
     clock = TrainClock()
     last = 0.0
     loss_value = math.nan
@@ -279,30 +289,55 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         now = time.monotonic()
         if now - last > STATUS_EVERY_S:
             last = now
-            status = {"id": f"rank{args.rank}", "state": "training", "step": done,
+            status = {"id": f"rank{rank}", "state": "training", "step": done,
                       "steps": cfg.steps, "loss": loss_value, "sent_bytes": sent or 0}  # fmt: skip
             write_json_atomic(status_path, status)
-    wall = clock.seconds()
-    write_json_atomic(out / f"rank{args.rank}.trained", {})
-    wait_for([out / f"rank{r}.trained" for r in range(args.world)], "every rank to finish")
-    stop.set()
-    thread.join()
-    wire.sample()
-    sent, received = wire.totals()
-    final = task.evaluate(model)
+    return {"history": history, "evals": evals, "loss": loss_value, "batches": batch,
+            "wall": clock.seconds()}  # fmt: skip
 
-    result = {
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Train this rank; returns its result (hivemind's processes still running)."""
+    cfg = TrainSection.model_validate(json.loads(Path(args.train_json).read_text()))
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    rounds = RoundCounter()
+    logging.getLogger("hivemind").addHandler(rounds)
+    dht = start_dht(args.rank, args.host, args.listen or args.host, out)
+    task = build_task(cfg.task, task_context(cfg, args.rank, args.world))
+    opt = make_hivemind_optimizer(dht, task.model, cfg, args)
+    _KEEP_ALIVE.extend((dht, opt))
+    wire = SocketCounter()
+    write_json_atomic(out / f"rank{args.rank}.ready", {})
+    wait_for([out / f"rank{r}.ready" for r in range(args.world)], "every rank's optimizer")
+    with sampling(wire):
+        loop = train_loop(opt, task, cfg, wire, args.rank, out)
+        write_json_atomic(out / f"rank{args.rank}.trained", {})
+        wait_for([out / f"rank{r}.trained" for r in range(args.world)], "every rank to finish")
+    wire.sample()
+    return rank_result(args, cfg, task, opt, wire, rounds, loop)
+
+
+def rank_result(
+    args: argparse.Namespace, cfg: TrainSection, task: Any, opt: hivemind.Optimizer,
+    wire: SocketCounter, rounds: RoundCounter, loop: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """The rank's ``rank<r>.json``: final metrics, p2p bytes, averaging rounds, history."""
+    sent, received = wire.totals()
+    params = sum(p.numel() for p in task.model.parameters())
+    batch = loop["batches"]
+    return {
         "id": f"rank{args.rank}",
         "baseline": "hivemind",
         "steps": opt.local_epoch,
         "params": params,
-        "final": final,
-        "final_seconds": wall,
+        "final": task.evaluate(task.model),
+        "final_seconds": loop["wall"],
         "metric": task.metric,
         "higher_is_better": task.higher_is_better,
-        "train_loss": loss_value,
-        "wall_seconds": wall,
-        "evals": evals,
+        "train_loss": loop["loss"],
+        "wall_seconds": loop["wall"],
+        "evals": loop["evals"],
         "sent_bytes": sent,
         "received_bytes": received,
         "bytes_counted": "p2pd TCP payload (ss bytes_acked/bytes_received)"
@@ -315,9 +350,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "state_averaging_rounds": rounds.state_rounds,
         "target_batch_size": args.world * cfg.batch_size,
         "dense_bytes": int(2 * (args.world - 1) / args.world * 4 * params * cfg.steps),
-        "history": history,
+        "history": loop["history"],
     }
-    return result
 
 
 def build_parser() -> argparse.ArgumentParser:

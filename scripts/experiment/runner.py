@@ -17,60 +17,25 @@ import json
 import logging
 import signal
 import time
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from gossipgrad.experiment import links, netns, ssh
-from gossipgrad.experiment.analysis import consensus_distance
+from gossipgrad.experiment import netns, plan, ssh
 from gossipgrad.experiment.baselines import BaselineRun, RankPlacement
 from gossipgrad.experiment.launch import LocalSwarm
+from gossipgrad.experiment.link_swarm import SwarmRelays
 from gossipgrad.experiment.live import LiveView, Progress
-from gossipgrad.experiment.records import (
-    BaselineResult,
-    PeerResult,
-    Report,
-    Sample,
-    SwarmResult,
-)
+from gossipgrad.experiment.records import BaselineResult, Report, SwarmResult
 from gossipgrad.experiment.report import write_outputs
 from gossipgrad.experiment.spec import Spec
+from gossipgrad.experiment.swarm_result import swarm_result
+from gossipgrad.experiment.swarm_sampling import SwarmSampler
 from gossipgrad.peer.config import TrainSection
-from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
-from prometheus_client.parser import text_string_to_metric_families
+from gossipgrad.peer.records import PeerStatus, read_record
 from rich.console import Console
 
 log = logging.getLogger(__name__)
-
-SCRAPE_EVERY_S = 2.0
-# Daemon states in which a peer is working (training, or gossip-only final rounds).
-ACTIVE_STATES = ("training", "final-rounds")
-_EDGE_COUNTERS = {
-    "gossipgrad_sent_bytes_total": "sent",
-    "gossipgrad_received_bytes_total": "received",
-}
-
-
-def edge_bytes(exposition: str) -> dict[str, dict[str, int]]:
-    """Bytes per neighbour in a peer's Prometheus text exposition:
-    ``{neighbour: {"sent": n, "received": n}}`` summed over message kinds."""
-    out: dict[str, dict[str, int]] = {}
-    for family in text_string_to_metric_families(exposition):
-        for sample in family.samples:
-            direction = _EDGE_COUNTERS.get(sample.name)
-            if direction is None:
-                continue
-            entry = out.setdefault(sample.labels.get("neighbor", "?"), {"sent": 0, "received": 0})
-            entry[direction] += int(sample.value)
-    return out
-
-
-def scrape_edge_bytes(port: int, timeout: float = 1.0) -> dict[str, dict[str, int]]:
-    """:func:`edge_bytes` of the peer whose Prometheus endpoint is on 127.0.0.1:``port``."""
-    url = f"http://127.0.0.1:{port}/metrics"
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return edge_bytes(resp.read().decode())
 
 
 @contextlib.contextmanager
@@ -115,7 +80,7 @@ class Experiment:
         self.n = spec.experiment.peers
         self.cfg = spec.peer_config()
         self.lab: netns.NetnsLab | None = None
-        self.relays: links.SwarmRelays | None = None
+        self.relays: SwarmRelays | None = None
         self.inventory: ssh.Inventory | None = None
         if spec.experiment.mode == "ssh":
             assert spec.ssh.inventory is not None
@@ -168,64 +133,24 @@ class Experiment:
 
     def plan(self) -> list[str]:
         """What ``run()`` would do, one line per step (``--dry-run``)."""
-        s, lines = self.spec, []
-        lines.append(
-            f"experiment {s.experiment.name}: {self.n} peers, mode {s.experiment.mode}, "
-            f"task {self.cfg.train.task}, {self.cfg.train.steps} steps of batch "
-            f"{self.cfg.train.batch_size}, seed {s.experiment.seed}, codec "
-            f"{self.cfg.gossip.codec}, topology {self.cfg.gossip.topology}, gamma "
-            f"{self.cfg.gossip.gamma}"
-        )
+        s = self.spec
+        lines = [plan.experiment_line(s, self.cfg)]
         if s.experiment.mode == "netns":
-            lab = netns.NetnsLab(self.n, s.network, prefix="ggPLANx0000-")
-            for i in range(self.n):
-                site = s.network.site(i)
-                lines.append(
-                    f"site {i}: namespace {lab.ns(i)} address {lab.address(i)} "
-                    f"rate={site.rate or 'unshaped'} delay={site.delay or 0} "
-                    f"jitter={site.jitter or 0} loss={site.loss}%"
-                )
-            for link in s.network.links:
-                lines.append(f"link {link.a}<->{link.b}: {link.model_dump(exclude={'a', 'b'})}")
-            self.lab = lab
+            self.lab = netns.NetnsLab(self.n, s.network, prefix="ggPLANx0000-")
+            lines += plan.netns_lines(self.lab, s.network, self.n)
         if s.network.uses_relay(s.experiment.mode):
-            lines.append(
-                f"links: {self.n * (self.n - 1)} user-space relays on 127.0.0.1 (one per "
-                f"directed site pair, ports picked at run time: 127.0.0.1:0 below); site i "
-                f"listens on {links.site_host(0)[:-1]}<i+1>"
-            )
-            for i in range(self.n):
-                site = s.network.site(i)
-                lines.append(
-                    f"site {i}: rate={site.rate or 'unshaped'} delay={site.delay or 0} "
-                    f"jitter={site.jitter or 0} loss={site.loss}% reset={site.reset}%"
-                )
-            for link in s.network.links:
-                pair = link.model_dump(exclude={"a", "b"}, exclude_unset=True)
-                lines.append(f"link {link.a}<->{link.b}: {pair}")
-            self.relays = links.SwarmRelays(s.network, self.n, s.experiment.seed, lambda j: None)
+            lines += plan.relay_lines(s.network, self.n)
+            self.relays = SwarmRelays(s.network, self.n, s.experiment.seed, lambda j: None)
         try:
             swarm = self.make_swarm()
             for i in range(self.n):
                 boot = "<peer0's address>" if i else None
-                cmd = swarm.command(i, boot)
-                lines.append(f"peer {i}: {' '.join(cmd)}")
+                lines.append(f"peer {i}: {' '.join(swarm.command(i, boot))}")
             place = self._placement()
         finally:
             self.lab = None
             self.relays = None
-        outer = s.baselines.diloco_settings(self.cfg.gossip.local_steps)
-        for name in s.baselines.run:
-            how, extra = "torch DDP", ""
-            if name == "powersgd":
-                extra = f", PowerSGD rank {s.baselines.powersgd_rank}"
-            elif name.startswith("diloco"):
-                how = "all-reduce DiLoCo"
-                extra = f", H={outer.local_steps}, outer lr {outer.outer_lr}, momentum "
-                extra += str(outer.outer_momentum)
-            lines.append(
-                f"baseline {name}: {self.n} ranks, {how} over gloo, rank 0 at {place.host}{extra}"
-            )
+        lines += plan.baseline_lines(s, self.cfg, place.host)
         lines.append(f"outputs: {self.out}/report.json, summary.md, *.png")
         return lines
 
@@ -255,40 +180,14 @@ class Experiment:
 
     def run_swarm(self, view: LiveView) -> SwarmResult:
         swarm = self.make_swarm()
-        history: list[list[Sample]] = [[] for _ in range(self.n)]
-        edges: dict[int, dict[str, dict[str, int]]] = {}
-        last_scrape = [0.0]
-
-        def on_sample(statuses: list[PeerStatus]) -> None:
-            for i, s in enumerate(statuses):
-                if s.state in ACTIVE_STATES and s.loss is not None and s.time is not None:
-                    h = history[i]
-                    if not h or h[-1].time != s.time:
-                        h.append(
-                            Sample(
-                                step=s.step,
-                                loss=s.loss,
-                                sent_bytes=s.sent_bytes,
-                                received_bytes=s.received_bytes,
-                                time=s.time,
-                                consensus_distance=s.consensus_distance,
-                            )
-                        )
-            now = time.monotonic()
-            if self.spec.experiment.mode == "local" and now - last_scrape[0] > SCRAPE_EVERY_S:
-                last_scrape[0] = now
-                for i, s in enumerate(statuses):
-                    if s.metrics_port and s.state in ACTIVE_STATES:
-                        with contextlib.suppress(OSError, ValueError):  # not up, or cut short
-                            edges[i] = scrape_edge_bytes(s.metrics_port)
-
+        sampler = SwarmSampler(self.n, scrape=self.spec.experiment.mode == "local")
         before = self.lab.counters() if self.lab else {}
         t0 = time.monotonic()
         ok = False
         relays = self._start_relays(swarm)
         try:
             swarm.start()
-            ok = self._watch(view, "swarm", swarm.running, swarm.statuses, on_sample)
+            ok = self._watch(view, "swarm", swarm.running, swarm.statuses, sampler.sample)
         finally:
             with signals_deferred():
                 swarm.stop()
@@ -299,12 +198,12 @@ class Experiment:
         link_bytes = _delta(self.lab.counters(), before) if self.lab else {}
         if isinstance(swarm, ssh.SshSwarm):
             swarm.fetch()
-        result = self._swarm_result(swarm, history, edges, link_bytes, ok, elapsed)
+        result = swarm_result(swarm, self.n, sampler, link_bytes, ok, elapsed)
         if relays is not None:
             result.link_emulator = relays.report()
         return result
 
-    def _start_relays(self, swarm: LocalSwarm | ssh.SshSwarm) -> links.SwarmRelays | None:
+    def _start_relays(self, swarm: LocalSwarm | ssh.SshSwarm) -> SwarmRelays | None:
         """Local mode with a shaped [network]: one relay per directed site pair; peer j's
         address is read from its status.json once it is up."""
         if not self.spec.network.uses_relay(self.spec.experiment.mode):
@@ -314,57 +213,8 @@ class Experiment:
             status = read_record(swarm.peer_dir(j) / "status.json", PeerStatus)
             return status.address if status is not None else None
 
-        self.relays = links.SwarmRelays(
-            self.spec.network, self.n, self.spec.experiment.seed, address
-        )
+        self.relays = SwarmRelays(self.spec.network, self.n, self.spec.experiment.seed, address)
         return self.relays.start()
-
-    @staticmethod
-    def _peer_result(
-        i: int, run_dir: Path, ok: bool, history: list[Sample], edges: dict[str, dict[str, int]]
-    ) -> PeerResult:
-        """Peer i's entry: its summary.json (when it wrote one) plus the sampled history."""
-        summary = read_record(run_dir / "summary.json", PeerSummary)
-        entry = PeerResult(
-            id=f"peer{i}", ok=ok and summary is not None, history=history, neighbours=edges
-        )
-        if summary is None:
-            return entry
-        fields = set(PeerResult.model_fields) - {"ok", "history", "neighbours"}
-        return entry.model_copy(update=summary.model_dump(include=fields))
-
-    def _swarm_result(self, swarm, history, edges, link_bytes, ok, elapsed) -> SwarmResult:
-        failed = swarm.failed()
-        t_start = min((h[0].time for h in history if h and h[0].time), default=0.0)
-        for hist in history:
-            for h in hist:
-                h.seconds = (h.time or t_start) - t_start
-        peers = [
-            self._peer_result(i, swarm.peer_dir(i), i not in failed, history[i], edges.get(i, {}))
-            for i in range(self.n)
-        ]
-        done = [p for p in peers if p.final]
-        result = SwarmResult(
-            ok=ok and not failed and len(done) == self.n, elapsed_seconds=elapsed, peers=peers
-        )
-        if done:
-            result.metric = done[0].metric
-            # Training time as sampled from status.json (start-up and waiting excluded),
-            # comparable with the baselines' training-loop time.
-            result.wall_seconds = max(
-                (p.history[-1].seconds or 0.0 for p in done if p.history), default=0.0
-            )
-            result.peer_wall_seconds = max(p.wall_seconds or 0.0 for p in done)
-            result.mean_sent_bytes = sum(p.sent_bytes for p in done) / len(done)
-            result.mean_received_bytes = sum(p.received_bytes for p in done) / len(done)
-            result.mean_dense_bytes = sum(p.dense_bytes for p in done) / len(done)
-        cd = consensus_distance([swarm.peer_dir(i) / "params.pt" for i in range(self.n)])
-        if cd is not None:
-            result.consensus_distance, result.relative_consensus_distance = cd
-        result.link_bytes = link_bytes or {
-            f"{p.id}→{nb}": c["sent"] for p in peers for nb, c in p.neighbours.items()
-        }
-        return result
 
     def baseline_train(self) -> TrainSection:
         """The [train] section every baseline rank runs: the swarm's, with the run's seed and
