@@ -120,15 +120,7 @@ class Daemon:
         failed = False
         try:
             self._start(gopt, site, device)
-            for _ in range(gopt.local_step):
-                scheduler.step()
-            # Evidence of the state training starts from (resumed, joined or fresh).
-            self._write_status(
-                start_step=gopt.local_step,
-                start_params=checkpoint.params_digest(gopt.flat.data),
-                start_lr=optimizer.param_groups[0]["lr"],
-                start_schedule_step=scheduler.last_epoch,
-            )
+            self._fast_forward(gopt, optimizer, scheduler)
             summary = self._train(task, model, gopt, scheduler)
             if site is not None:
                 summary["site"] = {
@@ -152,6 +144,18 @@ class Daemon:
             log.error("summary.json not written: %s", err)
         self._write_status(state="done")
         return summary
+
+    def _fast_forward(self, gopt, optimizer, scheduler) -> None:
+        """Bring the LR schedule to the step training starts from, and record the state it
+        starts from (resumed, joined or fresh) in status.json as evidence."""
+        for _ in range(gopt.local_step):
+            scheduler.step()
+        self._write_status(
+            start_step=gopt.local_step,
+            start_params=checkpoint.params_digest(gopt.flat.data),
+            start_lr=optimizer.param_groups[0]["lr"],
+            start_schedule_step=scheduler.last_epoch,
+        )
 
     def _placement(self, site: SiteContext | None) -> tuple[torch.device, int, int]:
         """(device, shard index, number of shards) of this process; under torchrun also
