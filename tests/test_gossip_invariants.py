@@ -295,7 +295,7 @@ def sent_total(peer: Peer) -> float:
     )
 
 
-def test_a_departed_neighbour_leaves_no_edge_and_no_series_and_totals_never_drop() -> None:
+def test_a_departed_neighbour_leaves_no_edge_series_or_channel_and_totals_never_drop() -> None:
     fast = {**GOSSIP, "membership.suspect_after": 0.5, "membership.dead_after": 1.0}
     peers = start_peers(3, fast)
     try:
@@ -304,6 +304,8 @@ def test_a_departed_neighbour_leaves_no_edge_and_no_series_and_totals_never_drop
         p0 = peers[0]
         assert "p2" in p0.metrics.neighbor_ids and "p2" in p0.algorithm.edges
         before = sent_total(p0)
+        gone = peers[2].address
+        assert gone in p0.clients.addresses()
         peers[2].close()
         deadline = time.monotonic() + 20.0
         while "p2" in p0.membership.present_ids():
@@ -318,6 +320,7 @@ def test_a_departed_neighbour_leaves_no_edge_and_no_series_and_totals_never_drop
             for s in metric.samples
         }
         assert "p2" not in labels
+        assert gone not in p0.clients.addresses()  # its channel is closed
         assert sent_total(p0) >= before
     finally:
         close_all(peers[:2])

@@ -109,6 +109,16 @@ class ClientPool:
         if c is not None:
             c.close()
 
+    def addresses(self) -> set[str]:
+        """The addresses a client is open to."""
+        with self._lock:
+            return set(self._clients)
+
+    def prune(self, keep: set[str]) -> None:
+        """Close the clients of every address not in ``keep`` (peers that left)."""
+        for address in self.addresses() - keep:
+            self.drop(address)
+
     def close(self) -> None:
         with self._lock:
             clients, self._clients = list(self._clients.values()), {}
@@ -380,6 +390,8 @@ class Peer:
             self.algorithm.forget(pid)
             self.metrics.remove_neighbor(pid)  # its counts move to the departed series
         self.algorithm.prune(present)
+        # Channels to peers that left go too (a rare probe of a dead peer opens one again).
+        self.clients.prune({i.address for i in m.known_infos()} | set(m.bootstrap))
 
     def update_progress(self, step: int, round_: int) -> None:
         """Advertise training progress in heartbeats (joining peers pick the most advanced)."""
