@@ -14,8 +14,8 @@ import pytest
 import torch
 from gossipgrad.peer.runtime.node import Peer
 from gossipgrad.proto import gossip_pb2 as pb
-from peer_harness import close_all, quiesce, run_rounds
-from peer_harness import start_peers as harness_start
+from support.peers import assert_mirrors_exact, close_all, distance, quiesce, resyncs, run_rounds
+from support.peers import start_peers as harness_start
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,28 +24,6 @@ def start_peers(n: int, **gossip: str) -> list[Peer]:
     """n peers with different parameters, gossip keys as given, lock-step rounds."""
     overrides = {"gossip.round_timeout": 10.0, **{f"gossip.{k}": v for k, v in gossip.items()}}
     return harness_start(n, overrides)
-
-
-def distance(peers: list[Peer]) -> float:
-    xs = torch.stack([p.flat.data for p in peers]).double()
-    return float(((xs - xs.mean(0)) ** 2).sum(1).mean())
-
-
-def assert_mirrors_exact(peers: list[Peer]) -> int:
-    """Every edge i<->j: one session at both ends, j's mirror == i's public copy bit for bit,
-    and both ends have mixed the same exchanges. Returns the directed edge count."""
-    by_id = {p.id: p for p in peers}
-    checked = 0
-    for p in peers:
-        for peer_id, edge in p.algorithm.edges.items():
-            other = by_id[peer_id].algorithm.edges.get(p.id)
-            assert other is not None, f"edge {p.id}->{peer_id} has no other end"
-            assert edge.epoch == other.epoch != 0, f"edge {p.id}<->{peer_id}: two sessions"
-            assert other.received == edge.sent > 0, (p.id, peer_id, edge.sent, other.received)
-            assert torch.equal(other.mirror, edge.public), f"edge {p.id}->{peer_id} diverged"
-            assert edge.mixed == other.mixed, f"edge {p.id}<->{peer_id} mixed one-sidedly"
-            checked += 1
-    return checked
 
 
 @pytest.mark.parametrize(
@@ -112,13 +90,6 @@ def inject(peer: Peer, fault: Callable[[int, Fault, str, pb.UpdateHeader, bytes]
 
 def accepted() -> Reply:
     return pb.PushReply(status=pb.PushReply.ACCEPTED), 0
-
-
-def resyncs(peer: Peer, neighbor: str) -> float:
-    return (
-        peer.metrics.registry.get_sample_value("gossipgrad_resyncs_total", {"neighbor": neighbor})
-        or 0.0
-    )
 
 
 def _lose(n, real, target, header, payload):

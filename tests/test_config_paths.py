@@ -1,7 +1,7 @@
 """Configuration paths exercised the way a user reaches them: a key in the config (or an
 environment variable, a signal, a console script) and what the running peer then does.
 
-Cheap checks use in-process peers (real gRPC servers on 127.0.0.1:0, tests/peer_harness.py);
+Cheap checks use in-process peers (real gRPC servers on 127.0.0.1:0, tests/support/peers.py);
 the paths that only a daemon has (status.json, checkpoints, signals, the local optimizer) run
 real ``gossipgrad-peer`` processes. One six-peer daemon swarm covers several keys at once
 (``gossip.local_steps`` > 1 with CHOCO, adam and adamw, the exponential topology, Dirichlet
@@ -39,9 +39,16 @@ from gossipgrad.peer.network.protocol import PUSH, UPDATE_CODEC, method_path
 from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
 from gossipgrad.peer.runtime.optimizer import GossipOptimizer
 from gossipgrad.proto import gossip_pb2 as pb
-from peer_harness import FAST_MEMBERSHIP, close_all, quiesce, rejected, run_rounds, start_peer
-from peer_harness import start_peers as harness_start_peers
-from test_choco import assert_mirrors_exact
+from support.peers import (
+    FAST_MEMBERSHIP,
+    assert_mirrors_exact,
+    close_all,
+    quiesce,
+    rejected,
+    run_rounds,
+    start_peer,
+)
+from support.peers import start_peers as harness_start_peers
 from torch import nn
 
 try:

@@ -22,7 +22,7 @@ from gossipgrad.peer.membership.topology import topology_from_name
 from gossipgrad.peer.runtime.optimizer import GossipOptimizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_ef_gradient import LoneView, NoSender, small_model, start_optimizers
+from support.optimizers import LoneView, NoSender, small_model, start_optimizers
 from torch import nn
 
 pytestmark = pytest.mark.timeout(120)

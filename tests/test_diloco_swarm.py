@@ -18,7 +18,7 @@ from gossipgrad.peer.tasks import TaskContext, train_centralized
 TESTS = Path(__file__).resolve().parent
 PEERS, STEPS, BATCH = 3, 150, 16
 BASE = {
-    "train.task": "tiny_lm_task:make_task",
+    "train.task": "support.tiny_lm_task:make_task",
     "train.batch_size": str(BATCH),
     "train.steps": str(STEPS),
     "train.optimizer": "adamw",
@@ -52,9 +52,9 @@ def run(out: Path, alone: bool) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_diloco_swarm_trains_a_transformer_near_centralized(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("PYTHONPATH", str(TESTS))  # the peers import tiny_lm_task
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))  # the peers import support.tiny_lm_task
     central = train_centralized(
-        "tiny_lm_task:make_task",
+        "support.tiny_lm_task:make_task",
         STEPS,
         TaskContext(num_peers=PEERS, seed=0, batch_size=BATCH),
         optimizer=lambda params: torch.optim.AdamW(params, lr=0.003),

@@ -7,7 +7,6 @@ of real processes trains digits to near the centralized accuracy.
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -15,17 +14,14 @@ import pytest
 import torch
 from gossipgrad.experiment.launch import LocalSwarm
 from gossipgrad.experiment.swarm import summarize
-from gossipgrad.peer.algorithms import EFGradient, Identity, Neighbourhood, build_algorithm
 from gossipgrad.peer.config import build_config
-from gossipgrad.peer.flat import FlatParameters
-from gossipgrad.peer.membership.topology import topology_from_name
 from gossipgrad.peer.runtime.optimizer import GossipOptimizer
 from gossipgrad.peer.tasks import TaskContext, train_centralized
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_swarm import BASE as SWARM_BASE
-from test_swarm import BATCH
-from torch import nn
+from support.optimizers import exchange_all, lone_exchange, small_model, start_optimizers
+from support.swarms import BASE as SWARM_BASE
+from support.swarms import BATCH
 
 CODECS = [
     "none",
@@ -38,46 +34,6 @@ CODECS = [
     "randomk:0.1",
     "topk:0.05+int8",
 ]
-
-
-def small_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 3))
-
-
-class LoneView:
-    """A swarm of one: no neighbours to exchange with."""
-
-    def present_ids(self) -> list[str]:
-        return ["me"]
-
-    def is_alive(self, peer: str) -> bool:
-        return True
-
-
-class NoSender:
-    def push(self, *args):
-        raise AssertionError("no neighbours to push to")
-
-
-def lone_exchange(codec: str, momentum: float = 0.0, error_feedback: bool = True) -> EFGradient:
-    """An ef-gradient algorithm with no neighbours: only the (error-feedback) compression runs."""
-    flat = FlatParameters(small_model())
-    overrides = {
-        "gossip.algorithm": "ef-gradient",
-        "gossip.codec": codec,
-        "gossip.ef_momentum": momentum,
-        "gossip.error_feedback": error_feedback,
-    }
-    cfg = build_config({}, overrides).gossip
-    nb = Neighbourhood(
-        Identity("me", "s", flat.fingerprint, flat.nbytes),
-        LoneView(),
-        topology_from_name("ring"),
-        NoSender(),
-    )
-    algorithm = build_algorithm(cfg, flat, nb, threading.RLock())
-    assert isinstance(algorithm, EFGradient)
-    return algorithm
 
 
 @pytest.mark.timeout(120)
@@ -124,51 +80,6 @@ def test_momentum_correction_keeps_velocity_of_unsent_coordinates() -> None:
         assert torch.allclose(ex.residual + ex.flat.grad(), g)
     finally:
         ex.close()
-
-
-def start_optimizers(
-    n: int, algorithm: str = "ef-gradient", lr: float = 0.1, **gossip
-) -> list[GossipOptimizer]:
-    """n GossipOptimizers seeded alike (one shared initial model), plain SGD at ``lr``."""
-    opts: list[GossipOptimizer] = []
-    for i in range(n):
-        torch.manual_seed(7)
-        model = small_model()
-        overrides = {
-            "peer.id": f"p{i}",
-            "peer.bootstrap": [opts[0].peer.address] if opts else [],
-            "metrics.enabled": False,
-            "membership.heartbeat_interval": 0.1,
-            "gossip.algorithm": algorithm,
-            "gossip.round_timeout": 10.0,
-            **{f"gossip.{k}": v for k, v in gossip.items()},
-        }
-        opts.append(
-            GossipOptimizer(
-                model, torch.optim.SGD(model.parameters(), lr=lr), build_config({}, overrides)
-            )
-        )
-    for o in opts:
-        assert o.wait_for_peers(n, 20), "peers did not discover each other"
-    return opts
-
-
-def exchange_all(opts: list[GossipOptimizer], grads: list[torch.Tensor]) -> None:
-    errors: list[BaseException] = []
-
-    def work(o: GossipOptimizer, g: torch.Tensor) -> None:
-        try:
-            o.flat.set_grad(g)
-            o.exchange_gradients()
-        except BaseException as err:
-            errors.append(err)
-
-    threads = [threading.Thread(target=work, args=(o, g)) for o, g in zip(opts, grads, strict=True)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not errors, errors
 
 
 @pytest.mark.timeout(90)

@@ -12,9 +12,18 @@ import pytest
 import torch
 from gossipgrad.compression import from_spec
 from gossipgrad.peer.runtime.node import Peer
-from peer_harness import close_all, quiesce, run_rounds, start_peer, start_peers, wait_until_met
-from test_choco import assert_mirrors_exact, distance, resyncs
-from test_ef_gradient import exchange_all, lone_exchange, start_optimizers
+from support.optimizers import exchange_all, lone_exchange, start_optimizers
+from support.peers import (
+    assert_mirrors_exact,
+    close_all,
+    distance,
+    quiesce,
+    resyncs,
+    run_rounds,
+    start_peer,
+    start_peers,
+    wait_until_met,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -34,7 +34,7 @@ from gossipgrad.peer.tasks.schedule import make_scheduler
 from gossipgrad.peer.tasks.training import make_optimizer, task_context
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests_helpers_experiment import processes_mentioning
+from support.experiment import processes_mentioning
 
 H = 4
 STEPS = 24

@@ -15,7 +15,7 @@ import pytest
 from gossipgrad.experiment.baselines import HIVEMIND_VENV
 from gossipgrad.experiment.report import load_report
 from gossipgrad.experiment.spec import SpecError, parse_spec
-from tests_helpers_experiment import processes_mentioning
+from support.experiment import processes_mentioning
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from gossipgrad.experiment.report import load_report
 from gossipgrad.peer.records import PeerStatus, read_record
-from tests_helpers_experiment import PNG_SIGNATURE, png_size, processes_mentioning
+from support.experiment import PNG_SIGNATURE, png_size, processes_mentioning
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "scripts" / "experiments" / "digits-small.toml"

@@ -18,7 +18,7 @@ from gossipgrad.experiment import netns
 from gossipgrad.experiment.report import load_report
 from gossipgrad.experiment.spec import NetworkSection
 from gossipgrad.peer.records import PeerStatus, read_record
-from tests_helpers_experiment import processes_mentioning
+from support.experiment import processes_mentioning
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "scripts" / "experiments" / "digits-small.toml"

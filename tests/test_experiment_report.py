@@ -12,7 +12,7 @@ from gossipgrad.experiment.analysis import time_to_target
 from gossipgrad.experiment.markdown import markdown
 from gossipgrad.experiment.records import Report, Sample, SystemTime
 from gossipgrad.experiment.report import load_report, write_outputs
-from tests_helpers_experiment import png_size
+from support.experiment import png_size
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -29,7 +29,7 @@ from gossipgrad.experiment.spec import (
 from gossipgrad.peer.records import PeerStatus, write_record
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests_helpers_experiment import png_size
+from support.experiment import png_size
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = sorted((ROOT / "scripts" / "experiments").glob("*.toml"))

@@ -176,7 +176,7 @@ def test_a_diverged_step_never_overwrites_the_last_good_checkpoint(tmp_path: Pat
         {
             "peer.id": "solo",
             "peer.run_dir": str(tmp_path),
-            "train.task": "tiny_user_task:make_diverging_task",
+            "train.task": "support.tiny_user_task:make_diverging_task",
             "train.steps": 100,
             "train.eval_every": 0,
             "checkpoint.every": 10,

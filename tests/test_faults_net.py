@@ -1,4 +1,4 @@
-"""Network faults between real peer processes in network namespaces (see tests/netlab.py).
+"""Network faults between real peer processes in network namespaces (see tests/support/netlab.py).
 
 The peers listen on 198.18.0.x, which is not loopback, so they run with mutual TLS from a
 swarm CA made for the test: the faults are exercised on the secure transport users get.
@@ -30,8 +30,8 @@ import torch
 from gossipgrad.experiment.analysis import consensus_distance
 from gossipgrad.experiment.launch import LocalSwarm
 from gossipgrad.peer.security import write_swarm_certs
-from netlab import NetLab, netlab_unavailable
 from prometheus_client.parser import text_string_to_metric_families
+from support.netlab import NetLab, netlab_unavailable
 
 pytestmark = [
     pytest.mark.timeout(240),

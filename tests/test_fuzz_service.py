@@ -29,7 +29,7 @@ from gossipgrad.peer.runtime.node import Peer
 from gossipgrad.proto import gossip_pb2 as pb
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from peer_harness import quiesce, rejected, run_rounds, start_peer
+from support.peers import quiesce, rejected, run_rounds, start_peer
 
 pytestmark = pytest.mark.timeout(180)
 

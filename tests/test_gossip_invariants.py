@@ -17,8 +17,16 @@ import torch
 from gossipgrad.peer.network import TransportError
 from gossipgrad.peer.runtime.node import Peer
 from gossipgrad.proto import gossip_pb2 as pb
-from peer_harness import close_all, quiesce, run_rounds, start_peer, start_peers, wait_until_met
-from test_choco import assert_mirrors_exact, distance
+from support.peers import (
+    assert_mirrors_exact,
+    close_all,
+    distance,
+    quiesce,
+    run_rounds,
+    start_peer,
+    start_peers,
+    wait_until_met,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

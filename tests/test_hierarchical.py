@@ -129,7 +129,7 @@ def test_a_leader_that_fails_alone_fails_the_other_ranks_at_once(tmp_path: Path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    script = Path(__file__).parent / "site_leader_fails.py"
+    script = Path(__file__).parent / "support" / "site_leader_fails.py"
     procs = []
     for rank in range(2):
         env = {

@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from tests_helpers_experiment import processes_mentioning
+from support.experiment import processes_mentioning
 
 SPEC = """
 [experiment]

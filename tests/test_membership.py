@@ -7,7 +7,7 @@ import time
 
 import pytest
 from gossipgrad.proto import gossip_pb2 as pb
-from peer_harness import close_all, start_peer, start_peers, wait_until_met
+from support.peers import close_all, start_peer, start_peers, wait_until_met
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,7 +9,7 @@
 
 Two kinds of swarm (:data:`SWARM_KINDS`, env ``GOSSIPGRAD_E2E_SWARMS``): ``daemon`` -- three
 real peer daemons (``python -m gossipgrad.peer --config site.toml``) training the digits task
-over gRPC -- and ``fake`` -- three tests/fake_metrics_peer.py processes, real PeerMetrics
+over gRPC -- and ``fake`` -- three tests/support/fake_metrics_peer.py processes, real PeerMetrics
 endpoints fed realistic values, deterministic in shape and quick to start.
 
 Prometheus scrapes each peer through a pass-through recorder (:class:`ScrapeRecorder`) that
@@ -135,7 +135,7 @@ def start_fake_swarm(tmp: Path, n: int = 3, timeout: float = 30.0) -> Swarm:
             neighbors = sorted({ids[(i - 1) % n], ids[(i + 1) % n]} - {pid})
             cmd = [
                 sys.executable,
-                str(Path(__file__).with_name("fake_metrics_peer.py")),
+                str(Path(__file__).parent / "support" / "fake_metrics_peer.py"),
                 f"--id={pid}",
                 f"--neighbors={','.join(neighbors)}",
                 f"--seed={i}",

@@ -33,7 +33,7 @@ from gossipgrad.peer.security import (
     write_swarm_certs,
 )
 from gossipgrad.proto import gossip_pb2 as pb
-from peer_harness import rejected, start_peer
+from support.peers import rejected, start_peer
 from torch import nn
 
 pytestmark = pytest.mark.timeout(120)

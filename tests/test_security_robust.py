@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 from gossipgrad.peer.runtime.node import Peer
-from peer_harness import start_peers
+from support.peers import start_peers
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -19,26 +19,13 @@ from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
 from gossipgrad.peer.runtime.checkpoint import params_digest
 from gossipgrad.peer.tasks import TaskContext, train_centralized
 from gossipgrad.peer.tasks.schedule import lr_factor
+from support.swarms import BASE, BATCH
 
 STEPS = 300
-BATCH = 32
 # Tolerances stated by the peer issue's test: every peer within 3 points of one model trained
 # on all the data with the same sample budget, and the peers' models close together.
 ACCURACY_TOLERANCE = 0.03
 RELATIVE_CONSENSUS_BOUND = 1e-3  # (1/n) Σ||x_i - x̄||² over ||x̄||²; peers that never mix: 0.036
-
-BASE = {
-    "train.task": "digits",
-    "train.batch_size": str(BATCH),
-    "train.eval_every": "0",
-    "gossip.codec": "topk:0.01+int8",
-    "gossip.topology": "ring",
-    "metrics.enabled": "false",
-    "membership.heartbeat_interval": "0.2",
-    "membership.suspect_after": "2",
-    "membership.dead_after": "4",
-    "gossip.round_timeout": "3",
-}
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:

@@ -59,7 +59,7 @@ needs_shakespeare = pytest.mark.skipif(
 def user_tasks_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(TESTS_DIR))
     yield
-    sys.modules.pop("tiny_user_task", None)
+    sys.modules.pop("support.tiny_user_task", None)
 
 
 def _ctx(**kw) -> TaskContext:
@@ -274,7 +274,7 @@ def test_train_centralized_learns_and_zero_steps_is_chance() -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.usefixtures("user_tasks_on_path")
 def test_user_task_module_factory() -> None:
-    tasks = [build_task("tiny_user_task:make_task", _ctx(peer_index=i)) for i in range(4)]
+    tasks = [build_task("support.tiny_user_task:make_task", _ctx(peer_index=i)) for i in range(4)]
     assert sum(t.num_train_samples for t in tasks) == 400
     assert all(torch.equal(_flat(t.model), _flat(tasks[0].model)) for t in tasks)
     task = tasks[0]
@@ -284,12 +284,14 @@ def test_user_task_module_factory() -> None:
     _sgd_steps(task, 80)
     assert task.evaluate(task.model)["accuracy"] > max(0.85, start["accuracy"])
     skewed = [
-        build_task("tiny_user_task:make_task", _ctx(peer_index=i, partition="dirichlet", alpha=0.1))
+        build_task(
+            "support.tiny_user_task:make_task", _ctx(peer_index=i, partition="dirichlet", alpha=0.1)
+        )
         for i in range(4)
     ]
     assert sum(t.num_train_samples for t in skewed) == 400
     with pytest.raises(ValueError, match="no training samples"):
-        build_task("tiny_user_task:make_task", _ctx(peer_index=499, num_peers=500))
+        build_task("support.tiny_user_task:make_task", _ctx(peer_index=499, num_peers=500))
 
 
 @pytest.mark.timeout(60)
@@ -297,11 +299,13 @@ def test_user_task_module_factory() -> None:
 def test_user_task_map_style_dataset_and_errors() -> None:
     # Dirichlet labels come from the dataset's .targets; shards still cover the data.
     skewed = [
-        build_task("tiny_user_task:make_dataset_task", _ctx(peer_index=i, partition="dirichlet"))
+        build_task(
+            "support.tiny_user_task:make_dataset_task", _ctx(peer_index=i, partition="dirichlet")
+        )
         for i in range(4)
     ]
     assert sum(t.num_train_samples for t in skewed) == 300
-    task = build_task("tiny_user_task:make_dataset_task", _ctx())
+    task = build_task("support.tiny_user_task:make_dataset_task", _ctx())
     assert task.metric == "loss" and not task.higher_is_better
     x, y = next(task.batches())
     assert x.shape == (16, 8) and y.dtype == torch.int64
@@ -309,9 +313,9 @@ def test_user_task_map_style_dataset_and_errors() -> None:
     _sgd_steps(task, 50)
     assert task.evaluate(task.model)["loss"] < before
     with pytest.raises(TypeError, match="not a Task"):
-        build_task("tiny_user_task:not_a_task", _ctx())
+        build_task("support.tiny_user_task:not_a_task", _ctx())
     with pytest.raises(ValueError, match="no attribute"):
-        build_task("tiny_user_task:missing", _ctx())
+        build_task("support.tiny_user_task:missing", _ctx())
 
 
 # --- data files -----------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""In-process peers for tests: real Peer objects, real gRPC servers on 127.0.0.1:0.
+"""In-process peers for tests: real Peer objects, real gRPC servers on 127.0.0.1:0, and the
+laws their edges must keep (mirrors exact, symmetric mixing).
 
 Shared by the gossip, security and fuzz tests so each says only what it varies.
 """
@@ -104,3 +105,32 @@ def rejected(peer: Peer, reason: str) -> float:
         "gossipgrad_rejected_updates_total", {"reason": reason}
     )
     return value or 0.0
+
+
+def distance(peers: list[Peer]) -> float:
+    xs = torch.stack([p.flat.data for p in peers]).double()
+    return float(((xs - xs.mean(0)) ** 2).sum(1).mean())
+
+
+def assert_mirrors_exact(peers: list[Peer]) -> int:
+    """Every edge i<->j: one session at both ends, j's mirror == i's public copy bit for bit,
+    and both ends have mixed the same exchanges. Returns the directed edge count."""
+    by_id = {p.id: p for p in peers}
+    checked = 0
+    for p in peers:
+        for peer_id, edge in p.algorithm.edges.items():
+            other = by_id[peer_id].algorithm.edges.get(p.id)
+            assert other is not None, f"edge {p.id}->{peer_id} has no other end"
+            assert edge.epoch == other.epoch != 0, f"edge {p.id}<->{peer_id}: two sessions"
+            assert other.received == edge.sent > 0, (p.id, peer_id, edge.sent, other.received)
+            assert torch.equal(other.mirror, edge.public), f"edge {p.id}->{peer_id} diverged"
+            assert edge.mixed == other.mixed, f"edge {p.id}<->{peer_id} mixed one-sidedly"
+            checked += 1
+    return checked
+
+
+def resyncs(peer: Peer, neighbor: str) -> float:
+    return (
+        peer.metrics.registry.get_sample_value("gossipgrad_resyncs_total", {"neighbor": neighbor})
+        or 0.0
+    )

@@ -1,4 +1,4 @@
-"""A tiny language-model task for the diloco swarm test, loaded as "tiny_lm_task:make_task".
+"""A tiny language-model task for the diloco swarm test, loaded as "support.tiny_lm_task:make_task".
 
 Text from a fixed random Markov chain over 12 symbols (each symbol has a few likely
 successors), so a one-layer transformer learns it in a few hundred AdamW steps on one core;

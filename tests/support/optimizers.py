@@ -1,0 +1,99 @@
+"""GossipOptimizers and algorithms for tests: several seeded alike over real gRPC on
+127.0.0.1, or one with no neighbours (only its compression runs)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from gossipgrad.peer.algorithms import EFGradient, Identity, Neighbourhood, build_algorithm
+from gossipgrad.peer.config import build_config
+from gossipgrad.peer.flat import FlatParameters
+from gossipgrad.peer.membership.topology import topology_from_name
+from gossipgrad.peer.runtime.optimizer import GossipOptimizer
+from torch import nn
+
+
+def small_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+class LoneView:
+    """A swarm of one: no neighbours to exchange with."""
+
+    def present_ids(self) -> list[str]:
+        return ["me"]
+
+    def is_alive(self, peer: str) -> bool:
+        return True
+
+
+class NoSender:
+    def push(self, *args):
+        raise AssertionError("no neighbours to push to")
+
+
+def lone_exchange(codec: str, momentum: float = 0.0, error_feedback: bool = True) -> EFGradient:
+    """An ef-gradient algorithm with no neighbours: only the (error-feedback) compression runs."""
+    flat = FlatParameters(small_model())
+    overrides = {
+        "gossip.algorithm": "ef-gradient",
+        "gossip.codec": codec,
+        "gossip.ef_momentum": momentum,
+        "gossip.error_feedback": error_feedback,
+    }
+    cfg = build_config({}, overrides).gossip
+    nb = Neighbourhood(
+        Identity("me", "s", flat.fingerprint, flat.nbytes),
+        LoneView(),
+        topology_from_name("ring"),
+        NoSender(),
+    )
+    algorithm = build_algorithm(cfg, flat, nb, threading.RLock())
+    assert isinstance(algorithm, EFGradient)
+    return algorithm
+
+
+def start_optimizers(
+    n: int, algorithm: str = "ef-gradient", lr: float = 0.1, **gossip
+) -> list[GossipOptimizer]:
+    """n GossipOptimizers seeded alike (one shared initial model), plain SGD at ``lr``."""
+    opts: list[GossipOptimizer] = []
+    for i in range(n):
+        torch.manual_seed(7)
+        model = small_model()
+        overrides = {
+            "peer.id": f"p{i}",
+            "peer.bootstrap": [opts[0].peer.address] if opts else [],
+            "metrics.enabled": False,
+            "membership.heartbeat_interval": 0.1,
+            "gossip.algorithm": algorithm,
+            "gossip.round_timeout": 10.0,
+            **{f"gossip.{k}": v for k, v in gossip.items()},
+        }
+        opts.append(
+            GossipOptimizer(
+                model, torch.optim.SGD(model.parameters(), lr=lr), build_config({}, overrides)
+            )
+        )
+    for o in opts:
+        assert o.wait_for_peers(n, 20), "peers did not discover each other"
+    return opts
+
+
+def exchange_all(opts: list[GossipOptimizer], grads: list[torch.Tensor]) -> None:
+    errors: list[BaseException] = []
+
+    def work(o: GossipOptimizer, g: torch.Tensor) -> None:
+        try:
+            o.flat.set_grad(g)
+            o.exchange_gradients()
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(o, g)) for o, g in zip(opts, grads, strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors, errors
