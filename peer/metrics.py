@@ -160,6 +160,12 @@ class PeerMetrics:
             buckets=PUSH_BUCKETS,
             registry=r,
         )
+        self.gossip_blocking = Counter(
+            _name("gossip_blocking_seconds"),
+            "Wall time the training thread spent blocked in gossip (rounds, gradient "
+            "exchanges, the end of the run); compute utilization = 1 - rate() of this.",
+            registry=r,
+        )
         self.compress_duration = Histogram(
             _name("compress_duration_seconds"),
             "Wall time to compress and encode this peer's update for one round.",
@@ -315,6 +321,11 @@ class PeerMetrics:
             self.eval_metric.labels(name=name).set(value)
 
     # --- gossip ------------------------------------------------------------------------------
+    def record_blocking(self, seconds: float) -> None:
+        """Count ``seconds`` the training thread waited for gossip instead of computing."""
+        _check_amount(seconds, "seconds")
+        self.gossip_blocking.inc(seconds)
+
     def observe_round(self, seconds: float) -> None:
         """Record one completed gossip round and its duration."""
         _check_amount(seconds, "seconds")

@@ -126,6 +126,14 @@ class PeerSummary(TrafficTotals):
     wall_seconds: float | None = Field(
         None, description="Seconds from start-up to the end, waiting and evaluation included."
     )
+    gossip_blocking_seconds: float = Field(
+        0.0, description="Training-thread seconds spent blocked in gossip (rounds, exchanges)."
+    )
+    compute_utilization: float | None = Field(
+        None,
+        description="1 - gossip_blocking_seconds / final_seconds: the share of training time "
+        "spent computing rather than waiting for the network.",
+    )
     site: SiteSummary | None = Field(None, description="Multi-rank sites only: this rank.")
 
 

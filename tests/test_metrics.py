@@ -469,3 +469,25 @@ def test_http_endpoint_on_ipv6_loopback() -> None:
         assert "gossipgrad_samples_total 8.0" in text
     finally:
         m.stop()
+
+
+@pytest.mark.timeout(60)
+def test_time_blocked_waiting_for_a_silent_neighbour_is_counted() -> None:
+    """p1 never steps: p0's first round waits its round_timeout (1 s) for it. That wait is
+    blocked time; the optimizer step itself is not."""
+    import torch
+    from support.optimizers import start_optimizers
+
+    opts = start_optimizers(2, algorithm="choco", round_timeout=1.0, local_steps=1)
+    p0 = opts[0]
+    try:
+        for _ in range(3):
+            p0.flat.set_grad(torch.ones_like(p0.flat.data))
+            p0.step()
+        counted = value(p0.metrics, "gossipgrad_gossip_blocking_seconds_total")
+        assert counted == pytest.approx(p0.blocking_seconds)
+        assert 0.9 <= p0.blocking_seconds < 10.0
+        assert value(opts[1].metrics, "gossipgrad_gossip_blocking_seconds_total") == 0.0
+    finally:
+        for o in opts:
+            o.close()

@@ -232,6 +232,8 @@ class Daemon:
             "consensus_distance_estimate": stats.consensus_distance if stats else None,
             "evals": evals,
             "params": gopt.flat.numel,
+            "gossip_blocking_seconds": gopt.blocking_seconds,
+            "compute_utilization": _utilization(gopt.blocking_seconds, final_seconds),
             **traffic,
         }
         self._write_status(
@@ -314,6 +316,11 @@ def _consensus(gopt: GossipOptimizer) -> dict[str, float]:
     if stats is None or not math.isfinite(stats.consensus_distance):
         return {}
     return {"consensus_distance": float(stats.consensus_distance)}
+
+
+def _utilization(blocking: float, seconds: float) -> float | None:
+    """The share of the training seconds not spent blocked in gossip."""
+    return max(0.0, 1.0 - blocking / seconds) if seconds > 0 else None
 
 
 def traffic_totals(registry) -> dict[str, int]:

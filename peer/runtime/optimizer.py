@@ -27,9 +27,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import threading
+import time
+from collections.abc import Iterator
 
 import torch
 from gossipgrad.peer.algorithms import GossipAlgorithm, RoundStats
@@ -69,6 +72,7 @@ class GossipOptimizer:
         self.flat = FlatParameters(model)
         self.local_step = 0
         self.last_round: RoundStats | None = None
+        self.blocking_seconds = 0.0  # training-thread time spent blocked in gossip
         # The training thread's optimizer steps vs. the algorithm's reads and writes of the
         # parameters vs. state downloads.
         self.state_lock = threading.RLock()
@@ -136,11 +140,25 @@ class GossipOptimizer:
     def exchange_gradients(self) -> None:
         """What the algorithm does with the gradients before the step (ef-gradient: replace
         ``.grad`` by the neighbourhood's compressed average; others: nothing)."""
-        self.algorithm.before_step()
+        with self._blocking():
+            self.algorithm.before_step()
+
+    @contextlib.contextmanager
+    def _blocking(self) -> Iterator[None]:
+        """Count the wall time the training thread spends here as blocked by gossip
+        (``gossipgrad_gossip_blocking_seconds_total``; compute utilization is the rest)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - t0
+            self.blocking_seconds += seconds
+            self.metrics.record_blocking(seconds)
 
     def after_local_step(self) -> RoundStats | None:
         """What the algorithm does after step ``local_step`` (a round, when one is due)."""
-        stats = self.algorithm.after_step(self.local_step)
+        with self._blocking():
+            stats = self.algorithm.after_step(self.local_step)
         if stats is not None:
             self.last_round = stats
         self.peer.update_progress(self.local_step, self.round)
@@ -148,13 +166,15 @@ class GossipOptimizer:
 
     def gossip_round(self) -> RoundStats:
         """One gossip-only round now (``gossip.final_rounds``)."""
-        self.last_round = self.algorithm.consensus_round()
+        with self._blocking():
+            self.last_round = self.algorithm.consensus_round()
         self.peer.update_progress(self.local_step, self.round)
         return self.last_round
 
     def finish(self) -> None:
         """Training is over: apply what is still in flight (diloco's last exchange)."""
-        self.algorithm.finish()
+        with self._blocking():
+            self.algorithm.finish()
 
     # ------------------------------------------------------------------ state
 

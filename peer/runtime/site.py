@@ -183,6 +183,11 @@ class SiteOptimizer:
         return self.gopt.round if self.gopt is not None else self._rounds
 
     @property
+    def blocking_seconds(self) -> float:
+        """The leader's seconds blocked in gossip (0 on the other ranks)."""
+        return self.gopt.blocking_seconds if self.gopt is not None else 0.0
+
+    @property
     def last_round(self):
         return self.gopt.last_round if self.gopt is not None else None
 

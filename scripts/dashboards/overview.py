@@ -110,6 +110,13 @@ def _gossip_panels(s: str) -> list[Panel]:
             "What the compressor has not sent yet.",
         ),
         timeseries(
+            "Compute utilization per peer",
+            [(f"1 - {rate('gossipgrad_gossip_blocking_seconds_total', s, 'peer')}", "{{peer}}")],
+            "percentunit",
+            "Share of wall time the training thread computes rather than waits for gossip "
+            "(rounds, gradient exchanges): the cost of the network's latency and bandwidth.",
+        ),
+        timeseries(
             "Round latency quantiles (swarm)",
             quantiles("gossipgrad_round_duration_seconds", s),
             "s",

@@ -81,6 +81,7 @@ def play_round(
         m.set_eval({"accuracy": acc, "loss": loss * 1.1})
     m.set_consensus_distance(math.exp(-r / 40) + rng.uniform(0, 0.01))
     m.set_error_feedback_norm(5.0 + rng.uniform(-0.5, 0.5))
+    m.record_blocking(0.01 * len(neighbors))
 
 
 def main(argv: list[str] | None = None) -> int:
