@@ -166,6 +166,12 @@ class PeerMetrics:
             "exchanges, the end of the run); compute utilization = 1 - rate() of this.",
             registry=r,
         )
+        self.alone_seconds = Counter(
+            _name("alone_seconds"),
+            "Seconds a round waited because no other peer was alive while some were suspect "
+            "(instead of training alone and racing ahead).",
+            registry=r,
+        )
         self.compress_duration = Histogram(
             _name("compress_duration_seconds"),
             "Wall time to compress and encode this peer's update for one round.",
@@ -325,6 +331,11 @@ class PeerMetrics:
         """Count ``seconds`` the training thread waited for gossip instead of computing."""
         _check_amount(seconds, "seconds")
         self.gossip_blocking.inc(seconds)
+
+    def record_alone(self, seconds: float) -> None:
+        """Count ``seconds`` waited with no live neighbour (some suspect)."""
+        _check_amount(seconds, "seconds")
+        self.alone_seconds.inc(seconds)
 
     def observe_round(self, seconds: float) -> None:
         """Record one completed gossip round and its duration."""

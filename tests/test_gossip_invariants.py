@@ -332,3 +332,38 @@ def test_a_departed_neighbour_leaves_no_edge_series_or_channel_and_totals_never_
         assert sent_total(p0) >= before
     finally:
         close_all(peers[:2])
+
+
+def test_a_peer_whose_neighbours_are_only_suspect_waits_rather_than_trains_alone() -> None:
+    """p1 goes silent: while p0 only suspects it, p0's round waits (bounded, counted) instead
+    of returning at once with no neighbour; once p1 is declared dead the rounds go on."""
+    fast = {
+        **GOSSIP,
+        "gossip.round_timeout": 8.0,
+        "membership.suspect_after": 0.5,
+        "membership.dead_after": 3.0,
+    }
+    peers = start_peers(2, fast)
+    p0, p1 = peers
+    try:
+        run_rounds(peers, 2)
+        quiesce(peers)
+        p1.membership.announce_leaving = lambda: None  # it crashes: no goodbye
+        p1.close()
+        deadline = time.monotonic() + 10.0
+        while p0.membership.is_alive("p1"):
+            assert time.monotonic() < deadline, "p1 never became suspect"
+            time.sleep(0.05)
+        assert "p1" in p0.membership.present_ids()  # suspect, not yet dead
+        t0 = time.monotonic()
+        p0.algorithm.step_round()
+        took = time.monotonic() - t0
+        waited = p0.metrics.registry.get_sample_value("gossipgrad_alone_seconds_total")
+        assert waited > 1.0 and took >= waited, (waited, took)
+        assert took < 8.0 + 2.0  # bounded by the round timeout (here: until p1 is dead)
+        assert "p1" not in p0.membership.present_ids()
+        t0 = time.monotonic()
+        p0.algorithm.step_round()  # alone for good now: no wait
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        p0.close()

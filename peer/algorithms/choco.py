@@ -290,6 +290,7 @@ class ChocoGossip(GossipAlgorithm):
     def step_round(self) -> RoundStats:
         """Run one gossip round (see the module docstring). Called by the training thread."""
         t_round = time.perf_counter()
+        self.nb.await_company(self.settings.round_timeout)
         ids = self.nb.ids()
         neighbors = self.nb.neighbors_at(self._round, ids)
         owed = [p for p, e in list(self.edges.items()) if p not in neighbors and e.owed()]

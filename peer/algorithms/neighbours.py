@@ -204,6 +204,31 @@ class Neighbourhood:
 
     # ------------------------------------------------------------------ waiting
 
+    def alone(self) -> bool:
+        """No other peer is alive, yet some are still present (suspect, not given up)."""
+        present = self.view.present_ids()
+        others = [p for p in present if p != self.me]
+        return bool(others) and not any(self.view.is_alive(p) for p in others)
+
+    def await_company(self, timeout: float) -> float:
+        """While :meth:`alone`, wait (at most ``timeout``) until a neighbour is heard from
+        again or membership gives up on them, instead of running rounds alone and racing
+        ahead of a swarm that is only briefly out of reach. Returns the seconds waited."""
+        if not self.alone():
+            return 0.0
+        t0 = time.monotonic()
+        log.warning("no live neighbour, %d suspect: waiting up to %.0fs", self._suspects(), timeout)
+        while self.alone() and time.monotonic() - t0 < timeout:
+            with self.arrived:
+                self.arrived.wait(timeout=0.05)
+        waited = time.monotonic() - t0
+        if self.metrics is not None:
+            self.metrics.record_alone(waited)
+        return waited
+
+    def _suspects(self) -> int:
+        return sum(1 for p in self.view.present_ids() if p != self.me and not self.view.is_alive(p))
+
     def wait(
         self,
         missing: Callable[[], list[str]],
