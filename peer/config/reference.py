@@ -26,7 +26,8 @@ def markdown_reference() -> str:
         "",
         "Generated from `peer/config/` by `gossipgrad-peer --config-reference`.",
         "Every key can be set in the TOML file under its section, or on the command line as",
-        "`--section.key=value`.",
+        "`--set section.key=value` (the syntax every gossipgrad tool takes) or",
+        "`--section.key=value`; list values are comma-separated.",
         "",
     ]
     current = None
