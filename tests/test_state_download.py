@@ -48,6 +48,7 @@ def test_state_downloaded_during_training_is_one_consistent_snapshot() -> None:
     trainer = threading.Thread(target=train)
     trainer.start()
     try:
+        steps: list[int] = []
         with PeerClient(donor.peer.address) as client:
             for _ in range(12):
                 header, blob = client.download_state(
@@ -55,12 +56,17 @@ def test_state_downloaded_during_training_is_one_consistent_snapshot() -> None:
                 )
                 state = torch.load(io.BytesIO(bytes(blob)), weights_only=False)
                 k = state["local_step"]
-                buf = next(iter(state["optimizer"]["state"].values()))["momentum_buffer"]
                 params = state["params"]
                 assert header.step == k
-                assert torch.all(buf == k), (k, buf.min().item(), buf.max().item())
                 assert torch.all(params == -k * (k + 1) / 2), (k, params.min().item())
-        assert donor.local_step > 1, "the donor did not train meanwhile"
+                momentum = state["optimizer"]["state"]
+                if k == 0:  # downloaded before the first step: no momentum yet
+                    assert not momentum
+                    continue
+                steps.append(k)
+                buf = next(iter(momentum.values()))["momentum_buffer"]
+                assert torch.all(buf == k), (k, buf.min().item(), buf.max().item())
+        assert len(set(steps)) > 1, f"the donor did not train meanwhile: {steps}"
     finally:
         stop.set()
         trainer.join(60)
