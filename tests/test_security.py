@@ -361,3 +361,17 @@ def test_a_server_certificate_from_another_ca_fails_the_clients_handshake(certs)
             assert c.heartbeat(_heartbeat("p0"), timeout=5).responder.id == "p1"
     finally:
         impostor.close()
+
+
+@pytest.mark.timeout(30)
+def test_binding_every_interface_without_advertise_warns(caplog: pytest.LogCaptureFixture) -> None:
+    """0.0.0.0 is no address another machine can dial: the peer says so (only started and
+    closed here; nothing connects to it)."""
+    overrides = {"peer.listen": "0.0.0.0:0", "security.insecure": True, "metrics.enabled": False}
+    for extra, warned in [({}, True), ({"peer.advertise": "127.0.0.1:7"}, False)]:
+        caplog.clear()
+        peer = Peer(build_config({}, {**overrides, **extra}), FlatParameters(nn.Linear(2, 2)))
+        with caplog.at_level(logging.WARNING):
+            peer.start()
+        peer.close()
+        assert ("set peer.advertise" in caplog.text) is warned, caplog.text

@@ -35,7 +35,8 @@ class PeerSection(Section):
     advertise: str = Field(
         "",
         description="host:port other peers use to reach this one. Empty: the listen host "
-        "with the bound port.",
+        "with the bound port (logged as a warning when that host is 0.0.0.0 or [::], which "
+        "no other machine can dial).",
         pattern=rf"^$|{ADDRESS_PATTERN}",
     )
     bootstrap: list[Address] = Field(

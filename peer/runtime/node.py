@@ -79,6 +79,10 @@ def transport_security(cfg: PeerConfig) -> TransportSecurity | None:
     return sec
 
 
+#: Listen hosts that bind every interface (not an address another machine can dial).
+WILDCARD_HOSTS = ("0.0.0.0", "[::]", "::")
+
+
 class ClientPool:
     """One PeerClient per address, created on first use."""
 
@@ -209,6 +213,14 @@ class Peer:
         port = self.server.start()
         host = self.cfg.peer.listen.rsplit(":", 1)[0]
         self.address = self.cfg.peer.advertise or f"{host}:{port}"
+        if not self.cfg.peer.advertise and host in WILDCARD_HOSTS:
+            log.warning(
+                "peer.listen %s binds every interface and peer.advertise is empty: other "
+                "peers are told %s, which reaches only this machine; set peer.advertise to "
+                "the host:port they dial",
+                self.cfg.peer.listen,
+                self.address,
+            )
         if not self.id:
             self.id = f"{socket.gethostname()}-{port}"
         g = self.cfg.gossip
