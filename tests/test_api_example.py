@@ -74,10 +74,11 @@ def test_example_runs_as_two_peers(tmp_path: Path, algorithm: str) -> None:
         assert r["steps"] == s["local_step"] == 200
         assert r["rounds"] > 0
         assert r["accuracy"] > 0.9
-    # The two peers trained different shards yet hold nearly the same model (the bound of
-    # the swarm test: squared distance under 2% of the squared norm).
+    # The two peers trained different shards yet hold nearly the same model. Calibrated on
+    # this host (choco, 200 steps): squared distance / squared norm 3.8e-4 when they gossip,
+    # 8.1e-2 when each trains alone (a swarm of its own); the bound sits between, clear of both.
     a, b = states[0]["params"], states[1]["params"]
-    assert float((a - b).norm() ** 2) < 0.02 * float(a.norm() ** 2)
+    assert float((a - b).norm() ** 2) < 5e-3 * float(a.norm() ** 2)
 
 
 def lone_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> GossipOptimizer:
