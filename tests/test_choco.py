@@ -205,7 +205,7 @@ def test_every_codec_keeps_edges_exact(codec: str) -> None:
 
 def test_peers_seeded_alike_open_edges_without_sending_the_model() -> None:
     """Same seeded initial model on both sides: the INIT opening carries no payload."""
-    from peer_harness import start_peer, wait_until_met
+    from support.peers import start_peer, wait_until_met
 
     overrides = {"gossip.codec": "topk:0.2+int8", "gossip.gamma": 0.3}
     p0 = start_peer("p0", [], seed=7, overrides=overrides)
