@@ -192,8 +192,10 @@ def test_partition_then_heal_returns_to_consensus(netswarm) -> None:
     params = final_params(swarm)
     assert all(torch.isfinite(p).all() for p in params)
     _, relative = consensus_distance([swarm.peer_dir(i) / "params.pt" for i in range(4)])
+    # Measured 6.2e-6 after the heal; digits peers that never mix end near 0.036 (the 4-peer
+    # swarm test's control), so 1e-3 fails a swarm that stayed split or stopped gossiping.
     print(f"relative consensus distance after the heal {relative:.2e}")
-    assert relative < 0.02, relative
+    assert relative < 1e-3, relative
 
 
 def test_slow_and_flapping_peers_block_no_one_and_memory_stays_bounded(netswarm) -> None:
