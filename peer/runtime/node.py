@@ -27,7 +27,7 @@ from gossipgrad.peer.config import PeerConfig
 from gossipgrad.peer.flat import FlatParameters
 from gossipgrad.peer.membership.heartbeats import Membership
 from gossipgrad.peer.membership.topology import topology_from_name
-from gossipgrad.peer.metrics import PeerMetrics
+from gossipgrad.peer.metrics import UNATTRIBUTED, PeerMetrics
 from gossipgrad.peer.network import GossipServer, PeerClient, TransportOptions, UpdateRejected
 from gossipgrad.peer.security import TransportSecurity, resolve_security
 from gossipgrad.proto import gossip_pb2 as pb
@@ -280,7 +280,7 @@ class Peer:
     ) -> pb.HeartbeatReply:
         reply = self.clients.get(address).heartbeat(request, timeout=timeout)
         if reply.responder.id:
-            self.metrics.record_sent(reply.responder.id, "heartbeat", request.ByteSize())
+            self.metrics.record_sent(UNATTRIBUTED, "heartbeat", request.ByteSize())
         return reply
 
     def donors(self) -> list[pb.PeerInfo]:
@@ -357,7 +357,7 @@ class Peer:
     def handle_heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
         self._check_swarm(request.swarm)
         if request.sender.id:
-            self.metrics.record_received(request.sender.id, "heartbeat", request.ByteSize())
+            self.metrics.record_received(UNATTRIBUTED, "heartbeat", request.ByteSize())
         return self.membership.handle_heartbeat(request)
 
     def handle_state_request(self, request: pb.StateRequest) -> tuple[pb.StateHeader, bytes]:
@@ -400,8 +400,11 @@ class Peer:
         for pid in set(self._incarnations) - present:
             del self._incarnations[pid]
             self.algorithm.forget(pid)
-            self.metrics.remove_neighbor(pid)  # its counts move to the departed series
         self.algorithm.prune(present)
+        # Series of peers that left (also ones a late reply re-created): counts move to the
+        # departed series.
+        for pid in self.metrics.neighbor_ids - present:
+            self.metrics.remove_neighbor(pid)
         # Channels to peers that left go too (a rare probe of a dead peer opens one again).
         self.clients.prune({i.address for i in m.known_infos()} | set(m.bootstrap))
 
