@@ -206,9 +206,7 @@ class Neighbourhood:
 
     def alone(self) -> bool:
         """No other peer is alive, yet some are still present (suspect, not given up)."""
-        present = self.view.present_ids()
-        others = [p for p in present if p != self.me]
-        return bool(others) and not any(self.view.is_alive(p) for p in others)
+        return len(self.ids()) == 1 and len(self.view.present_ids()) > 1
 
     def await_company(self, timeout: float) -> float:
         """While :meth:`alone`, wait (at most ``timeout``) until a neighbour is heard from
@@ -217,7 +215,8 @@ class Neighbourhood:
         if not self.alone():
             return 0.0
         t0 = time.monotonic()
-        log.warning("no live neighbour, %d suspect: waiting up to %.0fs", self._suspects(), timeout)
+        suspects = len(self.view.present_ids()) - 1
+        log.warning("no live neighbour, %d suspect: waiting up to %.0fs", suspects, timeout)
         while self.alone() and time.monotonic() - t0 < timeout:
             with self.arrived:
                 self.arrived.wait(timeout=0.05)
@@ -225,9 +224,6 @@ class Neighbourhood:
         if self.metrics is not None:
             self.metrics.record_alone(waited)
         return waited
-
-    def _suspects(self) -> int:
-        return sum(1 for p in self.view.present_ids() if p != self.me and not self.view.is_alive(p))
 
     def wait(
         self,
