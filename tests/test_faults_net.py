@@ -39,6 +39,7 @@ pytestmark = [
 ]
 
 METRICS_PORT = 9100
+ALIVE_SUSPECT_DEAD = ("alive", "suspect", "dead")
 BASE = {
     "train.task": "digits",
     "train.batch_size": "32",
@@ -158,6 +159,12 @@ def alive_seen(lab: NetLab, i: int) -> float:
     return scrape(lab, i).get('gossipgrad_peers{state="alive"}', -1.0)
 
 
+def view(lab: NetLab, i: int) -> tuple[float, float, float]:
+    """Peer i's (alive, suspect, dead) counts, itself among the alive."""
+    m = scrape(lab, i)
+    return tuple(m.get(f'gossipgrad_peers{{state="{s}"}}', -1.0) for s in ALIVE_SUSPECT_DEAD)
+
+
 def final_params(swarm: LocalSwarm) -> list[torch.Tensor]:
     files = [swarm.peer_dir(i) / "params.pt" for i in range(swarm.n)]
     assert all(f.exists() for f in files), "a peer did not write its final parameters"
@@ -179,10 +186,14 @@ def test_partition_then_heal_returns_to_consensus(netswarm) -> None:
     assert swarm.failed() == [], "a peer crashed during the partition"
     for i in range(4):
         assert during[i] >= cut[i] + 50, f"peer{i} stalled while partitioned: {cut} -> {during}"
-        assert alive_seen(lab, i) == 2, f"peer{i} should see only its own half"
+    # Each half has declared the other dead (10 s of silence > dead_after): two split views.
+    wait_for(
+        lambda: all(view(lab, i) == (2, 0, 2) for i in range(4)), 20, "each half to drop the other"
+    )
 
     lab.heal()
-    wait_for(lambda: all(alive_seen(lab, i) == 4 for i in range(4)), 40, "the halves to rejoin")
+    # One view again: everyone alive in every peer's table, nobody suspect or dead.
+    wait_for(lambda: all(view(lab, i) == (4, 0, 0) for i in range(4)), 40, "the views to merge")
     time.sleep(8)  # resync the cut edges and mix
     after = local_distance(lab, 4)
     assert after <= 2.0 * before + 1e-3, (before, after)
