@@ -102,6 +102,19 @@ class TrainSection(Section):
         le=1,
         description="Final learning rate of the cosine schedule, as a fraction of lr.",
     )
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32",
+        description="Autocast dtype of the forward pass and loss: fp32 (off), bf16, or fp16 "
+        "with a dynamic loss scaler (torch.amp.GradScaler) that skips a step whose gradients "
+        "overflow (meant for CUDA). Parameters, optimizer state and everything gossiped "
+        "stay fp32.",
+    )
+    grad_clip: float = Field(
+        0.0,
+        ge=0,
+        description="Clip the gradients' global L2 norm to this before the optimizer step "
+        "(and before ef-gradient sends them; 0: off).",
+    )
     eval_every: int = Field(100, ge=0, description="Evaluate every N steps (0: only at the end).")
     device: str = Field("auto", description="torch device: auto (cuda if available), cpu, cuda:N.")
     threads: int = Field(

@@ -34,7 +34,7 @@ from gossipgrad.peer.runtime.optimizer import GossipOptimizer
 from gossipgrad.peer.runtime.site import SiteContext, SiteOptimizer, close_site, init_site
 from gossipgrad.peer.tasks import build_task
 from gossipgrad.peer.tasks.schedule import make_scheduler
-from gossipgrad.peer.tasks.training import TrainClock, make_optimizer, task_context
+from gossipgrad.peer.tasks.training import LocalStep, TrainClock, make_optimizer, task_context
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class Daemon:
         try:
             self._start(gopt, site, device)
             self._fast_forward(gopt, optimizer, scheduler)
-            summary = self._train(task, model, gopt, scheduler)
+            summary = self._train(task, model, gopt, scheduler, LocalStep(t, device))
             if site is not None:
                 summary["site"] = {
                     "rank": site.rank,
@@ -198,13 +198,15 @@ class Daemon:
         if site is not None:
             gopt.sync_site()  # all ranks take the leader's state (resumed or joined)
 
-    def _train(self, task, model, gopt: GossipOptimizer, scheduler) -> dict[str, Any]:
+    def _train(
+        self, task, model, gopt: GossipOptimizer, scheduler, local: LocalStep
+    ) -> dict[str, Any]:
         """The training steps, ``finish()``, the final gossip rounds; returns the summary."""
         batches = task.batches()
         self._last_status = 0.0
         self._write_status(state="training")
         clock = TrainClock()
-        loss_value, evals = self._train_steps(task, model, gopt, scheduler, batches, clock)
+        loss_value, evals = self._train_steps(task, model, gopt, scheduler, local, batches, clock)
         if not self.stop_requested.is_set():
             gopt.finish()
         before_rounds = self._final_rounds(task, model, gopt, clock)
@@ -242,15 +244,18 @@ class Daemon:
         return summary
 
     def _train_steps(
-        self, task, model, gopt: GossipOptimizer, scheduler, batches, clock: TrainClock
+        self, task, model, gopt: GossipOptimizer, scheduler, local: LocalStep, batches, clock
     ) -> tuple[float, list[dict[str, float]]]:
         """Local steps until ``train.steps`` or a stop signal: (last loss, evaluations)."""
         t = self.cfg.train
         loss_value = math.nan
         evals: list[dict[str, float]] = []
         while gopt.local_step < t.steps and not self.stop_requested.is_set():
-            loss_value = self._step(task, model, gopt, scheduler, next(batches))
+            before = gopt.local_step
+            loss_value = self._step(task, model, gopt, scheduler, local, next(batches))
             step = gopt.local_step
+            if step == before:
+                continue  # an fp16 step that overflowed: skipped, the scaler backs off
             if t.eval_every and step % t.eval_every == 0:
                 seconds = clock.seconds()
                 with clock.paused():
@@ -266,17 +271,22 @@ class Daemon:
                 )
         return loss_value, evals
 
-    def _step(self, task, model, gopt: GossipOptimizer, scheduler, batch: Any) -> float:
-        """One local step on ``batch``; its loss (a non-finite loss raises)."""
+    def _step(
+        self, task, model, gopt: GossipOptimizer, scheduler, local: LocalStep, batch: Any
+    ) -> float:
+        """One local step on ``batch``; its loss (a non-finite loss raises; an fp16 step whose
+        gradients overflow is skipped, as torch's loss scaler does, and nothing is sent)."""
         gopt.zero_grad()
-        loss = task.loss(model, batch)
-        loss.backward()
-        gopt.step()
-        scheduler.step()
+        loss, ok = local.backward(task, model, batch, gopt.optimizer)
+        if ok:
+            gopt.step()
+            scheduler.step()
+        local.done()
         loss_value = float(loss.detach())
         if not math.isfinite(loss_value):
             raise FloatingPointError(f"loss is {loss_value} at step {gopt.local_step}")
-        gopt.metrics.record_step(loss_value, self.cfg.train.batch_size)
+        if ok:
+            gopt.metrics.record_step(loss_value, self.cfg.train.batch_size)
         return loss_value
 
     def _final_rounds(

@@ -52,6 +52,7 @@ from gossipgrad.peer.config import TrainSection
 from gossipgrad.peer.tasks import build_task
 from gossipgrad.peer.tasks.schedule import make_scheduler
 from gossipgrad.peer.tasks.training import (
+    LocalStep,
     TrainClock,
     make_optimizer,
     task_context,
@@ -240,12 +241,18 @@ def train_loop(run: RankRun) -> LoopResult:
     clock = TrainClock()
     last = 0.0
     loss_value = math.nan
-    for step in range(1, cfg.steps + 1):
+    local = LocalStep(cfg, torch.device("cpu"))  # the peers' precision and clipping
+    step = 0
+    while step < cfg.steps:
         run.optimizer.zero_grad(set_to_none=True)
-        loss = run.task.loss(run.model, next(batches))
-        loss.backward()
-        run.optimizer.step()
-        run.scheduler.step()
+        loss, ok = local.backward(run.task, run.model, next(batches), run.optimizer)
+        if ok:  # every rank sees the same all-reduced gradients, so all skip alike
+            run.optimizer.step()
+            run.scheduler.step()
+        local.done()
+        if not ok:
+            continue
+        step += 1
         if run.outer is not None and run.outer.phase_ends(step, cfg.steps):
             run.outer.sync()
         loss_value = float(loss.detach())
