@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 from gossipgrad.peer.algorithms import EFGradient, Identity, Neighbourhood, build_algorithm
@@ -55,13 +56,18 @@ def lone_exchange(codec: str, momentum: float = 0.0, error_feedback: bool = True
 
 
 def start_optimizers(
-    n: int, algorithm: str = "ef-gradient", lr: float = 0.1, **gossip
+    n: int,
+    algorithm: str = "ef-gradient",
+    lr: float = 0.1,
+    model_fn: Callable[[], nn.Module] = small_model,
+    **gossip,
 ) -> list[GossipOptimizer]:
-    """n GossipOptimizers seeded alike (one shared initial model), plain SGD at ``lr``."""
+    """n GossipOptimizers seeded alike (one shared initial ``model_fn()``), plain SGD at
+    ``lr``."""
     opts: list[GossipOptimizer] = []
     for i in range(n):
         torch.manual_seed(7)
-        model = small_model()
+        model = model_fn()
         overrides = {
             "peer.id": f"p{i}",
             "peer.bootstrap": [opts[0].peer.address] if opts else [],
