@@ -73,6 +73,45 @@ class FlatParameters:
         return self.numel * self.data.element_size()
 
 
+class FloatBuffers:
+    """A model's floating-point buffers (BatchNorm running mean and variance, and the like)
+    gathered into one flat fp32 vector and written back.
+
+    They are copied, not re-homed like the parameters, because modules may replace a buffer
+    tensor rather than update it in place. Integer buffers (BatchNorm's
+    ``num_batches_tracked``) are left out: they count local batches, not a statistic to
+    average.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        named = [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
+        self.names = [n for n, _ in named]
+        self.shapes = [tuple(b.shape) for _, b in named]
+        self.numel = sum(b.numel() for _, b in named)
+        self.device = named[0][1].device if named else torch.device("cpu")
+
+    def __bool__(self) -> bool:
+        return self.numel > 0
+
+    def _tensors(self) -> list[torch.Tensor]:
+        buffers = dict(self._model.named_buffers())
+        return [buffers[n] for n in self.names]
+
+    def gather(self) -> torch.Tensor:
+        """The buffers' current values as one fp32 vector (a copy)."""
+        return torch.cat([b.detach().reshape(-1).float() for b in self._tensors()])
+
+    def add_(self, delta: torch.Tensor) -> None:
+        """Add a flat fp32 vector to the buffers, in place (each keeps its dtype)."""
+        offset = 0
+        with torch.no_grad():
+            for b in self._tensors():
+                n = b.numel()
+                b.add_(delta[offset : offset + n].view_as(b).to(b.dtype))
+                offset += n
+
+
 def model_fingerprint(names: list[str], shapes: list[tuple[int, ...]], dtype: torch.dtype) -> str:
     """A short hash of parameter names, shapes and dtype: peers must train the same model."""
     h = hashlib.sha256(str(dtype).encode())

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 PREFIX = "gossipgrad"
 
 #: Kinds of gossip messages, the ``kind`` label of the byte counters.
-MESSAGE_KINDS: tuple[str, ...] = ("update", "resync", "state", "heartbeat")
+MESSAGE_KINDS: tuple[str, ...] = ("update", "resync", "state", "heartbeat", "buffers")
 
 #: Membership states of the other peers as this peer sees them, the ``state`` label of ``peers``.
 PEER_STATES: tuple[str, ...] = ("alive", "suspect", "dead")

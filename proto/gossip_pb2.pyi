@@ -15,12 +15,14 @@ class UpdateKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     GRADIENT: _ClassVar[UpdateKind]
     INIT: _ClassVar[UpdateKind]
     FINAL: _ClassVar[UpdateKind]
+    BUFFERS: _ClassVar[UpdateKind]
 UPDATE_KIND_UNSPECIFIED: UpdateKind
 DELTA: UpdateKind
 RESYNC: UpdateKind
 GRADIENT: UpdateKind
 INIT: UpdateKind
 FINAL: UpdateKind
+BUFFERS: UpdateKind
 
 class UpdateHeader(_message.Message):
     __slots__ = ("swarm", "sender", "receiver", "seq", "round", "kind", "checksum", "payload_size", "model_fingerprint", "dense_size", "edge_epoch", "weight", "dropped_epoch")

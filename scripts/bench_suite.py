@@ -90,6 +90,13 @@ def mean_model_metric(report: Report, run_dir: Path) -> float | None:
     mean = torch.stack([torch.load(f, map_location="cpu") for f in files]).mean(0)
     params = [p for p in task.model.parameters() if p.requires_grad]
     torch.nn.utils.vector_to_parameters(mean, params)
+    # x̄'s buffers (BatchNorm statistics): the peers' average, as for the parameters.
+    buffer_files = [f.with_name("buffers.pt") for f in files if f.with_name("buffers.pt").exists()]
+    if buffer_files:
+        saved = [torch.load(f, map_location="cpu") for f in buffer_files]
+        for name, b in task.model.named_buffers():
+            if b.is_floating_point() and all(name in s for s in saved):
+                b.copy_(torch.stack([s[name] for s in saved]).mean(0))
     value = float(task.evaluate(task.model)[task.metric])
     cache.write_text(json.dumps({"metric": value, "peers": len(files)}))
     return value

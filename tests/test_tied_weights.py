@@ -7,14 +7,13 @@ each algorithm's exactness law holds for a tied model as for any other.
 from __future__ import annotations
 
 import math
-import threading
 import time
 
 import pytest
 import torch
 from gossipgrad.peer.flat import FlatParameters
 from gossipgrad.peer.runtime.optimizer import GossipOptimizer
-from support.optimizers import start_optimizers
+from support.optimizers import start_optimizers, train_concurrently
 from support.peers import assert_mirrors_exact
 from torch import nn
 
@@ -60,34 +59,9 @@ def test_a_tied_weight_has_one_slot_and_gossip_writes_reach_both_uses() -> None:
     assert torch.count_nonzero(model.head.weight) == 0
 
 
-def train(opts: list[GossipOptimizer], steps: int) -> list[float]:
-    """Each peer trains ``steps`` next-token steps on its own random tokens, on its own
-    thread (gossip rounds need the neighbours to run at the same time)."""
-    losses = [float("nan")] * len(opts)
-    errors: list[BaseException] = []
-
-    def work(i: int, o: GossipOptimizer) -> None:
-        gen = torch.Generator().manual_seed(i)
-        try:
-            for _ in range(steps):
-                x = torch.randint(VOCAB, (32,), generator=gen)
-                o.zero_grad()
-                loss = nn.functional.cross_entropy(o.model(x), (x + 1) % VOCAB)
-                loss.backward()
-                o.step()
-                losses[i] = float(loss.detach())
-            o.finish()
-        except BaseException as err:
-            errors.append(err)
-
-    threads = [threading.Thread(target=work, args=(i, o)) for i, o in enumerate(opts)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=90)
-    assert not errors, errors
-    assert not any(t.is_alive() for t in threads), "training did not finish"
-    return losses
+def next_token_loss(i: int, model: nn.Module, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randint(VOCAB, (32,), generator=gen)
+    return nn.functional.cross_entropy(model(x), (x + 1) % VOCAB)
 
 
 def settle(edges) -> None:
@@ -122,7 +96,7 @@ def test_a_tied_model_trains_and_keeps_each_algorithm_exact(algorithm: str, goss
         3, algorithm=algorithm, lr=0.1, model_fn=TiedLM, topology="full", **gossip
     )
     try:
-        losses = train(opts, steps=12)
+        losses = train_concurrently(opts, next_token_loss, steps=12)
         assert all(math.isfinite(v) and v < 10 for v in losses), losses
         for o in opts:
             assert_one_tied_tensor(o.model, o.flat.data)

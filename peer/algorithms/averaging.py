@@ -72,6 +72,8 @@ class CompressedAverage:
         neighbourhood: the neighbour layer.
         round_timeout: seconds to wait for a neighbour's vector.
         metrics: a PeerMetrics or None.
+        kind: the update kind its messages carry (GRADIENT; BUFFERS for a model's buffers),
+            so that two averages of one peer never take each other's vectors.
     """
 
     def __init__(
@@ -82,7 +84,9 @@ class CompressedAverage:
         neighbourhood: Neighbourhood,
         round_timeout: float,
         metrics=None,
+        kind: int = pb.GRADIENT,
     ) -> None:
+        self.kind = kind
         self.codec = from_spec(codec)
         self.feedback = ErrorFeedback(self.codec) if error_feedback else None
         self.nb = neighbourhood
@@ -162,14 +166,16 @@ class CompressedAverage:
         """Step 2: push c to every live neighbour in the background."""
         for peer in neighbors:
             if self.nb.view.is_alive(peer):
-                header = self.nb.header(peer, pb.GRADIENT, payload, seq=round_, round=round_)
+                # Only gradients count towards the compression ratio's dense bytes.
+                dense = {} if self.kind == pb.GRADIENT else {"dense_size": 0}
+                header = self.nb.header(peer, self.kind, payload, seq=round_, round=round_, **dense)
                 self.nb.submit(self._send, peer, header, payload)
 
     # ------------------------------------------------------------------ receiving
 
     def handle_update(self, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
         """Validate and queue one neighbour's vector (server thread)."""
-        self.nb.check(header, (pb.GRADIENT,))
+        self.nb.check(header, (self.kind,))
         like = self._like
         try:
             v = self.codec.decode(bytes(payload), device=like.device, max_numel=like.numel())
@@ -205,14 +211,17 @@ class CompressedAverage:
         self.step += 1
         return ticket
 
-    def collect(self, ticket: Ticket) -> tuple[torch.Tensor, AverageStats]:
-        """Step 3: the neighbourhood's average (a buffer reused by the next call)."""
+    def collect(self, ticket: Ticket, wait: bool = True) -> tuple[torch.Tensor, AverageStats]:
+        """Step 3: the neighbourhood's average (a buffer reused by the next call); without
+        ``wait``, over the vectors that have arrived (none is waited for or marked lagging)."""
         neighbors = ticket.neighbors
 
         def missing() -> list[str]:
             return [p for p in neighbors if not self._inbox.get(p)]
 
-        waited = self.nb.wait(missing, self.round_timeout, f"exchange {ticket.step}")
+        waited = 0.0
+        if wait:
+            waited = self.nb.wait(missing, self.round_timeout, f"exchange {ticket.step}")
         weights = self.nb.weights_at(ticket.round, ticket.ids)
         w_self = 1.0 - sum(weights.get(p, 0.0) for p in neighbors)
         avg = self._avg.copy_(self.mine).mul_(w_self)

@@ -24,6 +24,9 @@ from gossipgrad.proto import gossip_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+#: The byte counters' ``kind`` label of an update kind (every other kind counts as "update").
+KIND_LABEL = {pb.RESYNC: "resync", pb.INIT: "resync", pb.BUFFERS: "buffers"}
+
 
 class MembershipView(Protocol):
     """What the algorithms need to know of the swarm."""
@@ -150,7 +153,7 @@ class Neighbourhood:
         t0 = time.perf_counter()
         reply, wire_bytes = self.sender.push(peer, header, payload, patience)
         if self.metrics is not None:
-            kind = "resync" if header.kind in (pb.RESYNC, pb.INIT) else "update"
+            kind = KIND_LABEL.get(header.kind, "update")
             self.metrics.observe_push(peer, time.perf_counter() - t0)
             self.metrics.record_sent(peer, kind, wire_bytes, dense_bytes=header.dense_size)
         return reply

@@ -69,6 +69,17 @@ class GossipSection(Section):
         "compresses the pseudo-gradients). An anchor moves densely once a phase, so it needs "
         "a codec precise enough for a large anchor_gamma.",
     )
+    buffers: Literal["average", "local"] = Field(
+        "average",
+        description="A model's floating-point buffers (BatchNorm running statistics): average "
+        "them with the neighbours after every round (plain gossip averaging, beside any "
+        "algorithm), or keep each peer's own. Integer buffers stay local.",
+    )
+    buffer_codec: str = Field(
+        "none",
+        description="Codec of the buffers' messages (none: dense fp32; they are small). "
+        "Buffers are sent whole each round, so error feedback does not apply.",
+    )
     anchor_gamma: float = Field(
         0.5,
         gt=0,
@@ -136,7 +147,7 @@ class GossipSection(Section):
         "to a few times the usual gossipgrad_consensus_distance; see SECURITY.md.",
     )
 
-    @field_validator("codec", "anchor_codec")
+    @field_validator("codec", "anchor_codec", "buffer_codec")
     @classmethod
     def _codec_parses(cls, spec: str) -> str:
         from gossipgrad.compression import from_spec

@@ -9,6 +9,7 @@ Writes into ``peer.run_dir``:
                    time since the loop started, evaluation time excluded (comparable with the
                    DDP baselines' clock)
   params.pt        the final flat parameter vector (true consensus distance across peers)
+  buffers.pt       the model's final buffers by name (models with BatchNorm and the like)
 SIGTERM or SIGINT finishes the current step, checkpoints and leaves the swarm cleanly.
 
 Under torchrun with more than one rank, the job is one site (peer/runtime/site.py): ranks all-reduce
@@ -217,8 +218,11 @@ class Daemon:
         traffic = self._traffic(gopt)
         try:
             torch.save(gopt.flat.data.detach().cpu(), self.run_dir / "params.pt")
+            if gopt.buffers:
+                buffers = {n: b.detach().cpu() for n, b in model.named_buffers()}
+                torch.save(buffers, self.run_dir / "buffers.pt")
         except OSError as err:
-            log.error("final parameters not written to params.pt: %s", err)
+            log.error("final parameters not written to params.pt / buffers.pt: %s", err)
         summary = {
             "id": gopt.peer.id,
             "task": self.cfg.train.task,

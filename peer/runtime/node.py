@@ -22,9 +22,10 @@ from gossipgrad.peer.algorithms import (
     Neighbourhood,
     build_algorithm,
 )
-from gossipgrad.peer.algorithms.neighbours import neighbours_in
+from gossipgrad.peer.algorithms.buffers import BufferAverage
+from gossipgrad.peer.algorithms.neighbours import KIND_LABEL, neighbours_in
 from gossipgrad.peer.config import PeerConfig
-from gossipgrad.peer.flat import FlatParameters
+from gossipgrad.peer.flat import FlatParameters, FloatBuffers
 from gossipgrad.peer.membership.heartbeats import Membership
 from gossipgrad.peer.membership.topology import topology_from_name
 from gossipgrad.peer.metrics import UNATTRIBUTED, PeerMetrics
@@ -160,6 +161,8 @@ class Peer:
         registry: Prometheus registry for this peer's metrics (None: a fresh one).
         state_lock: held by the training thread around optimizer steps, and by the algorithm
             around reading and writing the parameters.
+        buffers: the model's floating-point buffers, averaged with the neighbours after each
+            round unless ``gossip.buffers = "local"`` (None or empty: the model has none).
     """
 
     def __init__(
@@ -169,9 +172,11 @@ class Peer:
         state_source: Callable[[], tuple[int, int, bytes]] | None = None,
         registry=None,
         state_lock: threading.RLock | None = None,
+        buffers: FloatBuffers | None = None,
     ) -> None:
         self.cfg = cfg
         self.flat = flat
+        self._buffers = buffers
         self._state_source = state_source
         self.state_lock = state_lock if state_lock is not None else threading.RLock()
         self.metrics = PeerMetrics(registry=registry)
@@ -200,6 +205,7 @@ class Peer:
         self.membership: Membership | None = None
         self.neighbourhood: Neighbourhood | None = None
         self.algorithm: GossipAlgorithm | None = None
+        self.buffer_average: BufferAverage | None = None
         self._incarnations: dict[str, int] = {}
         self._started = False
 
@@ -254,6 +260,10 @@ class Peer:
         self.algorithm = build_algorithm(
             g, self.flat, self.neighbourhood, self.state_lock, self.metrics
         )
+        if self._buffers and g.buffers == "average":
+            self.buffer_average = BufferAverage(
+                self._buffers, g.buffer_codec, self.neighbourhood, self.state_lock
+            )
         self.membership.start()
         self._started = True
         log.info("peer %s serving gossip on %s", self.id, self.address)
@@ -338,7 +348,10 @@ class Peer:
         algorithm = self.algorithm
         if algorithm is None:
             raise UpdateRejected(grpc.StatusCode.UNAVAILABLE, "stale", "peer is starting")
-        if header.kind not in algorithm.kinds:
+        target = algorithm
+        if header.kind == pb.BUFFERS and self.buffer_average is not None:
+            target = self.buffer_average
+        elif header.kind not in algorithm.kinds:
             self.metrics.record_rejected("malformed")
             raise UpdateRejected(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -346,11 +359,11 @@ class Peer:
                 f"update kind {header.kind} is not taken by algorithm {algorithm.name}",
             )
         try:
-            reply = algorithm.handle_update(header, payload)
+            reply = target.handle_update(header, payload)
         except UpdateRejected as err:
             self.metrics.record_rejected(err.reason)
             raise
-        kind = "resync" if header.kind in (pb.RESYNC, pb.INIT) else "update"
+        kind = KIND_LABEL.get(header.kind, "update")
         self.metrics.record_received(header.sender, kind, header.ByteSize() + len(payload))
         return reply
 
@@ -395,18 +408,26 @@ class Peer:
                 continue
             known = self._incarnations.get(pid)
             if known is not None and known != rec.info.incarnation:
-                self.algorithm.forget(pid)
+                self._forget(pid)
             self._incarnations[pid] = rec.info.incarnation
         for pid in set(self._incarnations) - present:
             del self._incarnations[pid]
-            self.algorithm.forget(pid)
+            self._forget(pid)
         self.algorithm.prune(present)
+        if self.buffer_average is not None:
+            self.buffer_average.prune(present)
         # Series of peers that left (also ones a late reply re-created): counts move to the
         # departed series.
         for pid in self.metrics.neighbor_ids - present:
             self.metrics.remove_neighbor(pid)
         # Channels to peers that left go too (a rare probe of a dead peer opens one again).
         self.clients.prune({i.address for i in m.known_infos()} | set(m.bootstrap))
+
+    def _forget(self, pid: str) -> None:
+        """A peer left or restarted: drop what the algorithm and the buffers hold of it."""
+        self.algorithm.forget(pid)
+        if self.buffer_average is not None:
+            self.buffer_average.forget(pid)
 
     def update_progress(self, step: int, round_: int) -> None:
         """Advertise training progress in heartbeats (joining peers pick the most advanced)."""

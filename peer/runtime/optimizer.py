@@ -37,7 +37,7 @@ from collections.abc import Iterator
 import torch
 from gossipgrad.peer.algorithms import GossipAlgorithm, RoundStats
 from gossipgrad.peer.config import PeerConfig
-from gossipgrad.peer.flat import FlatParameters
+from gossipgrad.peer.flat import FlatParameters, FloatBuffers
 from gossipgrad.peer.runtime.checkpoint import params_digest
 from gossipgrad.peer.runtime.node import Peer
 from torch import nn
@@ -70,6 +70,7 @@ class GossipOptimizer:
         self.optimizer = optimizer
         self.config = config
         self.flat = FlatParameters(model)
+        self.buffers = FloatBuffers(model)
         self.local_step = 0
         self.last_round: RoundStats | None = None
         self.blocking_seconds = 0.0  # training-thread time spent blocked in gossip
@@ -82,6 +83,7 @@ class GossipOptimizer:
             state_source=self._state_blob,
             registry=registry,
             state_lock=self.state_lock,
+            buffers=self.buffers,
         )
         if start:
             self.start()
@@ -161,13 +163,19 @@ class GossipOptimizer:
             stats = self.algorithm.after_step(self.local_step)
         if stats is not None:
             self.last_round = stats
+            self._average_buffers(stats)
         self.peer.update_progress(self.local_step, self.round)
         return stats
+
+    def _average_buffers(self, stats: RoundStats) -> None:
+        if self.peer.buffer_average is not None:
+            self.peer.buffer_average.after_round(stats.round)
 
     def gossip_round(self) -> RoundStats:
         """One gossip-only round now (``gossip.final_rounds``)."""
         with self._blocking():
             self.last_round = self.algorithm.consensus_round()
+        self._average_buffers(self.last_round)
         self.peer.update_progress(self.local_step, self.round)
         return self.last_round
 
@@ -184,6 +192,7 @@ class GossipOptimizer:
         with self.state_lock:
             return {
                 "params": self.flat.data.detach().clone(),
+                "buffers": {n: b.detach().clone() for n, b in self.model.named_buffers()},
                 "optimizer": self.optimizer.state_dict(),
                 "local_step": self.local_step,
                 "round": self.round,
@@ -206,6 +215,10 @@ class GossipOptimizer:
             )
         with self.state_lock, torch.no_grad():
             self.flat.data.copy_(state["params"].to(self.flat.data.device))
+            buffers = dict(self.model.named_buffers())
+            for name, value in state.get("buffers", {}).items():
+                if name in buffers:
+                    buffers[name].copy_(value.to(buffers[name].device))
             self.optimizer.load_state_dict(state["optimizer"])
             self.local_step = int(state["local_step"])
             gossip = state.get("gossip", {"round": state.get("round", 0)})

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 ADDRESS_TIMEOUT_S = 60.0
 # What a peer leaves in its run dir; removed before a fresh start.
-RUN_FILES = ("status.json", "summary.json", "params.pt", "checkpoint.pt")
+RUN_FILES = ("status.json", "summary.json", "params.pt", "buffers.pt", "checkpoint.pt")
 
 
 class LocalSwarm:

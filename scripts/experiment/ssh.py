@@ -28,7 +28,7 @@ from gossipgrad.experiment.spec import SpecError, tomllib
 from gossipgrad.peer.records import PeerStatus
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-FETCHED = ("status.json", "summary.json", "params.pt")
+FETCHED = ("status.json", "summary.json", "params.pt", "buffers.pt")
 
 
 class Host(BaseModel):
@@ -210,7 +210,7 @@ class SshSwarm:
         self.logs.clear()
 
     def fetch(self) -> None:
-        """Copy status.json, summary.json and params.pt of every peer back."""
+        """Copy status.json, summary.json, params.pt and (if any) buffers.pt of every peer back."""
         for i in range(self.n):
             for cmd in fetch_commands(
                 self.hosts[i], i, self.run, self.peer_dir(i), self.ssh_options

@@ -103,3 +103,38 @@ def exchange_all(opts: list[GossipOptimizer], grads: list[torch.Tensor]) -> None
     for t in threads:
         t.join(timeout=30)
     assert not errors, errors
+
+
+def train_concurrently(
+    opts: list[GossipOptimizer],
+    loss_of: Callable[[int, nn.Module, torch.Generator], torch.Tensor],
+    steps: int,
+    timeout: float = 90.0,
+) -> list[float]:
+    """Each peer takes ``steps`` optimizer steps on ``loss_of(i, model, its generator)`` and
+    then ``finish()``, on its own thread, as a swarm's training threads run (gossip rounds
+    need the neighbours at the same time). Returns each peer's last loss."""
+    losses = [float("nan")] * len(opts)
+    errors: list[BaseException] = []
+
+    def work(i: int, o: GossipOptimizer) -> None:
+        gen = torch.Generator().manual_seed(i)
+        try:
+            for _ in range(steps):
+                o.zero_grad()
+                loss = loss_of(i, o.model, gen)
+                loss.backward()
+                o.step()
+                losses[i] = float(loss.detach())
+            o.finish()
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(i, o)) for i, o in enumerate(opts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "training did not finish"
+    return losses
