@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from gossipgrad.experiment.launch import LocalSwarm
-from gossipgrad.peer.config import build_config
+from gossipgrad.peer.config import ConfigError, build_config
 from gossipgrad.peer.flat import FlatParameters
 from gossipgrad.peer.network import PeerClient
 from gossipgrad.peer.records import PeerStatus, read_record
@@ -33,7 +33,7 @@ from gossipgrad.peer.runtime.joining import (
     donor_order,
     find_swarm,
 )
-from gossipgrad.peer.runtime.node import Peer
+from gossipgrad.peer.runtime.node import Peer, transport_options
 from gossipgrad.proto import gossip_pb2 as pb
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -96,6 +96,25 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 def knows_steps(peer: Peer, steps: dict[str, int]) -> bool:
     """Whether ``peer`` has heard each donor's step (progress travels in heartbeats)."""
     return {d.id: d.step for d in peer.donors()} == steps
+
+
+# --------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    ("key", "bad"),
+    [
+        ("transport.state_rate_bytes", "-1"),
+        ("transport.max_state_downloads", "0"),
+        ("transport.state_timeout", "0"),
+    ],
+)
+def test_state_serving_keys_are_validated(key: str, bad: str) -> None:
+    """Bad values are config errors naming the key; good ones reach the transport."""
+    name = key.split(".")[1]
+    with pytest.raises(ConfigError, match=name):
+        build_config({}, {key: bad})
+    assert getattr(transport_options(build_config({}, {key: "7"})), name) == 7
 
 
 # --------------------------------------------------------------------------- donor order
@@ -206,7 +225,9 @@ def test_no_donor_serving_within_patience_is_an_error_naming_it() -> None:
         with pytest.raises(JoinError) as err:
             joiner.download_state(min_step=20, patience=1.0)
         assert 1.0 <= time.monotonic() - t0 < 3.0
-        assert str(err.value) == f"no donor sent its state: a at {a.address} (busy) (after 1s)"
+        assert re.fullmatch(
+            rf"no donor sent its state: a at {a.address} \(busy\) \(after [12]s\)", str(err.value)
+        ), str(err.value)
         assert rejected(a, "rate_limited") >= 2  # asked again after backing off
         # Nobody at min_step: not an error, the swarm is young (train from scratch).
         assert joiner.download_state(min_step=101, patience=1.0) is None
@@ -348,7 +369,8 @@ def test_two_joiners_at_once_both_join_without_overloading_a_donor(tmp_path: Pat
         assert (status.start_step, status.start_params) in served
         donor, size, start, end = download_of(swarm, i)
         assert donor in ("peer0", "peer1")
-        assert end - start >= (size - CHUNK) / RATE, (i, size, end - start)
+        # The log gives seconds to 0.01 s.
+        assert end - start >= (size - CHUNK) / RATE - 0.01, (i, size, end - start)
         downloads.append((donor, start, end))
     (d2, s2, e2), (d3, s3, e3) = downloads
     overlapped = s2 < e3 and s3 < e2

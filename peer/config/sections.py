@@ -41,8 +41,9 @@ class PeerSection(Section):
     )
     bootstrap: list[Address] = Field(
         default_factory=list,
-        description="Addresses of peers already in the swarm; one is enough to join. Empty "
-        "for the first peer.",
+        description="Addresses of peers already in the swarm, all heartbeated at once (again "
+        "with backoff) until any answers: one live address is enough to join. Empty for the "
+        "first peer.",
     )
     run_dir: Path = Field(
         Path("runs/peer"),
