@@ -144,10 +144,11 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     from gossipgrad.peer.runtime.daemon import Daemon  # heavy imports after the config is valid
+    from gossipgrad.peer.runtime.joining import JoinError
 
     try:
         summary = Daemon(cfg).run()
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, JoinError) as err:
         logging.getLogger("gossipgrad.peer").error("%s", err)
         return 1
     final = summary.get("final", {})

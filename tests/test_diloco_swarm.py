@@ -37,7 +37,9 @@ BASE = {
 
 def run(out: Path, alone: bool) -> dict:
     def own_swarm(i: int) -> dict[str, str]:
-        return {"peer.swarm": f"alone{i}", "peer.expected_peers": "1"} if alone else {}
+        # No bootstrap: a peer whose bootstrap never answers (here: another swarm) exits.
+        alone_keys = {"peer.swarm": f"alone{i}", "peer.expected_peers": "1", "peer.bootstrap": ""}
+        return alone_keys if alone else {}
 
     swarm = LocalSwarm(out, PEERS, BASE, peer_overrides=own_swarm)
     try:

@@ -41,8 +41,9 @@ class PeerSection(Section):
     )
     bootstrap: list[Address] = Field(
         default_factory=list,
-        description="Addresses of peers already in the swarm; one is enough to join. Empty "
-        "for the first peer.",
+        description="Addresses of peers already in the swarm, all heartbeated at once (again "
+        "with backoff) until any answers: one live address is enough to join. Empty for the "
+        "first peer.",
     )
     run_dir: Path = Field(
         Path("runs/peer"),
@@ -57,14 +58,19 @@ class PeerSection(Section):
     start_timeout: float = Field(
         60.0,
         gt=0,
-        description="Seconds to wait for expected_peers before training anyway.",
+        description="Seconds to wait at start: for expected_peers (then training anyway); "
+        "for a fresh peer with a bootstrap list, for any bootstrap address to answer "
+        "(retried with backoff; counted together with the wait for expected_peers), then "
+        "for a donor to send its state (busy or failing donors retried). Either running out "
+        "is a one-line error naming what was tried and a non-zero exit.",
     )
     join_after_steps: int = Field(
         20,
         ge=0,
         description="A fresh peer (no checkpoint) downloads model and optimizer state from "
-        "the most advanced peer when that one is at least this many steps in; peers started "
-        "together begin from the same seeded initialisation instead.",
+        "a live peer at least this many steps in (one near the most advanced step, picked at "
+        "random so joiners spread over donors); when no peer is that far, as for peers "
+        "started together, it begins from the same seeded initialisation instead.",
     )
 
 
@@ -195,6 +201,26 @@ class TransportSection(Section):
     )
     push_timeout: float = Field(30.0, gt=0, description="Deadline of one push, seconds.")
     retries: int = Field(3, ge=0, description="Retries of an idempotent call on UNAVAILABLE.")
+    state_timeout: float = Field(
+        120.0,
+        gt=0,
+        description="Deadline of one state download from one donor, seconds; allow at least "
+        "the state's size over the donors' state_rate_bytes.",
+    )
+    max_state_downloads: int = Field(
+        2,
+        ge=1,
+        description="State downloads this peer serves at once (each holds a serialised copy "
+        "of model and optimizer state); a joiner asking while all are taken is told the "
+        "donor is busy and asks another.",
+    )
+    state_rate_bytes: float = Field(
+        0.0,
+        ge=0,
+        description="Bytes per second this peer serves its state at, all joiners together "
+        "(0: unlimited), so joiners leave bandwidth for gossip; a download of S bytes then "
+        "takes at least (S - chunk_bytes) / state_rate_bytes seconds.",
+    )
     dial_via: list[str] = Field(
         default_factory=list,
         description="Connect to some peers through another address, e.g. an emulated WAN "

@@ -10,7 +10,10 @@ Every call is admitted in this order, before a buffer is allocated or the handle
 3. under TLS, the claimed sender equals the certificate's common name -> PERMISSION_DENIED;
 4. the caller's limits (calls in flight, calls per second; :class:`PeerLimiter`)
    -> RESOURCE_EXHAUSTED, reason ``rate_limited``;
-5. for bulk calls (pushes, state downloads), a free bulk slot -> RESOURCE_EXHAUSTED.
+5. for bulk calls (pushes, state downloads), a free bulk slot -> RESOURCE_EXHAUSTED;
+6. for state downloads, also a free state slot (``max_state_downloads``) -> RESOURCE_EXHAUSTED,
+   reason ``rate_limited``: a donor busy serving joiners says so at once, and the joiner
+   moves on to another donor instead of queueing.
 
 Heartbeats and bulk calls have separate budgets: their own per-caller limiter each, and bulk
 calls take one of ``TransportOptions.max_concurrent_rpcs`` slots while the server keeps
@@ -36,6 +39,7 @@ class Ticket:
 
     key: str
     bulk: bool
+    state: bool = False
 
 
 class Admission:
@@ -56,6 +60,10 @@ class Admission:
         self.heartbeats = PeerLimiter(o.max_streams_per_peer, o.peer_rate, o.peer_burst)
         self._bulk_slots = threading.BoundedSemaphore(o.max_concurrent_rpcs)
         self._slots = o.max_concurrent_rpcs
+        self._state_slots = threading.BoundedSemaphore(o.max_state_downloads)
+        self._max_state = o.max_state_downloads
+        self._state_lock = threading.Lock()
+        self._state_in_flight = 0
 
     def authenticate(self, context: grpc.ServicerContext) -> str | None:
         """Check what needs no request body: the token and, under TLS, a certificate.
@@ -81,11 +89,17 @@ class Admission:
         return identity
 
     def enter(
-        self, context: grpc.ServicerContext, identity: str | None, claimed: str, bulk: bool
+        self,
+        context: grpc.ServicerContext,
+        identity: str | None,
+        claimed: str,
+        bulk: bool,
+        state: bool = False,
     ) -> Ticket:
         """Admit one call from ``identity`` (see :meth:`authenticate`) claiming to be sender
         ``claimed``: the claim must match the certificate, then the call counts against its
-        caller's limits and, if ``bulk``, takes a bulk slot. Raises UpdateRejected if refused.
+        caller's limits and, if ``bulk``, takes a bulk slot, and if ``state`` (a state
+        download, always bulk) a state slot too. Raises UpdateRejected if refused.
         """
         if identity is not None and claimed != identity:
             raise UpdateRejected(
@@ -105,10 +119,31 @@ class Admission:
                 "rate_limited",
                 f"server busy: {self._slots} pushes/downloads in flight",
             )
-        return Ticket(key, bulk)
+        if state and not self._state_slots.acquire(blocking=False):
+            self._bulk_slots.release()
+            limiter.leave(key)
+            raise UpdateRejected(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "rate_limited",
+                f"donor busy: {self._max_state} state downloads in flight",
+            )
+        if state:
+            with self._state_lock:
+                self._state_in_flight += 1
+        return Ticket(key, bulk, state)
+
+    @property
+    def state_downloads(self) -> int:
+        """State downloads admitted and not yet finished."""
+        with self._state_lock:
+            return self._state_in_flight
 
     def leave(self, ticket: Ticket) -> None:
         """Release a call admitted by :meth:`enter`."""
+        if ticket.state:
+            with self._state_lock:
+                self._state_in_flight -= 1
+            self._state_slots.release()
         if ticket.bulk:
             self._bulk_slots.release()
             self.bulk.leave(ticket.key)

@@ -72,6 +72,13 @@ class TransportOptions:
     #: with RESOURCE_EXHAUSTED, reason ``rate_limited`` (bounds memory: each in-flight push
     #: may hold up to ``max_payload_bytes``).
     max_concurrent_rpcs: int = 16
+    #: State downloads served at once (each holds a serialised copy of the state); more are
+    #: refused with RESOURCE_EXHAUSTED, reason ``rate_limited``, so a joiner moves on to
+    #: another donor. Counted within ``max_concurrent_rpcs``.
+    max_state_downloads: int = 2
+    #: Bytes per second this server streams state at, all downloads together (token bucket
+    #: of one chunk, see :mod:`~gossipgrad.peer.network.pacing`; 0: unlimited).
+    state_rate_bytes: float = 0.0
     #: Threads and call slots reserved for heartbeats on top of the bulk budget: however
     #: many pushes and downloads are in flight, a heartbeat is served at once, so bulk
     #: transfers never starve liveness.
@@ -123,6 +130,8 @@ class TransportOptions:
             raise ValueError("need backoff_multiplier >= 1 and backoff_jitter >= 0")
         if self.server_threads < 1 or self.max_concurrent_rpcs < 1 or self.heartbeat_slots < 1:
             raise ValueError("server_threads, max_concurrent_rpcs and heartbeat_slots must be >= 1")
+        if self.max_state_downloads < 1 or self.state_rate_bytes < 0:
+            raise ValueError("need max_state_downloads >= 1 and state_rate_bytes >= 0")
         if self.max_concurrent_streams < 1:
             raise ValueError("max_concurrent_streams must be >= 1")
         if self.max_streams_per_peer < 0 or self.peer_rate < 0 or self.peer_burst < 1:

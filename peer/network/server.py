@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any, NoReturn, TypeVar
@@ -42,6 +43,7 @@ from gossipgrad.peer.network.framing import (
 )
 from gossipgrad.peer.network.malloc import tune_malloc
 from gossipgrad.peer.network.options import TransportOptions, server_channel_args
+from gossipgrad.peer.network.pacing import BytePacer
 from gossipgrad.peer.network.protocol import (
     STATE_CODEC,
     UPDATE_CODEC,
@@ -54,6 +56,10 @@ from gossipgrad.proto import gossip_pb2 as pb
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: Longest single sleep while a state chunk waits for the rate limit: a cancelled download
+#: frees its thread and slots within this.
+PACE_SLICE_S = 0.1
 
 
 class GossipServer:
@@ -86,6 +92,8 @@ class GossipServer:
         self.security = security
         self.admission = Admission(self.options, security)
         self._pool = BufferPool(self.options.recv_pool_bytes)
+        #: Paces the chunks of every state download this server streams (one shared budget).
+        self.state_pacer = BytePacer(self.options.state_rate_bytes, self.options.chunk_size)
         self._server: grpc.Server | None = None
         self._port = 0
         self._lock = threading.Lock()
@@ -280,13 +288,31 @@ class GossipServer:
         identity = self._or_refuse(context, lambda: self.admission.authenticate(context))
         request = self._or_refuse(context, lambda: parse_request(pb.StateRequest, raw))
         ticket = self._or_refuse(
-            context, lambda: self.admission.enter(context, identity, request.requester, bulk=True)
+            context,
+            lambda: self.admission.enter(
+                context, identity, request.requester, bulk=True, state=True
+            ),
         )
         try:
             header, view = self._guarded(protocol.STATE, context, lambda: self._state_for(request))
-            yield from frames(STATE_CODEC.header_bytes(header), view, self.options.chunk_size)
+            for chunk in frames(STATE_CODEC.header_bytes(header), view, self.options.chunk_size):
+                if not self._paced(len(chunk), context):
+                    return
+                yield chunk
         finally:
             self.admission.leave(ticket)
+
+    def _paced(self, nbytes: int, context: grpc.ServicerContext) -> bool:
+        """Wait until ``nbytes`` of state may go (``state_rate_bytes``); False if the caller
+        went away meanwhile (cancelled, deadline)."""
+        wait = self.state_pacer.reserve(nbytes)
+        end = time.monotonic() + wait
+        while wait > 0:
+            if not context.is_active():
+                return False
+            time.sleep(min(wait, PACE_SLICE_S))
+            wait = end - time.monotonic()
+        return True
 
     def _state_for(self, request: pb.StateRequest) -> tuple[pb.StateHeader, memoryview]:
         """The handler's state as a header with payload_size set and a byte view of the blob."""

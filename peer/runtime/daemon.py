@@ -31,6 +31,7 @@ import torch
 from gossipgrad.peer.config import PeerConfig
 from gossipgrad.peer.records import PeerStatus, PeerSummary, write_record
 from gossipgrad.peer.runtime import checkpoint
+from gossipgrad.peer.runtime.joining import find_swarm
 from gossipgrad.peer.runtime.optimizer import GossipOptimizer
 from gossipgrad.peer.runtime.site import SiteContext, SiteOptimizer, close_site, init_site
 from gossipgrad.peer.tasks import build_task
@@ -173,7 +174,14 @@ class Daemon:
         return device, shard_index, num_shards
 
     def _start(self, gopt: GossipOptimizer, site: SiteContext | None, device: torch.device) -> None:
-        """Resume from the checkpoint, wait for the expected peers, join a running swarm."""
+        """Resume from the checkpoint, wait for the expected peers, join a running swarm.
+
+        A fresh peer (no checkpoint) with a bootstrap list must find the swarm within
+        ``peer.start_timeout`` (counted with the wait for ``expected_peers``), then takes the
+        state of a donor if one is ``join_after_steps`` in, retrying busy or failing donors
+        for up to ``start_timeout`` more. Either failing raises JoinError (a one-line error
+        and a non-zero exit of the daemon), rather than training alone from scratch.
+        """
         cfg, peer = self.cfg, gopt.peer
         resumed = False
         if cfg.checkpoint.resume:
@@ -182,6 +190,7 @@ class Daemon:
                 gopt.load_state_dict(state)
                 resumed = True
                 log.info("resumed from checkpoint at step %d", gopt.local_step)
+        started = time.monotonic()
         if cfg.peer.expected_peers > 1:
             ok = gopt.wait_for_peers(cfg.peer.expected_peers, cfg.peer.start_timeout)
             if not ok:
@@ -191,9 +200,9 @@ class Daemon:
                     cfg.peer.expected_peers,
                     cfg.peer.start_timeout,
                 )
-        if not resumed and cfg.peer.bootstrap and peer.membership is not None:
+        if not resumed and peer.membership is not None and peer.membership.bootstrap:
             # A late joiner starts from the swarm's state instead of from scratch.
-            peer.membership.beat_once()
+            find_swarm(peer.membership, cfg.peer.start_timeout, started=started)
             if gopt.join_from_swarm():
                 self._write_status(joined_at_step=gopt.local_step)
         if site is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -30,6 +31,7 @@ from gossipgrad.peer.membership.heartbeats import Membership
 from gossipgrad.peer.membership.topology import topology_from_name
 from gossipgrad.peer.metrics import UNATTRIBUTED, PeerMetrics
 from gossipgrad.peer.network import GossipServer, PeerClient, TransportOptions, UpdateRejected
+from gossipgrad.peer.runtime.joining import Backoff, JoinError, donor_order
 from gossipgrad.peer.security import TransportSecurity, resolve_security
 from gossipgrad.proto import gossip_pb2 as pb
 
@@ -50,6 +52,9 @@ def transport_options(cfg: PeerConfig) -> TransportOptions:
         chunk_size=t.chunk_bytes,
         max_payload_bytes=t.max_payload_bytes,
         push_timeout=t.push_timeout,
+        state_timeout=t.state_timeout,
+        max_state_downloads=t.max_state_downloads,
+        state_rate_bytes=t.state_rate_bytes,
         retries=t.retries,
         max_streams_per_peer=s.max_streams_per_peer,
         peer_rate=s.peer_rate,
@@ -188,6 +193,14 @@ class Peer:
                 f"transport.max_payload_bytes ({self.options.max_payload_bytes}): a resync "
                 "could never be sent; raise transport.max_payload_bytes"
             )
+        t = cfg.transport
+        if t.state_rate_bytes and flat.nbytes / t.state_rate_bytes > t.state_timeout:
+            log.warning(
+                "transport.state_timeout %.0fs is shorter than the parameters alone (%d bytes) "
+                "take at transport.state_rate_bytes: state downloads will time out",
+                t.state_timeout,
+                flat.nbytes,
+            )
         self.clients = ClientPool(self.options, self.security, cfg.transport.dial_target)
         self.server = GossipServer(
             self,
@@ -208,6 +221,8 @@ class Peer:
         self.buffer_average: BufferAverage | None = None
         self._incarnations: dict[str, int] = {}
         self._started = False
+        # Which donor a download asks first: random, so joiners arriving together spread.
+        self._donor_rng = random.Random()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -304,31 +319,85 @@ class Peer:
         return sorted(infos, key=lambda info: info.step, reverse=True)
 
     def download_state(
-        self, timeout: float = 60.0, min_step: int = 1
+        self, timeout: float | None = None, min_step: int = 1, patience: float = 0.0
     ) -> tuple[pb.StateHeader, bytes] | None:
-        """Fetch the state of the most advanced live peer that answers, or None if none is
-        at ``min_step`` (its own step, as it reports it in the download)."""
-        for info in self.donors():
-            if info.step < min_step:
-                break
-            log.info("downloading state from %s (step %d)", info.id, info.step)
-            try:
-                header, blob = self.clients.get(info.address).download_state(
-                    pb.StateRequest(swarm=self.cfg.peer.swarm, requester=self.id),
-                    timeout=timeout,
+        """Fetch the state of one live donor at ``min_step`` or more (see
+        :mod:`~gossipgrad.peer.runtime.joining` for the order donors are asked in).
+
+        1. If no live peer is at ``min_step`` now, return None (the swarm itself is young:
+           peers started together train from their common seeded initialisation).
+        2. Ask the donors in :func:`donor_order`; a busy one (RESOURCE_EXHAUSTED) or a
+           failing one is skipped, the first that serves wins.
+        3. None served: back off, re-read the view and go to 2, until ``patience`` seconds
+           have passed since the start; then raise.
+
+        Args:
+            timeout: deadline of one download from one donor (default
+                ``transport.state_timeout``).
+            min_step: the least step a donor must be at (its own step, as it reports it in
+                the download).
+            patience: seconds to keep retrying after the first pass (0: one pass).
+
+        Raises:
+            JoinError: donors were there but none sent its state within ``patience``.
+            ValueError: a donor's state is for another model.
+        """
+        timeout = timeout if timeout is not None else self.options.state_timeout
+        started = time.monotonic()
+        deadline = started + patience
+        backoff = Backoff(initial=0.5, maximum=5.0, rng=self._donor_rng)
+        failures: dict[str, str] = {}  # donor id -> why it did not serve, last time asked
+        order = donor_order(self.donors(), min_step, self._donor_rng)
+        if not order:
+            return None
+        while True:
+            for info in order:
+                got = self._download_from(info, timeout, min_step, failures)
+                if got is not None:
+                    return got
+            if not backoff.sleep(deadline):
+                tried = "; ".join(failures.values()) or "no live donor left"
+                raise JoinError(
+                    f"no donor sent its state: {tried} (after {time.monotonic() - started:.0f}s)"
                 )
-            except Exception as err:
-                log.warning("state download from %s failed: %s", info.id, err)
-                continue
-            if header.model_fingerprint != self.flat.fingerprint:
-                raise ValueError(
-                    f"state from {info.id} is for another model ({header.model_fingerprint})"
-                )
-            if header.step < min_step:
-                continue
-            self.metrics.record_received(info.id, "state", len(blob))
-            return header, blob
-        return None
+            order = donor_order(self.donors(), min_step, self._donor_rng)
+
+    def _download_from(
+        self, info: pb.PeerInfo, timeout: float, min_step: int, failures: dict[str, str]
+    ) -> tuple[pb.StateHeader, bytes] | None:
+        """One download from donor ``info``: (header, blob), or None with the reason in
+        ``failures``."""
+        log.info("downloading state from %s (step %d)", info.id, info.step)
+        t0 = time.monotonic()
+        try:
+            header, blob = self.clients.get(info.address).download_state(
+                pb.StateRequest(swarm=self.cfg.peer.swarm, requester=self.id),
+                timeout=timeout,
+            )
+        except grpc.RpcError as err:
+            busy = err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            failures[info.id] = f"{info.id} at {info.address} ({'busy' if busy else err})"
+            log.log(
+                logging.INFO if busy else logging.WARNING,
+                "state download from %s failed: %s",
+                info.id,
+                err,
+            )
+            return None
+        if header.model_fingerprint != self.flat.fingerprint:
+            raise ValueError(
+                f"state from {info.id} is for another model ({header.model_fingerprint})"
+            )
+        if header.step < min_step:
+            failures[info.id] = f"{info.id} at {info.address} (at step {header.step})"
+            return None
+        seconds = time.monotonic() - t0
+        self.metrics.record_received(info.id, "state", len(blob))
+        log.info(
+            "downloaded state of %s: step %d, %d bytes in %.2fs",
+            info.id, header.step, len(blob), seconds,
+        )  # fmt: skip
+        return header, blob
 
     # ------------------------------------------------------------------ handler (server side)
 

@@ -237,11 +237,22 @@ class GossipOptimizer:
         )  # fmt: skip
         return state["local_step"], state["round"], buf.getvalue()
 
-    def join_from_swarm(self, timeout: float = 60.0) -> bool:
-        """Download model and optimizer state from the most advanced live peer, if it is at
-        least ``peer.join_after_steps`` steps in (peers started together skip this)."""
+    def join_from_swarm(self, timeout: float | None = None, patience: float | None = None) -> bool:
+        """Download model and optimizer state from a live donor, if one is at least
+        ``peer.join_after_steps`` steps in (peers started together skip this: False).
+
+        Args:
+            timeout: deadline of one download (default ``transport.state_timeout``).
+            patience: seconds to keep retrying busy or failing donors (default
+                ``peer.start_timeout``).
+
+        Raises:
+            JoinError: donors were there but none sent its state in time.
+        """
         got = self.peer.download_state(
-            timeout=timeout, min_step=max(1, self.config.peer.join_after_steps)
+            timeout=timeout,
+            min_step=max(1, self.config.peer.join_after_steps),
+            patience=self.config.peer.start_timeout if patience is None else patience,
         )
         if got is None:
             return False

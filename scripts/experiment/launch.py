@@ -40,7 +40,8 @@ class LocalSwarm:
         command_prefix: optional ``i -> argv prefix`` run before peer i's python, e.g.
             ``["ip", "netns", "exec", NS]`` to start it inside a network namespace.
         peer_overrides: optional ``i -> {key: value}`` applied to peer i after
-            ``overrides``, e.g. its own ``peer.listen`` address.
+            ``overrides`` and the bootstrap address, e.g. its own ``peer.listen`` address
+            (or ``peer.bootstrap = ""`` for a peer meant to start a swarm of its own).
     """
 
     def __init__(
@@ -79,10 +80,10 @@ class LocalSwarm:
             "train.threads": "1",
             **self.overrides,
         }
-        if self.peer_overrides is not None:
-            opts.update(self.peer_overrides(i))
         if bootstrap:
             opts["peer.bootstrap"] = bootstrap
+        if self.peer_overrides is not None:
+            opts.update(self.peer_overrides(i))
         cmd = [*(self.command_prefix(i) if self.command_prefix else []), sys.executable]
         cmd += ["-m", "gossipgrad.peer"]
         if self.config is not None:
