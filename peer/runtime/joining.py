@@ -8,7 +8,7 @@
    in; first those close to the most advanced step, shuffled, so that joiners arriving
    together tend to ask different donors instead of all asking the most advanced one; then
    the rest, most advanced first.
-3. **Download** (``Peer.download_state``): from the first donor that serves. A busy donor
+3. **Download** (:class:`StateDownload`): from the first donor that serves. A busy donor
    (RESOURCE_EXHAUSTED: all its ``transport.max_state_downloads`` slots taken) or a failing
    one is skipped; after a pass without success the peer backs off, re-reads the view and
    tries again, and gives up with :class:`JoinError` naming every donor and why, once
@@ -28,10 +28,13 @@ import random
 import time
 from typing import TYPE_CHECKING
 
+import grpc
 from gossipgrad.proto import gossip_pb2 as pb
 
 if TYPE_CHECKING:
     from gossipgrad.peer.membership.heartbeats import Membership
+    from gossipgrad.peer.metrics import PeerMetrics
+    from gossipgrad.peer.network.pool import ClientPool
 
 log = logging.getLogger(__name__)
 
@@ -131,3 +134,123 @@ def donor_order(donors: list[pb.PeerInfo], min_step: int, rng: random.Random) ->
     rest = sorted((d for d in eligible if d.step < floor), key=lambda d: d.step, reverse=True)
     rng.shuffle(near)
     return near + rest
+
+
+class StateDownload:
+    """Step 3 of the module docstring: a fresh peer's download of one donor's state.
+
+    Args:
+        membership: this peer's membership (who the live donors are, at which step).
+        clients: the peer's client pool (one connection per address).
+        swarm: the swarm's name (the donor refuses another swarm's request).
+        me: this peer's id (the donor's per-caller limits count by it).
+        fingerprint: this peer's model fingerprint (a state for another model is an error).
+        metrics: the peer's metrics (state bytes received).
+        state_timeout: default deadline of one download from one donor.
+        rng: shuffles the donors near the most advanced step.
+    """
+
+    def __init__(
+        self,
+        membership: Membership,
+        clients: ClientPool,
+        swarm: str,
+        me: str,
+        fingerprint: str,
+        metrics: PeerMetrics,
+        state_timeout: float,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.membership = membership
+        self.clients = clients
+        self.swarm = swarm
+        self.me = me
+        self.fingerprint = fingerprint
+        self.metrics = metrics
+        self.state_timeout = state_timeout
+        self.rng = rng or random.Random()
+
+    def donors(self) -> list[pb.PeerInfo]:
+        """Live peers that have trained, most advanced first (suspects are never donors: one
+        may be the peer that trained alone)."""
+        m = self.membership
+        infos = []
+        for pid in m.present_ids():
+            rec = m.record(pid)
+            if rec is not None and m.is_alive(pid) and rec.info.step > 0:
+                infos.append(rec.info)
+        return sorted(infos, key=lambda info: info.step, reverse=True)
+
+    def download(
+        self, timeout: float | None = None, min_step: int = 1, patience: float = 0.0
+    ) -> tuple[pb.StateHeader, bytes] | None:
+        """Fetch the state of one live donor at ``min_step`` or more.
+
+        1. If no live peer is at ``min_step`` now, return None (the swarm itself is young:
+           peers started together train from their common seeded initialisation).
+        2. Ask the donors in :func:`donor_order`; a busy one (RESOURCE_EXHAUSTED) or a
+           failing one is skipped, the first that serves wins.
+        3. None served: back off, re-read the view and go to 2, until ``patience`` seconds
+           have passed since the start; then raise.
+
+        Args:
+            timeout: deadline of one download from one donor (default ``state_timeout``).
+            min_step: the least step a donor must be at (its own step, as it reports it in
+                the download).
+            patience: seconds to keep retrying after the first pass (0: one pass).
+
+        Raises:
+            JoinError: donors were there but none sent its state within ``patience``.
+            ValueError: a donor's state is for another model.
+        """
+        timeout = timeout if timeout is not None else self.state_timeout
+        started = time.monotonic()
+        deadline = started + patience
+        backoff = Backoff(initial=0.5, maximum=5.0, rng=self.rng)
+        failures: dict[str, str] = {}  # donor id -> why it did not serve, last time asked
+        order = donor_order(self.donors(), min_step, self.rng)
+        if not order:
+            return None
+        while True:
+            for info in order:
+                got = self._download_from(info, timeout, min_step, failures)
+                if got is not None:
+                    return got
+            if not backoff.sleep(deadline):
+                tried = "; ".join(failures.values()) or "no live donor left"
+                raise JoinError(
+                    f"no donor sent its state: {tried} (after {time.monotonic() - started:.0f}s)"
+                )
+            order = donor_order(self.donors(), min_step, self.rng)
+
+    def _download_from(
+        self, info: pb.PeerInfo, timeout: float, min_step: int, failures: dict[str, str]
+    ) -> tuple[pb.StateHeader, bytes] | None:
+        """One download from donor ``info``: (header, blob), or None with the reason in
+        ``failures``."""
+        log.info("downloading state from %s (step %d)", info.id, info.step)
+        t0 = time.monotonic()
+        try:
+            header, blob = self.clients.get(info.address).download_state(
+                pb.StateRequest(swarm=self.swarm, requester=self.me), timeout=timeout
+            )
+        except grpc.RpcError as err:
+            busy = err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            failures[info.id] = f"{info.id} at {info.address} ({'busy' if busy else err})"
+            level = logging.INFO if busy else logging.WARNING
+            log.log(level, "state download from %s failed: %s", info.id, err)
+            return None
+        if header.model_fingerprint != self.fingerprint:
+            raise ValueError(
+                f"state from {info.id} is for another model ({header.model_fingerprint})"
+            )
+        if header.step < min_step:
+            failures[info.id] = f"{info.id} at {info.address} (at step {header.step})"
+            return None
+        seconds = time.monotonic() - t0
+        self.metrics.record_received(info.id, "state", len(blob))
+        log.info(
+            "downloaded state of %s: step %d, %d bytes in %.2fs",
+            info.id, header.step, len(blob), seconds,
+        )  # fmt: skip
+        return header, blob

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import socket
 import threading
 import time
@@ -30,8 +29,9 @@ from gossipgrad.peer.flat import FlatParameters, FloatBuffers
 from gossipgrad.peer.membership.heartbeats import Membership
 from gossipgrad.peer.membership.topology import topology_from_name
 from gossipgrad.peer.metrics import UNATTRIBUTED, PeerMetrics
-from gossipgrad.peer.network import GossipServer, PeerClient, TransportOptions, UpdateRejected
-from gossipgrad.peer.runtime.joining import Backoff, JoinError, donor_order
+from gossipgrad.peer.network import GossipServer, TransportOptions, UpdateRejected
+from gossipgrad.peer.network.pool import ClientPool
+from gossipgrad.peer.runtime.joining import StateDownload
 from gossipgrad.peer.security import TransportSecurity, resolve_security
 from gossipgrad.proto import gossip_pb2 as pb
 
@@ -87,53 +87,6 @@ def transport_security(cfg: PeerConfig) -> TransportSecurity | None:
 
 #: Listen hosts that bind every interface (not an address another machine can dial).
 WILDCARD_HOSTS = ("0.0.0.0", "[::]", "::")
-
-
-class ClientPool:
-    """One PeerClient per address, created on first use."""
-
-    def __init__(
-        self,
-        options: TransportOptions,
-        security: TransportSecurity | None = None,
-        dial: Callable[[str], str] = str,
-    ) -> None:
-        self._options = options
-        self._security = security
-        self._dial = dial  # peer address -> address to connect to (transport.dial_via)
-        self._clients: dict[str, PeerClient] = {}
-        self._lock = threading.Lock()
-
-    def get(self, address: str) -> PeerClient:
-        with self._lock:
-            c = self._clients.get(address)
-            if c is None:
-                c = self._clients[address] = PeerClient(
-                    self._dial(address), options=self._options, security=self._security
-                )
-            return c
-
-    def drop(self, address: str) -> None:
-        with self._lock:
-            c = self._clients.pop(address, None)
-        if c is not None:
-            c.close()
-
-    def addresses(self) -> set[str]:
-        """The addresses a client is open to."""
-        with self._lock:
-            return set(self._clients)
-
-    def prune(self, keep: set[str]) -> None:
-        """Close the clients of every address not in ``keep`` (peers that left)."""
-        for address in self.addresses() - keep:
-            self.drop(address)
-
-    def close(self) -> None:
-        with self._lock:
-            clients, self._clients = list(self._clients.values()), {}
-        for c in clients:
-            c.close()
 
 
 class AddressedSender:
@@ -220,9 +173,8 @@ class Peer:
         self.algorithm: GossipAlgorithm | None = None
         self.buffer_average: BufferAverage | None = None
         self._incarnations: dict[str, int] = {}
+        self.joining: StateDownload | None = None
         self._started = False
-        # Which donor a download asks first: random, so joiners arriving together spread.
-        self._donor_rng = random.Random()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -267,6 +219,16 @@ class Peer:
             on_change=self._on_membership_change,
             near=lambda ids: neighbours_in(self.topology, self.id, ids),
         )
+        # Which donor a download asks first is random, so joiners arriving together spread.
+        self.joining = StateDownload(
+            self.membership,
+            self.clients,
+            self.cfg.peer.swarm,
+            self.id,
+            self.flat.fingerprint,
+            self.metrics,
+            self.options.state_timeout,
+        )
         identity = Identity(self.id, self.cfg.peer.swarm, self.flat.fingerprint, self.flat.nbytes)
         sender = AddressedSender(self.membership, self.clients, self.options.push_timeout)
         self.neighbourhood = Neighbourhood(
@@ -309,95 +271,16 @@ class Peer:
         return reply
 
     def donors(self) -> list[pb.PeerInfo]:
-        """Live peers that have trained, most advanced first (suspects are never donors: one
-        may be the peer that trained alone)."""
-        infos = []
-        for pid in self.membership.present_ids():
-            rec = self.membership.record(pid)
-            if rec is not None and self.membership.is_alive(pid) and rec.info.step > 0:
-                infos.append(rec.info)
-        return sorted(infos, key=lambda info: info.step, reverse=True)
+        """Live peers that have trained (see ``StateDownload.donors``)."""
+        return self.joining.donors()
 
     def download_state(
         self, timeout: float | None = None, min_step: int = 1, patience: float = 0.0
     ) -> tuple[pb.StateHeader, bytes] | None:
-        """Fetch the state of one live donor at ``min_step`` or more (see
-        :mod:`~gossipgrad.peer.runtime.joining` for the order donors are asked in).
-
-        1. If no live peer is at ``min_step`` now, return None (the swarm itself is young:
-           peers started together train from their common seeded initialisation).
-        2. Ask the donors in :func:`donor_order`; a busy one (RESOURCE_EXHAUSTED) or a
-           failing one is skipped, the first that serves wins.
-        3. None served: back off, re-read the view and go to 2, until ``patience`` seconds
-           have passed since the start; then raise.
-
-        Args:
-            timeout: deadline of one download from one donor (default
-                ``transport.state_timeout``).
-            min_step: the least step a donor must be at (its own step, as it reports it in
-                the download).
-            patience: seconds to keep retrying after the first pass (0: one pass).
-
-        Raises:
-            JoinError: donors were there but none sent its state within ``patience``.
-            ValueError: a donor's state is for another model.
-        """
-        timeout = timeout if timeout is not None else self.options.state_timeout
-        started = time.monotonic()
-        deadline = started + patience
-        backoff = Backoff(initial=0.5, maximum=5.0, rng=self._donor_rng)
-        failures: dict[str, str] = {}  # donor id -> why it did not serve, last time asked
-        order = donor_order(self.donors(), min_step, self._donor_rng)
-        if not order:
-            return None
-        while True:
-            for info in order:
-                got = self._download_from(info, timeout, min_step, failures)
-                if got is not None:
-                    return got
-            if not backoff.sleep(deadline):
-                tried = "; ".join(failures.values()) or "no live donor left"
-                raise JoinError(
-                    f"no donor sent its state: {tried} (after {time.monotonic() - started:.0f}s)"
-                )
-            order = donor_order(self.donors(), min_step, self._donor_rng)
-
-    def _download_from(
-        self, info: pb.PeerInfo, timeout: float, min_step: int, failures: dict[str, str]
-    ) -> tuple[pb.StateHeader, bytes] | None:
-        """One download from donor ``info``: (header, blob), or None with the reason in
-        ``failures``."""
-        log.info("downloading state from %s (step %d)", info.id, info.step)
-        t0 = time.monotonic()
-        try:
-            header, blob = self.clients.get(info.address).download_state(
-                pb.StateRequest(swarm=self.cfg.peer.swarm, requester=self.id),
-                timeout=timeout,
-            )
-        except grpc.RpcError as err:
-            busy = err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            failures[info.id] = f"{info.id} at {info.address} ({'busy' if busy else err})"
-            log.log(
-                logging.INFO if busy else logging.WARNING,
-                "state download from %s failed: %s",
-                info.id,
-                err,
-            )
-            return None
-        if header.model_fingerprint != self.flat.fingerprint:
-            raise ValueError(
-                f"state from {info.id} is for another model ({header.model_fingerprint})"
-            )
-        if header.step < min_step:
-            failures[info.id] = f"{info.id} at {info.address} (at step {header.step})"
-            return None
-        seconds = time.monotonic() - t0
-        self.metrics.record_received(info.id, "state", len(blob))
-        log.info(
-            "downloaded state of %s: step %d, %d bytes in %.2fs",
-            info.id, header.step, len(blob), seconds,
-        )  # fmt: skip
-        return header, blob
+        """A donor's state, or None if no live peer is at ``min_step`` (see
+        ``StateDownload.download``; raises JoinError when donors were there but none
+        served within ``patience``)."""
+        return self.joining.download(timeout, min_step, patience)
 
     # ------------------------------------------------------------------ handler (server side)
 
