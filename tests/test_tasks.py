@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gossipgrad.peer.flat import FloatBuffers
 from gossipgrad.peer.membership import metropolis_hastings_weights, topology_from_name
 from gossipgrad.peer.tasks import (
     BUILTIN_TASKS,
@@ -390,13 +391,18 @@ def test_fashion_mnist_tasks_build_shard_and_learn() -> None:
     for name, lo, hi in (
         ("fashion-mnist-mlp", 600_000, 700_000),
         ("fashion-mnist-cnn", 80_000, 120_000),
+        ("fashion-mnist-cnn-bn", 80_000, 120_000),
     ):
         tasks = [build_task(name, _ctx(peer_index=i, num_peers=3, batch_size=32)) for i in range(3)]
         assert sum(t.num_train_samples for t in tasks) == 60_000
         task = tasks[0]
         n_params = sum(p.numel() for p in task.model.parameters())
         assert lo <= n_params <= hi, n_params
-        assert _no_buffers(task.model)
+        # Only the BatchNorm CNN has buffers: 2 x (16 + 32) running statistics, 2 counters.
+        if name.endswith("-bn"):
+            assert FloatBuffers(task.model).numel == 96
+        else:
+            assert _no_buffers(task.model)
         x, y = next(task.batches())
         assert x.shape == (32, 1, 28, 28) and x.dtype == torch.float32
         assert y.shape == (32,) and int(y.max()) < 10

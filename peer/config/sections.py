@@ -80,7 +80,7 @@ class TrainSection(Section):
     task: str = Field(
         "digits",
         description="Built-in task (digits, fashion-mnist-mlp, fashion-mnist-cnn, "
-        "shakespeare) or a user task 'package.module:factory'.",
+        "fashion-mnist-cnn-bn, shakespeare) or a user task 'package.module:factory'.",
     )
     steps: int = Field(300, ge=0, description="Local optimizer steps to run.")
     batch_size: int = Field(32, ge=1, description="Samples per local step.")

@@ -10,7 +10,12 @@ from collections.abc import Callable
 import torch
 from gossipgrad.peer.tasks.base import OptimizerFn, Task, TaskContext
 from gossipgrad.peer.tasks.charlm import shakespeare_task
-from gossipgrad.peer.tasks.vision import digits_task, fashion_mnist_cnn_task, fashion_mnist_mlp_task
+from gossipgrad.peer.tasks.vision import (
+    digits_task,
+    fashion_mnist_cnn_bn_task,
+    fashion_mnist_cnn_task,
+    fashion_mnist_mlp_task,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +25,7 @@ BUILTIN_TASKS: dict[str, TaskFactory] = {
     "digits": digits_task,
     "fashion-mnist-mlp": fashion_mnist_mlp_task,
     "fashion-mnist-cnn": fashion_mnist_cnn_task,
+    "fashion-mnist-cnn-bn": fashion_mnist_cnn_bn_task,
     "shakespeare": shakespeare_task,
 }
 

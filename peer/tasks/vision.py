@@ -61,6 +61,25 @@ def fashion_cnn() -> nn.Module:
     )
 
 
+def fashion_cnn_bn() -> nn.Module:
+    """``fashion_cnn`` with BatchNorm after each convolution (106k parameters, 96 running
+    statistics): the model for measuring the buffers' gossip (``gossip.buffers``)."""
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 7 * 7, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
+
+
 def _sgd(lr: float):
     def make(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
@@ -92,7 +111,7 @@ def _normalize(images: torch.Tensor) -> torch.Tensor:
     return ((images.float() / 255.0 - FMNIST_MEAN) / FMNIST_STD).unsqueeze(1)
 
 
-def _fashion_task(ctx: TaskContext, *, cnn: bool) -> Task:
+def _fashion_task(ctx: TaskContext, *, cnn: bool, batchnorm: bool = False) -> Task:
     images, labels = load_fashion_mnist("train")
     test_images, test_labels = load_fashion_mnist("test")
     n_eval = ctx.eval_samples or (FMNIST_CNN_EVAL_SAMPLES if cnn else len(test_labels))
@@ -100,7 +119,7 @@ def _fashion_task(ctx: TaskContext, *, cnn: bool) -> Task:
     pick = torch.from_numpy(np.sort(pick))
     return Task.from_parts(
         ctx,
-        model=fashion_cnn if cnn else fashion_mlp,
+        model=(fashion_cnn_bn if batchnorm else fashion_cnn) if cnn else fashion_mlp,
         # uint8 images (47 MB) stay compact; batches are normalised when drawn.
         train_dataset=(torch.from_numpy(images), torch.from_numpy(labels)),
         eval_fn=classification_eval(
@@ -111,7 +130,9 @@ def _fashion_task(ctx: TaskContext, *, cnn: bool) -> Task:
         metric="accuracy",
         batch_transform=lambda batch: (_normalize(batch[0]), batch[1]),
         optimizer=_sgd(0.05 if cnn else 0.02),
-        name="fashion-mnist-cnn" if cnn else "fashion-mnist-mlp",
+        name=("fashion-mnist-cnn-bn" if batchnorm else "fashion-mnist-cnn")
+        if cnn
+        else "fashion-mnist-mlp",
     )
 
 
@@ -125,11 +146,18 @@ def fashion_mnist_cnn_task(ctx: TaskContext) -> Task:
     return _fashion_task(ctx, cnn=True)
 
 
+def fashion_mnist_cnn_bn_task(ctx: TaskContext) -> Task:
+    """The Fashion-MNIST CNN with BatchNorm (its buffers are gossiped, see gossip.buffers)."""
+    return _fashion_task(ctx, cnn=True, batchnorm=True)
+
+
 __all__ = [
     "digits_mlp",
     "digits_task",
     "fashion_cnn",
+    "fashion_cnn_bn",
     "fashion_mlp",
+    "fashion_mnist_cnn_bn_task",
     "fashion_mnist_cnn_task",
     "fashion_mnist_mlp_task",
 ]
