@@ -14,6 +14,13 @@ read the targets from the peers' ``status.json``::
 
     python scripts/prometheus_config.py --status runs/swarm/peer* --out prometheus.yml
 
+With ``--file-sd`` the targets go to ``gossipgrad-targets.json`` next to the config
+(Prometheus file-based service discovery), which Prometheus re-reads when it changes: as
+peers join or leave, rewrite only that file, and Prometheus follows without a restart::
+
+    python scripts/prometheus_config.py --status runs/swarm/peer* --out prometheus.yml \
+        --file-sd --targets-only
+
 Next to the config it writes ``gossipgrad-rules.yml``: recording rules (compression ratio,
 bandwidth and round p90 per peer) and alerts (peer down, no gossip rounds, suspect peers,
 rejected updates, resync storms); ``--no-rules`` leaves them out.
@@ -64,6 +71,9 @@ def validate_targets(targets: Mapping[str, str]) -> None:
 
 
 RULES_FILE = "gossipgrad-rules.yml"
+#: The targets file of ``--file-sd``, next to the config; re-read every FILE_SD_REFRESH too.
+TARGETS_FILE = "gossipgrad-targets.json"
+FILE_SD_REFRESH = "5s"
 
 #: Recording rules (colons mark recorded series, per the Prometheus naming guide).
 RECORDING_RULES: tuple[tuple[str, str], ...] = (
@@ -157,12 +167,16 @@ def render_prometheus_config(
     scrape_interval: str = "1s",
     job_name: str = JOB_NAME,
     rule_files: Sequence[str] = (),
+    file_sd: str | None = None,
 ) -> str:
     """Return the Prometheus config (YAML text) scraping ``targets`` ({peer id: host:port}).
 
     ``rule_files`` are paths Prometheus resolves relative to the config file's directory.
+    ``file_sd``: read the targets from that JSON file instead (:func:`render_targets_file`;
+    relative to the config's directory), so they can change while Prometheus runs.
     """
-    validate_targets(targets)
+    if file_sd is None:
+        validate_targets(targets)
     if not _DURATION.match(scrape_interval):
         raise ValueError(f"scrape_interval {scrape_interval!r} is not a Prometheus duration")
     lines = [
@@ -179,8 +193,15 @@ def render_prometheus_config(
         f"  - job_name: {_q(job_name)}",
         "    metrics_path: /metrics",
         "    honor_labels: false",
-        "    static_configs:",
     ]
+    if file_sd is not None:
+        lines += [
+            "    file_sd_configs:",
+            f"      - files: [{_q(file_sd)}]",
+            f"        refresh_interval: {FILE_SD_REFRESH}",
+        ]
+        return "\n".join(lines) + "\n"
+    lines.append("    static_configs:")
     for peer_id, target in sorted(targets.items()):
         lines += [
             f"      - targets: [{_q(target)}]",
@@ -190,6 +211,23 @@ def render_prometheus_config(
     return "\n".join(lines) + "\n"
 
 
+def render_targets_file(targets: Mapping[str, str]) -> str:
+    """The file-based service discovery JSON for ``targets``: one group per peer, its id in
+    the ``peer`` label."""
+    validate_targets(targets)
+    groups = [{"targets": [t], "labels": {"peer": p}} for p, t in sorted(targets.items())]
+    return json.dumps(groups, indent=2) + "\n"
+
+
+def write_targets_file(targets: Mapping[str, str], path: str | Path) -> Path:
+    """Replace the targets file atomically (Prometheus never reads half of one)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(render_targets_file(targets))
+    tmp.replace(path)
+    return path
+
+
 def write_prometheus_config(
     targets: Mapping[str, str],
     path: str | Path,
@@ -197,18 +235,27 @@ def write_prometheus_config(
     job_name: str = JOB_NAME,
     rules: bool = True,
     alert_for: str | None = None,
+    file_sd: bool = False,
 ) -> Path:
     """Write the config for ``targets`` ({peer id: host:port}) to ``path``; returns the path.
 
     With ``rules``, also writes :data:`RULES_FILE` (recording + alert rules, every alert's
     ``for:`` replaced by ``alert_for`` if given) next to it and loads it from the config.
+    With ``file_sd``, the targets go to :data:`TARGETS_FILE` next to it (rewrite it with
+    :func:`write_targets_file` as peers come and go).
     """
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     rule_files: list[str] = []
     if rules:
         (path.parent / RULES_FILE).write_text(render_rules(job_name, alert_for))
         rule_files.append(RULES_FILE)
-    path.write_text(render_prometheus_config(targets, scrape_interval, job_name, rule_files))
+    if file_sd:
+        write_targets_file(targets, path.parent / TARGETS_FILE)
+    text = render_prometheus_config(
+        targets, scrape_interval, job_name, rule_files, TARGETS_FILE if file_sd else None
+    )
+    path.write_text(text)
     return path
 
 
@@ -270,6 +317,16 @@ def main(argv: list[str] | None = None) -> int:
         help=f"do not write {RULES_FILE} (recording + alert rules) next to --out",
     )
     ap.add_argument(
+        "--file-sd",
+        action="store_true",
+        help=f"targets in {TARGETS_FILE} next to --out, re-read by Prometheus when it changes",
+    )
+    ap.add_argument(
+        "--targets-only",
+        action="store_true",
+        help=f"with --file-sd: rewrite only {TARGETS_FILE} (a running Prometheus follows)",
+    )
+    ap.add_argument(
         "--alert-for",
         metavar="DURATION",
         help="replace every alert's 'for:' (default: each alert's own, 1m to 10m), e.g. 5s",
@@ -280,7 +337,11 @@ def main(argv: list[str] | None = None) -> int:
             targets = parse_peer_args(args.peers)
         else:
             targets = targets_from_status(args.status, args.metrics_host)
-        if args.out == "-":
+        if args.targets_only:
+            if not args.file_sd or args.out == "-":
+                raise ValueError("--targets-only needs --file-sd and an --out file")
+            write_targets_file(targets, Path(args.out).parent / TARGETS_FILE)
+        elif args.out == "-":
             sys.stdout.write(render_prometheus_config(targets, args.scrape_interval, args.job_name))
         else:
             write_prometheus_config(
@@ -290,8 +351,9 @@ def main(argv: list[str] | None = None) -> int:
                 args.job_name,
                 rules=not args.no_rules,
                 alert_for=args.alert_for,
+                file_sd=args.file_sd,
             )
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         ap.error(str(e))
     return 0
 

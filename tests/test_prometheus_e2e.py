@@ -807,3 +807,46 @@ def test_targets_from_status_files(tmp_path) -> None:
         cfg.targets_from_status([tmp_path / "p2"])
     with pytest.raises(ValueError, match="metrics_port"):
         cfg.targets_from_status([tmp_path / "missing"])
+
+
+@needs_prometheus
+@pytest.mark.timeout(120)
+def test_file_sd_targets_follow_the_swarm_without_a_restart(tmp_path) -> None:
+    """``--file-sd``: Prometheus scrapes what gossipgrad-targets.json lists; rewriting it
+    with ``--targets-only`` (a peer joined, another left) changes the targets of the same,
+    running Prometheus."""
+    script = str(ROOT / "scripts" / "prometheus_config.py")
+    out = tmp_path / "prometheus.yml"
+    swarm = start_fake_swarm(tmp_path, n=3, timeout=90)
+    prom = None
+
+    def write(peers: list[str], *extra: str) -> None:
+        items = [f"{p}={swarm.targets[p]}" for p in peers]
+        res = subprocess.run(
+            [sys.executable, script, "--peers", *items, "--out", str(out), "--file-sd", *extra],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr
+
+    def scraped() -> set[str]:
+        body = prom.api("/api/v1/targets", state="active")
+        return {t["labels"]["peer"] for t in body["data"]["activeTargets"]}
+
+    try:
+        write(["peer0", "peer1"])
+        assert "file_sd_configs" in out.read_text()
+        prom = start_prometheus(out, tmp_path / "data")
+        wait_until_all_up(prom, {"peer0", "peer1"})
+        write(["peer1", "peer2"], "--targets-only")  # peer2 joined, peer0 left
+        wait_for("the rewritten targets", lambda: scraped() == {"peer1", "peer2"}, timeout=30)
+        wait_until_all_up(prom, {"peer1", "peer2"})
+        assert prom.proc.poll() is None  # the same Prometheus, never restarted
+        bad = subprocess.run(
+            [sys.executable, script, "--peers", "a=127.0.0.1:1", "--out", "-", "--targets-only"],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert bad.returncode == 2 and "--targets-only needs --file-sd" in bad.stderr
+    finally:
+        if prom is not None:
+            stop_process(prom.proc)
+        swarm.close()
