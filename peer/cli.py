@@ -26,6 +26,7 @@ from gossipgrad.peer.config import (
     load_config,
     markdown_reference,
 )
+from gossipgrad.peer.config.base import list_from_text
 
 # ``gossipgrad-peer NAME ARGS...`` runs ``main(ARGS)`` of NAME's module instead of a peer;
 # each such module has its own ``build_parser()`` (its --help). NAME -> (module, summary).
@@ -75,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         dest="set_items",
         help="set any config key, e.g. --set gossip.gamma=0.3 (repeatable; list values "
-        "comma-separated; applied after the --section.key options)",
+        'A,B or a TOML array ["A", "B"]; applied after the --section.key options)',
     )
     parser.add_argument(
         "--config-reference",
@@ -114,8 +115,11 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         given.append((key, value))
     out: dict[str, Any] = {}
     for key, value in given:
-        if _is_list(fields[key]):
-            value = [v for v in value.split(",") if v]
+        if _is_list(fields[key]):  # A,B or ["A", "B"], as gossipgrad-experiment takes
+            try:
+                value = list_from_text(value)
+            except ValueError as err:
+                raise ConfigError(f"{key}: {err}") from None
         out[key] = value
     return out
 

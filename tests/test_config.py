@@ -103,3 +103,25 @@ def test_cli_reports_config_errors_in_one_line(capsys) -> None:
 def test_docs_config_reference_is_current() -> None:
     committed = (ROOT / "docs" / "config.md").read_text()
     assert committed == markdown_reference(), "regenerate: gossipgrad-peer --config-reference"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("spelling", ["A,B", '["A", "B"]'])
+def test_both_tools_take_both_list_spellings(spelling: str, capsys) -> None:
+    """One list syntax across tools: ``--set KEY=A,B`` and a TOML array ``["A", "B"]`` mean
+    the same to gossipgrad-peer and to gossipgrad-experiment."""
+    import json
+
+    from gossipgrad.experiment.cli import apply_overrides
+    from gossipgrad.experiment.spec import parse_spec, tomllib
+
+    boot = spelling.replace("A", "127.0.0.1:7001").replace("B", "127.0.0.1:7002")
+    assert main(["--print-config", "--set", f"peer.bootstrap={boot}"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["peer"]["bootstrap"] == ["127.0.0.1:7001", "127.0.0.1:7002"]
+
+    spec_file = Path(__file__).parent.parent / "scripts" / "experiments" / "digits-small.toml"
+    raw = tomllib.loads(spec_file.read_text())
+    runs = spelling.replace("A", "ddp").replace("B", "powersgd")
+    spec = parse_spec(apply_overrides(raw, [f"baselines.run={runs}"]), spec_file)
+    assert list(spec.baselines.run) == ["ddp", "powersgd"]

@@ -27,7 +27,7 @@ def markdown_reference() -> str:
         "Generated from `peer/config/` by `gossipgrad-peer --config-reference`.",
         "Every key can be set in the TOML file under its section, or on the command line as",
         "`--set section.key=value` (the syntax every gossipgrad tool takes) or",
-        "`--section.key=value`; list values are comma-separated.",
+        '`--section.key=value`; a list value is `A,B` or a TOML array `["A", "B"]`.',
         "",
     ]
     current = None

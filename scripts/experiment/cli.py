@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="override a spec key, e.g. --set experiment.peers=3 --set train.steps=100 "
-        "(VALUE is parsed as TOML, else taken as a string; repeatable)",
+        "(VALUE is parsed as TOML, else taken as a string; a list also as A,B; repeatable)",
     )
     p.add_argument("--no-live", action="store_true", help="plain progress lines, no live table")
     p.add_argument("--report", type=Path, metavar="DIR", help="redraw plots/summary of DIR")

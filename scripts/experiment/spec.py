@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from gossipgrad.peer.config import ConfigError, PeerConfig, build_config
+from gossipgrad.peer.config.base import split_list_strings
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 if TYPE_CHECKING:
@@ -74,6 +75,11 @@ def time_seconds(value: str) -> float:
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lists_from_strings(cls, data: Any) -> Any:
+        return split_list_strings(cls, data)  # --set baselines.run=ddp,powersgd
 
 
 class LinkProfile(_Model):
