@@ -100,6 +100,7 @@ class PeerMetrics:
         self._traffic_metrics(r)
         self._training_metrics(r)
         self._gossip_metrics(r)
+        self._health_metrics(r)
         for reason in REJECT_REASONS:
             self.rejected_updates.labels(reason=reason)
         for state in PEER_STATES:
@@ -189,7 +190,9 @@ class PeerMetrics:
             "L2 norm of what the compressor has not sent yet (x_i - xhat_i, or the EF residual).",
             registry=r,
         )
-        # --- membership and health -----------------------------------------------------------
+
+    def _health_metrics(self, r: CollectorRegistry) -> None:
+        """Membership and health: who is known, what was refused or resynced, what runs."""
         self.peers = Gauge(
             _name("peers"),
             "Other peers this peer knows, by membership state.",

@@ -229,6 +229,14 @@ class Peer:
             self.metrics,
             self.options.state_timeout,
         )
+        self._build_gossip()
+        self.membership.start()
+        self._started = True
+        log.info("peer %s serving gossip on %s", self.id, self.address)
+
+    def _build_gossip(self) -> None:
+        """The neighbour layer over membership, the algorithm on it, the buffers' average."""
+        g = self.cfg.gossip
         identity = Identity(self.id, self.cfg.peer.swarm, self.flat.fingerprint, self.flat.nbytes)
         sender = AddressedSender(self.membership, self.clients, self.options.push_timeout)
         self.neighbourhood = Neighbourhood(
@@ -241,9 +249,6 @@ class Peer:
             self.buffer_average = BufferAverage(
                 self._buffers, g.buffer_codec, self.neighbourhood, self.state_lock
             )
-        self.membership.start()
-        self._started = True
-        log.info("peer %s serving gossip on %s", self.id, self.address)
 
     def close(self) -> None:
         """Leave the swarm cleanly: announce, stop threads, stop serving."""
