@@ -181,7 +181,10 @@ class Daemon:
                 gopt.load_state_dict(state)
                 resumed = True
                 log.info("resumed from checkpoint at step %d", gopt.local_step)
-        if cfg.peer.expected_peers > 1:
+        # A peer resuming from its checkpoint rejoins a swarm that already trains: waiting
+        # for expected_peers would leave its neighbours waiting for it (up to start_timeout,
+        # forever short of a peer that stays down).
+        if cfg.peer.expected_peers > 1 and not resumed:
             ok = gopt.wait_for_peers(cfg.peer.expected_peers, cfg.peer.start_timeout)
             if not ok:
                 log.warning(
