@@ -43,7 +43,7 @@ ORDERS = ("cycle", "random")
 WORKING = ("training", "final-rounds")
 # A new life's metrics are scraped this often until its first exchange (or this long).
 SCRAPE_EVERY_S = 0.1
-SCRAPE_FOR_S = 120.0
+SCRAPE_FOR_S = 600.0
 
 
 @dataclass(frozen=True)
