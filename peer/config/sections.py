@@ -64,7 +64,9 @@ class PeerSection(Section):
         ge=0,
         description="A fresh peer (no checkpoint) downloads model and optimizer state from "
         "the most advanced peer when that one is at least this many steps in; peers started "
-        "together begin from the same seeded initialisation instead.",
+        "together begin from the same seeded initialisation instead. A restarted peer does "
+        "the same when the swarm is at least this many steps past its checkpoint (resuming "
+        "it, it would lag the others to the end and train its last steps alone).",
     )
 
 

@@ -193,10 +193,13 @@ class Daemon:
                     cfg.peer.expected_peers,
                     cfg.peer.start_timeout,
                 )
-        if not resumed and cfg.peer.bootstrap and peer.membership is not None:
-            # A late joiner starts from the swarm's state instead of from scratch.
+        if cfg.peer.bootstrap and peer.membership is not None:
+            # A late joiner starts from the swarm's state instead of from scratch; so does a
+            # peer whose checkpoint the swarm has left join_after_steps or more behind
+            # (resumed, it would lag the others to the end and train its last steps alone).
             peer.membership.beat_once()
-            if gopt.join_from_swarm():
+            behind = gopt.local_step + cfg.peer.join_after_steps if resumed else None
+            if gopt.join_from_swarm(min_step=behind):
                 self._write_status(joined_at_step=gopt.local_step)
         if site is not None:
             gopt.sync_site()  # all ranks take the leader's state (resumed or joined)

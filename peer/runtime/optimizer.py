@@ -224,12 +224,13 @@ class GossipOptimizer:
         )  # fmt: skip
         return state["local_step"], state["round"], buf.getvalue()
 
-    def join_from_swarm(self, timeout: float = 60.0) -> bool:
+    def join_from_swarm(self, timeout: float = 60.0, min_step: int | None = None) -> bool:
         """Download model and optimizer state from the most advanced live peer, if it is at
-        least ``peer.join_after_steps`` steps in (peers started together skip this)."""
-        got = self.peer.download_state(
-            timeout=timeout, min_step=max(1, self.config.peer.join_after_steps)
-        )
+        least ``min_step`` steps in (default ``peer.join_after_steps``: peers started
+        together skip this)."""
+        if min_step is None:
+            min_step = self.config.peer.join_after_steps
+        got = self.peer.download_state(timeout=timeout, min_step=max(1, min_step))
         if got is None:
             return False
         _, blob = got
