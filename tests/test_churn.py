@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from support.swarms import BASE
 
 PEERS = 6
-STEPS = 1200
+STEPS = 800
 HEARTBEAT_S = 0.5  # the default membership.heartbeat_interval
 CONFIG = {
     **BASE,
@@ -108,7 +108,7 @@ def fault_run(tmp_path_factory):
     swarm = LocalSwarm(tmp_path_factory.mktemp("fault"), PEERS, CONFIG)
     try:
         swarm.start()
-        wait_for(lambda: swarm.status(2).step >= 200, 300, "peer2 at step 200")
+        wait_for(lambda: swarm.status(2).step >= 150, 300, "peer2 at step 150")
         swarm.kill(2)
         swarm.kill(4)
         killed_at = swarm.status(2).step
@@ -139,7 +139,7 @@ def fault_run(tmp_path_factory):
             "killed_at": killed_at,
             "resumed": resumed,
             "first_exchange_s": None if first_exchange is None else first_exchange - started,
-            "failed": swarm.failed(),
+            "failed": [i for i in swarm.failed() if i != 4],  # peer4 stays killed
         }
     finally:
         swarm.stop(timeout=30)
@@ -280,8 +280,9 @@ def synthetic_trace() -> ChurnTrace:
         trace.samples.append(StatusSample(float(t), 0, 10, state, step))
     for t in range(0, 7):
         trace.samples.append(StatusSample(float(t), 1, 11, "training", t))
-    for t in range(10, 11):
-        trace.samples.append(StatusSample(float(t), 1, 12, "training", 4))
+    # The restarted life's first status still says step 0 (before its first step), then 4.
+    trace.samples.append(StatusSample(9.0, 1, 12, "training", 0))
+    trace.samples.append(StatusSample(10.0, 1, 12, "training", 4))
     for t in range(14, 21):
         trace.samples.append(StatusSample(float(t), 1, 12, "training", t - 10))
     trace.events = [ChurnEvent(6.5, 6, "sigkill", 1, 1), ChurnEvent(7.0, 7, "restart", 1, 2)]
@@ -301,6 +302,8 @@ def test_figures_of_a_synthetic_trace(tmp_path: Path) -> None:
     assert fig.max_stall_s == 4.0  # t 10 -> 14: nobody advanced
     assert fig.events == 2
     assert fig.throughput == pytest.approx(28 / 22)
+    # Its restart began training at step 4 while peer0 stood at 10: 6 rounds behind.
+    assert [(x.peer, x.how, x.lag_rounds) for x in fig.new_lives] == [(1, "restart", 6.0)]
 
 
 def test_max_stall_counts_the_window_edges() -> None:

@@ -8,7 +8,8 @@ status.json as ``step // gossip.local_steps`` (a peer's rounds follow its steps:
 * ``sigkill``: a crash; the peer's steps since its last checkpoint are lost.
 * ``sigterm``: a clean leave; the peer finishes its step, checkpoints and says goodbye.
 * ``restart``: the peer stopped longest starts again with the same config and its run dir, so
-  it resumes from its checkpoint; it bootstraps from a live peer (peer0 may be gone).
+  it resumes from its checkpoint (or, the swarm ``peer.join_after_steps`` past it, takes the
+  swarm's state); it bootstraps from a live peer (peer0 may be gone).
 * ``join``: a brand-new peer (index ``n`` and up, run dir of its own) joins; having no
   checkpoint, it downloads the swarm's state from the most advanced live peer.
 

@@ -61,10 +61,13 @@ class ChurnFigures:
 
 
 def _by_life(trace: ChurnTrace) -> dict[int, list[StatusSample]]:
-    """Each life's working samples (by pid), in time order."""
+    """Each life's working samples (by pid), in time order. Samples below the step the life
+    started from are left out: a restarted or joined peer's first status.json writes still
+    say step 0 until its first step past the checkpoint or the downloaded state."""
+    floor = {life.pid: life.start_step or 0 for life in trace.lives}
     out: dict[int, list[StatusSample]] = {}
     for s in trace.samples:
-        if s.state in WORKING or s.state == "done":
+        if (s.state in WORKING or s.state == "done") and s.step >= floor.get(s.pid, 0):
             out.setdefault(s.pid, []).append(s)
     return out
 
@@ -138,7 +141,7 @@ def _lag_rounds(trace: ChurnTrace, pid: int, lives: dict[int, list[StatusSample]
     mine = lives.get(pid)
     if not mine:
         return None
-    t0, step0 = mine[0].time, mine[0].step
+    t0, step0 = mine[0].time, mine[0].step  # at least the step it started from
     latest: dict[int, int] = {}
     for other, samples in lives.items():
         if other == pid:
