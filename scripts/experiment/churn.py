@@ -294,7 +294,8 @@ class ChurnDriver:
                     if life.start_step is None and s.start_step is not None:
                         life.start_step = s.start_step
                     life.last_step = max(life.last_step, s.step)
-                    rounds.append(s.step // self.trace.local_steps)
+                    if s.step >= (life.start_step or 0):  # not its first writes (step 0)
+                        rounds.append(s.step // self.trace.local_steps)
                 if s.state == "done" or s.step >= self.trace.steps:
                     self.finishing = True
             if self.swarm.procs[i].poll() is not None:
