@@ -66,3 +66,27 @@ def test_bench_consensus_rounds_shrink_the_disagreement() -> None:
     assert [int(r) for r, _ in rows] == [0, 20, 40], stdout
     start, *_, end = (float(d) for _, d in rows)
     assert start > 0 and end < start / 10, rows
+
+
+@pytest.mark.timeout(600)
+def test_bench_churn_compares_a_swarm_with_and_without_churn(tmp_path: Path) -> None:
+    """Three peers, an event every 20 rounds: both runs end, churn happened, figures print."""
+    proc = subprocess.run(
+        [
+            sys.executable, str(SCRIPTS / "bench_churn.py"), "--peers", "3", "--min-live", "2",
+            "--every-rounds", "20", "--steps", "400", "--timeout", "250",
+            "--out", str(tmp_path),
+        ],
+        capture_output=True, text=True, timeout=580, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    m = re.search(r"^goodput ([0-9.]+)% \(per live peer-second ([0-9.]+)%\)$", proc.stdout, re.M)
+    assert m, proc.stdout[-2000:]
+    result = json.loads((tmp_path / "churn.json").read_text())
+    steady, churn = result["steady"], result["churn"]
+    assert steady["events"] == 0 and churn["events"] >= 2
+    assert float(m[1]) == pytest.approx(100 * churn["throughput"] / steady["throughput"], abs=0.1)
+    assert steady["final_peers"] == 3 and churn["final_peers"] >= 2
+    assert 0 < steady["relative_consensus_distance"] < 1e-2
+    assert 0 < churn["relative_consensus_distance"] < 1e-1
+    assert (tmp_path / "churn" / "events.jsonl").read_text().count("\n") == churn["events"]

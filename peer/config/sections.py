@@ -70,7 +70,10 @@ class PeerSection(Section):
         description="A fresh peer (no checkpoint) downloads model and optimizer state from "
         "a live peer at least this many steps in (one near the most advanced step, picked at "
         "random so joiners spread over donors); when no peer is that far, as for peers "
-        "started together, it begins from the same seeded initialisation instead.",
+        "started together, it begins from the same seeded initialisation instead. A "
+        "restarted peer does the same when the swarm is at least this many steps past its "
+        "checkpoint (resuming it, it would lag the others to the end and train its last "
+        "steps alone).",
     )
 
 

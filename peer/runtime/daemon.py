@@ -31,7 +31,7 @@ import torch
 from gossipgrad.peer.config import PeerConfig
 from gossipgrad.peer.records import PeerStatus, PeerSummary, write_record
 from gossipgrad.peer.runtime import checkpoint
-from gossipgrad.peer.runtime.joining import find_swarm
+from gossipgrad.peer.runtime.joining import JoinError, find_swarm
 from gossipgrad.peer.runtime.optimizer import GossipOptimizer
 from gossipgrad.peer.runtime.site import SiteContext, SiteOptimizer, close_site, init_site
 from gossipgrad.peer.tasks import build_task
@@ -191,7 +191,10 @@ class Daemon:
                 resumed = True
                 log.info("resumed from checkpoint at step %d", gopt.local_step)
         started = time.monotonic()
-        if cfg.peer.expected_peers > 1:
+        # A peer resuming from its checkpoint rejoins a swarm that already trains: waiting
+        # for expected_peers would leave its neighbours waiting for it (up to start_timeout,
+        # forever short of a peer that stays down).
+        if cfg.peer.expected_peers > 1 and not resumed:
             ok = gopt.wait_for_peers(cfg.peer.expected_peers, cfg.peer.start_timeout)
             if not ok:
                 log.warning(
@@ -200,13 +203,29 @@ class Daemon:
                     cfg.peer.expected_peers,
                     cfg.peer.start_timeout,
                 )
-        if not resumed and peer.membership is not None and peer.membership.bootstrap:
-            # A late joiner starts from the swarm's state instead of from scratch.
-            find_swarm(peer.membership, cfg.peer.start_timeout, started=started)
-            if gopt.join_from_swarm():
-                self._write_status(joined_at_step=gopt.local_step)
+        # A late joiner starts from the swarm's state instead of from scratch; so does a peer
+        # whose checkpoint the swarm has left join_after_steps or more behind (resumed, it
+        # would lag the others to the end and train its last steps alone).
+        bootstrap = peer.membership is not None and peer.membership.bootstrap
+        if bootstrap and self._joined(gopt, resumed, started):
+            self._write_status(joined_at_step=gopt.local_step)
         if site is not None:
             gopt.sync_site()  # all ranks take the leader's state (resumed or joined)
+
+    def _joined(self, gopt: GossipOptimizer, resumed: bool, started: float) -> bool:
+        """Take a donor's state: a fresh peer (JoinError if it finds no swarm or no donor
+        serves), or a resumed one the swarm has left ``join_after_steps`` behind (it keeps its
+        checkpoint when no donor is that far ahead or none serves)."""
+        membership = gopt.peer.membership
+        if not resumed:
+            find_swarm(membership, self.cfg.peer.start_timeout, started=started)
+            return gopt.join_from_swarm()
+        membership.beat_once()
+        try:
+            return gopt.join_from_swarm(min_step=gopt.local_step + self.cfg.peer.join_after_steps)
+        except JoinError as err:
+            log.warning("resuming from the checkpoint: %s", err)
+            return False
 
     def _train(
         self, task, model, gopt: GossipOptimizer, scheduler, local: LocalStep

@@ -237,21 +237,31 @@ class GossipOptimizer:
         )  # fmt: skip
         return state["local_step"], state["round"], buf.getvalue()
 
-    def join_from_swarm(self, timeout: float | None = None, patience: float | None = None) -> bool:
+    def join_from_swarm(
+        self,
+        timeout: float | None = None,
+        patience: float | None = None,
+        min_step: int | None = None,
+    ) -> bool:
         """Download model and optimizer state from a live donor, if one is at least
-        ``peer.join_after_steps`` steps in (peers started together skip this: False).
+        ``min_step`` steps in (default ``peer.join_after_steps``; peers started together skip
+        this: False).
 
         Args:
             timeout: deadline of one download (default ``transport.state_timeout``).
             patience: seconds to keep retrying busy or failing donors (default
                 ``peer.start_timeout``).
+            min_step: the least step a donor must be at (a restarted peer: its checkpoint's
+                step plus ``peer.join_after_steps``).
 
         Raises:
             JoinError: donors were there but none sent its state in time.
         """
+        if min_step is None:
+            min_step = self.config.peer.join_after_steps
         got = self.peer.download_state(
             timeout=timeout,
-            min_step=max(1, self.config.peer.join_after_steps),
+            min_step=max(1, min_step),
             patience=self.config.peer.start_timeout if patience is None else patience,
         )
         if got is None:

@@ -69,13 +69,17 @@ class LocalSwarm:
     def peer_dir(self, i: int) -> Path:
         return self.out / f"peer{i}"
 
-    def command(self, i: int, bootstrap: str | None) -> list[str]:
-        """The command line of peer i (also written to DIR/commands.sh)."""
+    def command(
+        self, i: int, bootstrap: str | None, extra: dict[str, str] | None = None
+    ) -> list[str]:
+        """The command line of peer i (also written to DIR/commands.sh); ``extra``: keys
+        applied last, for this start only."""
         opts = {
             "peer.id": f"peer{i}",
             "peer.run_dir": str(self.peer_dir(i)),
             "peer.expected_peers": str(self.n),
-            "train.shard_index": str(i),
+            # A joiner past the first n (a churn run's newcomer) trains a departed one's shard.
+            "train.shard_index": str(i % self.n),
             "train.num_shards": str(self.n),
             "train.threads": "1",
             **self.overrides,
@@ -84,6 +88,7 @@ class LocalSwarm:
             opts["peer.bootstrap"] = bootstrap
         if self.peer_overrides is not None:
             opts.update(self.peer_overrides(i))
+        opts.update(extra or {})
         cmd = [*(self.command_prefix(i) if self.command_prefix else []), sys.executable]
         cmd += ["-m", "gossipgrad.peer"]
         if self.config is not None:
@@ -92,10 +97,16 @@ class LocalSwarm:
             cmd += [f"--{k}", v]
         return cmd
 
-    def spawn(self, i: int) -> None:
-        """Start (or restart) peer i, bootstrapping from peer0 unless it is peer0."""
-        bootstrap = None if i == 0 else self.bootstrap
-        cmd = self.command(i, bootstrap)
+    def spawn(
+        self, i: int, bootstrap: str | None = None, extra: dict[str, str] | None = None
+    ) -> None:
+        """Start (or restart) peer i, bootstrapping from ``bootstrap`` when given, else from
+        peer0 unless it is peer0. An index from ``n`` on is a newcomer with a run dir of its
+        own (it downloads the swarm's state); ``extra``: config keys for this start only,
+        e.g. ``peer.expected_peers=1`` for a peer joining a swarm that already runs."""
+        if bootstrap is None:
+            bootstrap = None if i == 0 else self.bootstrap
+        cmd = self.command(i, bootstrap, extra)
         self.peer_dir(i).mkdir(parents=True, exist_ok=True)
         with open(self.out / "commands.sh", "a") as f:
             f.write(" ".join(cmd) + " &\n")
@@ -134,6 +145,32 @@ class LocalSwarm:
         """SIGKILL peer i (a crash: no checkpoint, no goodbye)."""
         self.procs[i].kill()
         self.procs[i].wait()
+
+    def terminate(self, i: int, timeout: float | None = 30.0) -> int | None:
+        """SIGTERM peer i (it finishes its step, checkpoints, says goodbye and exits) and
+        wait for it; SIGKILL it after ``timeout``. Its exit status (None if it had to be
+        killed, or with ``timeout=None``: signal only, do not wait)."""
+        proc = self.procs[i]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        if timeout is None:
+            return proc.poll()
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("peer%d did not leave in %.0fs after SIGTERM: killed", i, timeout)
+            proc.kill()
+            proc.wait()
+            return None
+
+    def alive(self, i: int) -> bool:
+        """Peer i was started and its process still runs."""
+        proc = self.procs.get(i)
+        return proc is not None and proc.poll() is None
+
+    def address(self, i: int) -> str | None:
+        """The gossip address peer i's status.json reports (None before it wrote one)."""
+        return self.status(i).address
 
     def status(self, i: int) -> PeerStatus:
         """Peer i's latest status.json (a 'starting' one before it wrote any)."""

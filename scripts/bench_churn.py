@@ -1,0 +1,175 @@
+"""Churn all through a run: the same local swarm trained twice, without and with churn.
+
+Both runs use the same peers, seeds and config (digits, a ring, topk:0.01+int8, one torch
+thread per peer, ``--set`` keys on top). In the second, every ``--every-rounds`` rounds of the
+swarm one peer is SIGKILLed, SIGTERMed, restarted from its checkpoint or a brand-new peer joins
+(gossipgrad.experiment.churn), the live count kept within ``--min-live`` and ``--peers``.
+Printed for each run, over its steady window (every first peer training -> the first peer at
+``--steps``):
+
+* goodput: useful swarm steps per second with churn / without. Useful steps are the steps
+  every peer took in the window, less those a restarted peer takes twice because its crash
+  lost them (since its last checkpoint). On one machine the peers share the cores, so this is
+  what the swarm as a whole got done; the rate per live peer-second is printed beside it.
+* max stall: the longest time no peer advanced a step (0.5 s resolution: status.json).
+* the final relative consensus distance (1/n) Σ||x_i - x̄||² / ||x̄||² over the peers that
+  trained to the end, with and without churn, and the ratio.
+* per restarted or joined peer: seconds from its gRPC server start to its first mixed
+  exchange, its rounds by then, and how many rounds behind the swarm's median it started.
+
+    python scripts/bench_churn.py --peers 16 --every-rounds 10 --steps 300 --out runs/churn
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from gossipgrad.experiment.churn import ChurnDriver, ChurnSchedule
+from gossipgrad.experiment.churn_figures import ChurnFigures, figures
+from gossipgrad.experiment.launch import LocalSwarm
+
+BASE = {
+    "train.task": "digits",
+    "train.batch_size": "32",
+    "train.eval_every": "0",
+    "gossip.codec": "topk:0.01+int8",
+    "gossip.topology": "ring",
+    "metrics.enabled": "true",
+    "metrics.port": "0",
+    # Sixteen peers starting together on two cores take minutes to import torch.
+    "peer.start_timeout": "600",
+}
+
+
+def run_once(
+    out: Path, args: argparse.Namespace, overrides: dict[str, str], churn: bool
+) -> ChurnFigures:
+    """One run of the swarm, with or without churn; its figures."""
+    swarm = LocalSwarm(out, args.peers, overrides)
+    schedule = (
+        ChurnSchedule(
+            every_rounds=args.every_rounds,
+            min_live=args.min_live,
+            max_live=args.peers,
+            order=args.order,
+            seed=args.seed,
+            # After the first checkpoint: a peer killed before it restarts as a fresh one.
+            first_round=max(args.every_rounds, args.checkpoint_every // args.local_steps + 1),
+            last_round=args.steps // args.local_steps - args.every_rounds,
+        )
+        if churn
+        else None
+    )
+    driver = ChurnDriver(
+        swarm,
+        schedule,
+        steps=args.steps,
+        local_steps=args.local_steps,
+        join_extra={"peer.expected_peers": "1"},
+    )
+    try:
+        swarm.start()
+        trace = driver.run(timeout=args.timeout)
+    finally:
+        swarm.stop(timeout=60)
+    return figures(trace, out)
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def report(steady: ChurnFigures, churned: ChurnFigures) -> str:
+    """The printed comparison."""
+    lines = [
+        f"{'':22}{'no churn':>14}{'churn':>14}",
+        f"{'window s':22}{steady.window_s:14.1f}{churned.window_s:14.1f}",
+        f"{'events':22}{steady.events:14d}{churned.events:14d}",
+        f"{'useful steps':22}{steady.useful_steps:14d}{churned.useful_steps:14d}",
+        f"{'redone steps':22}{steady.redone_steps:14d}{churned.redone_steps:14d}",
+        f"{'swarm steps/s':22}{steady.throughput:14.1f}{churned.throughput:14.1f}",
+        f"{'steps/s per live peer':22}{steady.per_peer_rate:14.2f}{churned.per_peer_rate:14.2f}",
+        f"{'max stall s':22}{steady.max_stall_s:14.2f}{churned.max_stall_s:14.2f}",
+        f"{'peers at the end':22}{steady.final_peers:14d}{churned.final_peers:14d}",
+        f"{'rel. consensus dist.':22}"
+        f"{_fmt(steady.relative_consensus_distance, '14.2e')}"
+        f"{_fmt(churned.relative_consensus_distance, '14.2e')}",
+    ]
+    goodput = churned.throughput / steady.throughput if steady.throughput else float("nan")
+    per_peer = churned.per_peer_rate / steady.per_peer_rate if steady.per_peer_rate else 0.0
+    lines.append(f"goodput {goodput:.1%} (per live peer-second {per_peer:.1%})")
+    a, b = steady.relative_consensus_distance, churned.relative_consensus_distance
+    if a and b:
+        lines.append(f"consensus distance ratio churn / no churn {b / a:.2f}")
+    lines.append("restarts and joins: peer how start_step lag_rounds first_exchange_s rounds")
+    for life in churned.new_lives:
+        lines.append(
+            f"  peer{life.peer} {life.how} {life.start_step} {_fmt(life.lag_rounds, '.1f')} "
+            f"{_fmt(life.first_exchange_s, '.2f')} {life.first_exchange_rounds}"
+        )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Train a local swarm without and with churn (peers killed, stopped, "
+        "restarted, joining all through the run) and compare goodput, stalls and consensus.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--peers", type=int, default=16, help="peers at the start (and at most)")
+    p.add_argument("--min-live", type=int, default=None, help="fewest live peers (peers - 3)")
+    p.add_argument("--every-rounds", type=int, default=10, help="swarm rounds between events")
+    p.add_argument("--steps", type=int, default=300, help="train.steps of every peer")
+    p.add_argument("--local-steps", type=int, default=1, help="gossip.local_steps (H)")
+    p.add_argument("--algorithm", default="choco", help="gossip.algorithm (choco, diloco)")
+    p.add_argument("--order", default="cycle", choices=("cycle", "random"), help="event order")
+    p.add_argument("--seed", type=int, default=0, help="seeds events, victims, bootstraps")
+    p.add_argument("--checkpoint-every", type=int, default=25, help="checkpoint.every")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per run at most")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="more config keys"
+    )
+    p.add_argument("--out", type=Path, default=Path("runs/churn"), help="output directory")
+    p.add_argument("--only-churn", action="store_true", help="skip the run without churn")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.min_live is None:
+        args.min_live = max(2, args.peers - 3)
+    overrides = {
+        **BASE,
+        "train.steps": str(args.steps),
+        "gossip.local_steps": str(args.local_steps),
+        "gossip.algorithm": args.algorithm,
+        "checkpoint.every": str(args.checkpoint_every),
+    }
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set takes KEY=VALUE, got {item!r}")
+        overrides[key] = value
+    args.out.mkdir(parents=True, exist_ok=True)
+    steady = None
+    if not args.only_churn:
+        steady = run_once(args.out / "steady", args, overrides, churn=False)
+    churned = run_once(args.out / "churn", args, overrides, churn=True)
+    if steady is None:
+        steady = churned
+    text = report(steady, churned)
+    print(text)
+    (args.out / "churn.json").write_text(
+        json.dumps({"steady": asdict(steady), "churn": asdict(churned), "config": overrides})
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
