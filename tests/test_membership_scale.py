@@ -13,6 +13,7 @@ a test. What must hold:
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -95,9 +96,11 @@ class Member:
 def start_members(n: int, cfg: MembershipSection, *, threads: bool) -> list[Member]:
     """m0..m{n-1}, all bootstrapping from m0, returned once every view holds everyone."""
     members: list[Member] = []
-    for i in range(n):
-        members.append(Member(f"m{i:02d}", [members[0].address] if members else [], cfg))
     try:
+        for i in range(n):
+            members.append(Member(f"m{i:02d}", [members[0].address] if members else [], cfg))
+            if threads:
+                members[-1].membership.start()
         deadline = time.monotonic() + 60
         while not converged(members):
             assert time.monotonic() < deadline, "views did not converge"
@@ -105,9 +108,6 @@ def start_members(n: int, cfg: MembershipSection, *, threads: bool) -> list[Memb
                 time.sleep(0.1)
             else:
                 beat_all(members)
-        if threads:
-            for m in members:
-                m.membership.start()
     except BaseException:
         close_members(members)
         raise
@@ -176,7 +176,8 @@ def test_heartbeats_per_interval_grow_with_log_n_and_reach_everyone(n: int) -> N
 # ----------------------------------------------------------------- (b), (c), (d) on threads
 
 
-def test_healthy_32_member_swarm_declares_no_one_dead_and_a_crash_reaches_all() -> None:
+def test_healthy_32_member_swarm_declares_no_one_dead_and_a_crash_reaches_all(caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="gossipgrad.peer.membership.peers")
     members = start_members(32, FAST, threads=True)
     try:
         # (c) Six seconds of heartbeats, two dead_after periods: nobody dies, views agree.
@@ -198,7 +199,14 @@ def test_healthy_32_member_swarm_declares_no_one_dead_and_a_crash_reaches_all() 
         took = wait_until(
             lambda: all(m.membership.record(victim.id).state == DEAD for m in others), bound
         )
-        print(f"crash of {victim.id} agreed by all 31 in {took:.2f}s (bound {bound:.2f}s)")
+        reported = sum(
+            f"peer {victim.id} dead (reported dead" in r.getMessage() for r in caplog.records
+        )
+        print(
+            f"crash of {victim.id} agreed by all 31 in {took:.2f}s (bound {bound:.2f}s), "
+            f"{reported} of them through a death certificate"
+        )
+        assert reported >= len(others) // 2, "the death did not travel as a certificate"
         assert all(m.membership.counts()[DEAD] == 1 for m in others), "a false death"
         wait_until(lambda: converged(others), 10 * FAST.heartbeat_interval + 2)
     finally:
