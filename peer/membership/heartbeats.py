@@ -13,7 +13,8 @@ Who is heartbeated, per interval (``membership.heartbeat_interval``):
 2. every ``far_every`` intervals, ``ceil(far_fanout * log2 n)`` of the other live peers, taken
    round-robin from a list shuffled anew on each pass, so each one is heartbeated at least once
    per pass (SWIM's round-robin probe selection: Das, Gupta, Motivala, DSN 2002, section 4.3);
-3. dead peers every 5th interval (to notice a return), and the bootstrap while alone.
+3. peers dead by silence every 5th interval (to notice a return; not those that said they
+   were leaving), and the bootstrap while alone.
 
 So a peer sends ``degree + ceil(far_fanout * log2 n) / far_every`` heartbeats per interval in a
 healthy swarm, where heartbeating every peer cost ``degree + n / far_every``. Why this is
@@ -191,7 +192,7 @@ class Membership(PeerTable):
         with self._lock:
             for pid, r in self._peers.items():
                 if r.state == DEAD:
-                    if dead_due:
+                    if dead_due and not r.info.leaving:  # one that left is not coming back
                         every.append(pid)
                 elif pid in near or r.unanswered_since is not None or r.condemned:
                     every.append(pid)

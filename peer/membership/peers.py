@@ -180,6 +180,10 @@ class PeerTable:
             ):
                 log.info("peer %s reported dead; checking", info.id)
                 rec.condemned = True
+            rec = self._peers[info.id]
+            if rec.info.leaving and rec.state != DEAD:  # it said so itself: gone at once
+                log.info("peer %s left", info.id)
+                rec.state, changed = DEAD, True
         if changed:
             self._on_change()
 
