@@ -9,7 +9,11 @@ counters twice, ``--seconds`` apart: ``gossipgrad_sent_bytes_total{kind="heartbe
 and prints the per-peer rates and their growth from the smallest size, beside the growth of
 log2(n) and of n. A peer declared dead during the window is a false death and is counted.
 
-    python scripts/bench_membership.py --sizes 8,16,32 --seconds 30
+    python scripts/bench_membership.py --sizes 8,16,32 --seconds 30 --out new.json
+    python scripts/bench_membership.py --table old.json,new.json   # saved runs side by side
+
+Each peer process takes about half a GiB (torch); a size that would not fit in the memory
+available now is refused rather than started.
 """
 
 from __future__ import annotations
@@ -28,6 +32,19 @@ from gossipgrad.experiment.launch import LocalSwarm
 HEARTBEAT_BYTES = 'gossipgrad_sent_bytes_total{kind="heartbeat"'
 HEARTBEATS = "gossipgrad_sent_heartbeats_total"
 PEERS = "gossipgrad_peers{"
+#: Resident memory one idle peer daemon takes (torch, gRPC, the task), with some margin.
+PEER_BYTES = 512 << 20
+
+
+def available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    meminfo = Path("/proc/meminfo")
+    if not meminfo.exists():
+        return None
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -62,7 +79,7 @@ def measure(n: int, seconds: float, settle: float, out: Path, interval: float | 
     swarm = LocalSwarm(out / f"n{n}", n, overrides)
     swarm.start()
     try:
-        ports = wait_until_met(swarm, n, timeout=60 + 6 * n)
+        ports = wait_until_met(swarm, n, timeout=300 + 10 * n)
         time.sleep(settle)
         before = [scrape(p) for p in ports]
         started = time.monotonic()
@@ -70,7 +87,7 @@ def measure(n: int, seconds: float, settle: float, out: Path, interval: float | 
         after = [scrape(p) for p in ports]
         window = time.monotonic() - started
     finally:
-        swarm.stop()
+        swarm.stop(timeout=5.0)  # idle peers waiting for a missing peer: no need to linger
     bytes_s = [(a["bytes"] - b["bytes"]) / window for a, b in zip(after, before, strict=True)]
     has_messages = all("messages" in s for s in before + after)
     msgs_s = (
@@ -90,7 +107,7 @@ def measure(n: int, seconds: float, settle: float, out: Path, interval: float | 
 
 
 def wait_until_met(swarm: LocalSwarm, n: int, timeout: float) -> list[int]:
-    """Metrics ports of the ``n`` peers once each sees the others alive and none dead."""
+    """Metrics ports of the ``n`` peers once each sees the others present and none dead."""
     deadline = time.monotonic() + timeout
     while True:
         if swarm.failed():
@@ -101,7 +118,11 @@ def wait_until_met(swarm: LocalSwarm, n: int, timeout: float) -> list[int]:
                 states = [scrape(p) for p in ports]
             except OSError:
                 states = []
-            if states and all(s.get("alive") == n and s.get("dead") == 0 for s in states):
+            # alive + suspect: the gauge moves on joins and deaths, so a peer that was
+            # suspect for a moment under load may still show there
+            if states and all(
+                s.get("alive", 0) + s.get("suspect", 0) == n and s.get("dead") == 0 for s in states
+            ):
                 return ports
         if time.monotonic() > deadline:
             raise RuntimeError(f"the {n} peers did not all meet in {timeout:.0f}s")
@@ -109,18 +130,21 @@ def wait_until_met(swarm: LocalSwarm, n: int, timeout: float) -> list[int]:
 
 
 def table(rows: list[dict]) -> str:
-    """Per-peer rates and their growth from the first size, against log2(n) and n."""
-    first = rows[0]
+    """Per-peer rates and their growth from the first size of the same label, against
+    log2(n) and n."""
+    firsts: dict[str, dict] = {}
     lines = [
-        "   n  bytes/s/peer  msgs/s/peer  bytes/msg  growth(bytes)  growth(log2 n)  growth(n)"
+        "label    n  bytes/s/peer  msgs/s/peer  bytes/msg  growth(bytes)  growth(log2 n)  growth(n)"
         "  false deaths"
     ]
     for r in rows:
+        first = firsts.setdefault(r.get("label", ""), r)
         msgs = r["messages_per_s"]
         rate = f"{msgs:.2f}" if msgs else "-"
         size = f"{r['bytes_per_s'] / msgs:.0f}" if msgs else "-"
         lines.append(
-            f"{r['n']:>4}  {r['bytes_per_s']:>12.0f}  {rate:>11}  {size:>9}  "
+            f"{r.get('label', ''):<5} {r['n']:>4}  {r['bytes_per_s']:>12.0f}  "
+            f"{rate:>11}  {size:>9}  "
             f"{r['bytes_per_s'] / first['bytes_per_s']:>13.2f}  "
             f"{math.log2(r['n']) / math.log2(first['n']):>14.2f}  "
             f"{r['n'] / first['n']:>9.2f}  {r['false_deaths']:>12}"
@@ -141,9 +165,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--interval", type=float, default=None, help="membership.heartbeat_interval (default 0.5)"
     )
+    ap.add_argument("--label", default="", help="a name for this run in the table and JSON")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     ap.add_argument("--run-dir", type=Path, default=None, help="peer run dirs (default: temp)")
+    ap.add_argument(
+        "--table", default=None, help="only print the table of saved --out files (comma-separated)"
+    )
     args = ap.parse_args(argv)
+    if args.table:
+        rows = [r for f in args.table.split(",") for r in json.loads(Path(f).read_text())["rows"]]
+        print(table(rows))
+        return 0
     sizes = [int(s) for s in args.sizes.split(",")]
     if any(n < 2 for n in sizes):
         ap.error("every size must be at least 2")
@@ -151,7 +183,20 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-membership-") as tmp:
         run_dir = args.run_dir or Path(tmp)
         for n in sizes:
-            rows.append(measure(n, args.seconds, args.settle, run_dir, args.interval))
+            free = available_bytes()
+            if free is not None and free < n * PEER_BYTES:
+                print(
+                    f"n={n}: needs about {n * PEER_BYTES >> 30} GiB, {free >> 30} GiB available; "
+                    "skipped",
+                    file=sys.stderr,
+                )
+                continue
+            rows.append(
+                {
+                    "label": args.label,
+                    **measure(n, args.seconds, args.settle, run_dir, args.interval),
+                }
+            )
             r = rows[-1]
             print(
                 f"n={n}: {r['bytes_per_s']:.0f} B/s, "
@@ -159,10 +204,11 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-    print(table(rows))
+    if rows:
+        print(table(rows))
     if args.out is not None:
         args.out.write_text(json.dumps({"rows": rows}, indent=2))
-    return 0
+    return 0 if rows else 1
 
 
 if __name__ == "__main__":

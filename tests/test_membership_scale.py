@@ -13,10 +13,14 @@ a test. What must hold:
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from gossipgrad.peer.algorithms.neighbours import neighbours_in
@@ -30,7 +34,7 @@ pytestmark = pytest.mark.timeout(180)
 
 SWARM = "scale"
 OPTIONS = TransportOptions(retries=0, server_threads=2, heartbeat_slots=2)
-TOPOLOGY = topology_from_name("random-regular", seed=0)
+TOPOLOGY = topology_from_name("ring", seed=0)  # the default, and the slowest to spread a death
 #: Fast but loaded-machine-safe timeouts (the daemon's defaults are 0.5 / 3 / 10 s).
 FAST = MembershipSection(heartbeat_interval=0.2, suspect_after=1.5, dead_after=3.0, far_every=2)
 
@@ -262,3 +266,29 @@ def test_a_false_death_report_kills_no_live_member() -> None:
         assert all(not m.membership.record(target.id).condemned for m in members if m is not target)
     finally:
         close_members(members)
+
+
+# ------------------------------------------------------------------------- the benchmark
+
+
+@pytest.mark.bench
+def test_bench_membership_counts_the_heartbeats_of_real_peer_processes(tmp_path) -> None:
+    """scripts/bench_membership.py at 2 and 3 peers: every peer is a neighbour of every other
+    there, so each sends n - 1 heartbeats per 0.5 s interval (fewer if the machine is slow)."""
+    out = tmp_path / "rows.json"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_membership.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--sizes", "2,3", "--seconds", "4", "--settle", "1",
+         "--label", "t", "--out", str(out), "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=170, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = {r["n"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {2, 3}
+    for n, r in rows.items():
+        expected = (n - 1) / 0.5
+        assert 0.5 * expected <= r["messages_per_s"] <= expected + 0.3, r
+        assert 20 < r["bytes_per_s"] / r["messages_per_s"] < 200, r  # no peer lists in steady state
+        assert r["false_deaths"] == 0
+    table = [line.split() for line in proc.stdout.splitlines()]
+    assert [row[:2] for row in table if row and row[0] == "t"] == [["t", "2"], ["t", "3"]], table
