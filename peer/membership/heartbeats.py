@@ -58,8 +58,8 @@ def death_agreed_within(cfg: MembershipSection, n: int) -> float:
     an interval, ``dead_after`` later the next sweep (at most an interval and a heartbeat
     timeout on) declares it dead. The certificate then moves one hop per interval, and each
     hop confirms it with one heartbeat (a timeout if the dead peer hangs instead of refusing);
-    ``ceil(log2 n) + 1`` hops cover the random-regular and exponential graphs and, through the
-    far rounds, any graph at the sizes this runs at.
+    ``ceil(log2 n) + 1`` hops cover the random-regular and exponential graphs, and on a ring
+    the far rounds (``log2 n`` random peers each) make up for its diameter of ``n / 2``.
     """
     timeout = max(cfg.heartbeat_interval, 1.0)
     hops = math.ceil(math.log2(max(n, 2))) + 1
@@ -108,8 +108,8 @@ class Membership(PeerTable):
         self._rng = random.Random(me.id)
         # far peers still to heartbeat in this pass, popped from the end (SWIM round-robin)
         self._far_pass: list[str] = []
-        # address -> the view digest that peer last told us (skip the list when it matches ours)
-        self._their_digest: dict[str, int] = {}
+        # address -> (the view digest that peer last told us, ours when it did)
+        self._their_digest: dict[str, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ heartbeats
 
@@ -128,15 +128,34 @@ class Membership(PeerTable):
         self._their_digest.pop(address, None)
 
     def _beat(self, address: str, peer_id: str | None = None) -> None:
-        """Heartbeat ``address``; an answer from anyone but ``peer_id`` counts as none."""
+        """Heartbeat ``address``; an answer from anyone but ``peer_id`` counts as none.
+
+        The peer list goes along only where the other view is known to differ from ours as
+        it is now. Where that is not known (never asked, or ours changed since it answered)
+        the heartbeat goes without one, and only if the answer's digest then differs does a
+        second heartbeat carry it: a far peer heartbeated once a pass is not sent the list
+        for a view that has long caught up.
+        """
         sent_at = time.monotonic()
         digest = self.view_digest()
         with self._lock:
-            same = self._their_digest.get(address) == digest
+            theirs, ours_then = self._their_digest.get(address, (None, None))
+        differs = ours_then == digest and theirs != digest
+        reply = self._exchange(address, peer_id, sent_at, digest, with_list=differs)
+        if reply is None or differs or self.me.leaving:  # a goodbye needs no list
+            return
+        digest = self.view_digest()
+        if reply.view_digest != digest:
+            self._exchange(address, peer_id, sent_at, digest, with_list=True)
+
+    def _exchange(
+        self, address: str, peer_id: str | None, sent_at: float, digest: int, *, with_list: bool
+    ) -> pb.HeartbeatReply | None:
+        """One heartbeat round trip, its answer merged; None if it went unanswered."""
         request = pb.HeartbeatRequest(
             swarm=self.swarm,
             sender=self.me,
-            known=[] if same else [*self.known_infos(), *self.certificates()],
+            known=[*self.known_infos(), *self.certificates()] if with_list else [],
             view_digest=digest,
         )
         try:
@@ -147,14 +166,17 @@ class Membership(PeerTable):
                 self._their_digest.pop(address, None)
             if peer_id is not None:
                 self.unanswered(peer_id, sent_at)
-            return
-        with self._lock:
-            self._their_digest[address] = reply.view_digest
+            return None
         self.observe(reply.responder, direct=True)
         for info in reply.known:
             self.observe(info, direct=False)
+        with self._lock:
+            # their digest, and ours as it stands after the merge (what it was compared to)
+            self._their_digest[address] = (reply.view_digest, self.view_digest())
         if peer_id is not None and reply.responder.id != peer_id:
             self.unanswered(peer_id, sent_at)  # someone else lives at that address now
+            return None
+        return reply
 
     @property
     def heartbeat_timeout(self) -> float:
