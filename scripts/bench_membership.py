@@ -77,7 +77,15 @@ def measure(n: int, seconds: float, settle: float, out: Path, interval: float | 
     if interval is not None:
         overrides["membership.heartbeat_interval"] = str(interval)
     swarm = LocalSwarm(out / f"n{n}", n, overrides)
-    swarm.start()
+    for attempt in range(3):  # on a loaded machine the first peer can miss its start deadline
+        try:
+            swarm.start()
+            break
+        except RuntimeError as err:
+            swarm.stop(timeout=5.0)
+            if attempt == 2:
+                raise
+            print(f"n={n}: {err}; starting again", file=sys.stderr, flush=True)
     try:
         ports = wait_until_met(swarm, n, timeout=300 + 10 * n)
         time.sleep(settle)

@@ -3,8 +3,9 @@
 A peer needs one bootstrap address. Heartbeats exchange the two peers' views of the swarm, so
 the peer list spreads epidemically; each side also sends a 64-bit digest of its view, and the
 list itself travels only when the other side's digest differs (a steady swarm's heartbeats stay
-a few dozen bytes however many peers it has). What a heartbeat tells goes into the peer table
-(``peers.py``).
+a few dozen bytes however many peers it has; a sender that does not know the other's digest
+for its current view sends none and follows up with the list only if the answer differs).
+What a heartbeat tells goes into the peer table (``peers.py``).
 
 Who is heartbeated, per interval (``membership.heartbeat_interval``):
 
