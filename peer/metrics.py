@@ -125,6 +125,12 @@ class PeerMetrics:
             ["neighbor", "kind"],
             registry=r,
         )
+        self.sent_heartbeats = Counter(
+            _name("sent_heartbeats"),
+            "Heartbeats this peer sent that were answered (membership messages; their bytes "
+            "are sent_bytes{kind='heartbeat'}).",
+            registry=r,
+        )
         self.dense_bytes = Counter(
             _name("dense_bytes"),
             "Bytes the updates sent to a neighbour would have cost as dense fp32 "

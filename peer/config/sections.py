@@ -151,16 +151,31 @@ class MembershipSection(Section):
 
     heartbeat_interval: float = Field(0.5, gt=0, description="Seconds between heartbeats.")
     suspect_after: float = Field(
-        3.0, gt=0, description="Seconds of silence before a peer is suspect (excluded from mixing)."
+        3.0,
+        gt=0,
+        description="Seconds a peer leaves our heartbeats unanswered before it is suspect "
+        "(excluded from mixing).",
     )
     dead_after: float = Field(
-        10.0, gt=0, description="Seconds of silence before a peer is dropped from the topology."
+        10.0,
+        gt=0,
+        description="Seconds a peer leaves our heartbeats unanswered before it is dead (dropped "
+        "from the topology); a peer reported dead by another is dropped at its first unanswered "
+        "heartbeat.",
     )
     far_every: int = Field(
         4,
         ge=1,
-        description="Heartbeat peers that are not gossip neighbours only every N intervals "
-        "(neighbours every interval), so heartbeat bytes per peer grow slowly with the swarm.",
+        description="A far round every N intervals: it heartbeats a few peers that are not "
+        "gossip neighbours (neighbours are heartbeated every interval).",
+    )
+    far_fanout: float = Field(
+        1.0,
+        gt=0,
+        le=8,
+        description="Peers a far round heartbeats, as a multiple of log2(swarm size), taken "
+        "round-robin so each is reached once per pass; heartbeats per peer grow with log n, "
+        "not n.",
     )
 
     @model_validator(mode="after")
@@ -170,6 +185,8 @@ class MembershipSection(Section):
                 "membership: need heartbeat_interval < suspect_after <= dead_after, got "
                 f"{self.heartbeat_interval} / {self.suspect_after} / {self.dead_after}"
             )
+        # Far rounds carry joins and death reports across the graph: slower than dead_after,
+        # the swarm would agree on a death long after the neighbours saw it.
         if self.far_every * self.heartbeat_interval >= self.dead_after:
             raise ValueError(
                 "membership: far_every * heartbeat_interval must stay below dead_after, got "

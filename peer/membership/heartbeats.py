@@ -3,13 +3,39 @@
 A peer needs one bootstrap address. Heartbeats exchange the two peers' views of the swarm, so
 the peer list spreads epidemically; each side also sends a 64-bit digest of its view, and the
 list itself travels only when the other side's digest differs (a steady swarm's heartbeats stay
-a few dozen bytes however many peers it has). What a heartbeat tells goes into the peer table
-(``peers.py``), which ages silent peers to suspect and dead.
+a few dozen bytes however many peers it has; a sender that does not know the other's digest
+for its current view sends none and follows up with the list only if the answer differs).
+What a heartbeat tells goes into the peer table (``peers.py``).
+
+Who is heartbeated, per interval (``membership.heartbeat_interval``):
+
+1. the gossip neighbours, and every peer whose last heartbeat went unanswered or that another
+   peer reported dead (until it answers or is dead here);
+2. every ``far_every`` intervals, ``ceil(far_fanout * log2 n)`` of the other live peers, taken
+   round-robin from a list shuffled anew on each pass, so each one is heartbeated at least once
+   per pass (SWIM's round-robin probe selection: Das, Gupta, Motivala, DSN 2002, section 4.3);
+3. peers dead by silence every 5th interval (to notice a return; not those that said they
+   were leaving), and the bootstrap while alone.
+
+So a peer sends ``degree + ceil(far_fanout * log2 n) / far_every`` heartbeats per interval in a
+healthy swarm, where heartbeating every peer cost ``degree + n / far_every``. Why this is
+enough, following SWIM rather than gossiped heartbeat counters (van Renesse, Minsky, Hayden,
+Middleware 1998; those put every member's counter in every message, O(n) bytes): a peer is
+judged dead only by heartbeats *it sent* that went unanswered, never by silence, so a far peer
+heartbeated once a pass is not aged by the gaps between passes. Its gossip neighbours
+heartbeat it every interval and see a death within ``dead_after``; the death then spreads as a
+certificate in the peer lists (whose digests now differ), and every peer that receives one
+confirms it with a heartbeat of its own before dropping the peer (a live peer answers, so a
+stale or false report kills no one; see ``peers.py``). Who is dead is thus agreed swarm-wide
+within ``death_agreed_within``: ``dead_after`` plus an interval and a heartbeat timeout per hop
+of the certificate, ``ceil(log2 n) + 1`` hops (where heartbeating everyone took ``dead_after``
+and a few intervals, but ``n / far_every`` heartbeats per interval).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
@@ -26,6 +52,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def death_agreed_within(cfg: MembershipSection, n: int) -> float:
+    """Seconds after a peer dies by which every table of an ``n``-peer swarm holds it dead.
+
+    Its gossip neighbours heartbeat it every interval: the first unanswered one leaves within
+    an interval, ``dead_after`` later the next sweep (at most an interval and a heartbeat
+    timeout on) declares it dead. The certificate then moves one hop per interval, and each
+    hop confirms it with one heartbeat (a timeout if the dead peer hangs instead of refusing);
+    ``ceil(log2 n) + 1`` hops cover the random-regular and exponential graphs, and on a ring
+    the far rounds (``log2 n`` random peers each) make up for its diameter of ``n / 2``.
+    """
+    timeout = max(cfg.heartbeat_interval, 1.0)
+    hops = math.ceil(math.log2(max(n, 2))) + 1
+    return (
+        cfg.dead_after
+        + 2 * cfg.heartbeat_interval
+        + timeout
+        + hops * (cfg.heartbeat_interval + timeout)
+    )
+
+
 class Membership(PeerTable):
     """The peer table of one peer, kept fresh by a background heartbeat thread.
 
@@ -38,7 +84,7 @@ class Membership(PeerTable):
         on_change: called (from the heartbeat thread) when the set of present peers or a
             peer's incarnation changes.
         near: ids of this peer's gossip neighbours among the given live ids (heartbeated every
-            interval; the others every ``far_every`` intervals).
+            interval; the others round-robin, a few per far round).
     """
 
     def __init__(
@@ -61,8 +107,10 @@ class Membership(PeerTable):
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="heartbeat")
         self._tick = 0
         self._rng = random.Random(me.id)
-        # address -> the view digest that peer last told us (skip the list when it matches ours)
-        self._their_digest: dict[str, int] = {}
+        # far peers still to heartbeat in this pass, popped from the end (SWIM round-robin)
+        self._far_pass: list[str] = []
+        # address -> (the view digest that peer last told us, ours when it did)
+        self._their_digest: dict[str, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ heartbeats
 
@@ -80,49 +128,127 @@ class Membership(PeerTable):
         super()._forget(peer_id)
         self._their_digest.pop(address, None)
 
-    def _beat(self, address: str) -> None:
+    def _beat(self, address: str, peer_id: str | None = None) -> None:
+        """Heartbeat ``address``; an answer from anyone but ``peer_id`` counts as none.
+
+        The peer list goes along only where the other view is known to differ from ours as
+        it is now. Where that is not known (never asked, or ours changed since it answered)
+        the heartbeat goes without one, and only if the answer's digest then differs does a
+        second heartbeat carry it: a far peer heartbeated once a pass is not sent the list
+        for a view that has long caught up.
+        """
+        sent_at = time.monotonic()
         digest = self.view_digest()
         with self._lock:
-            same = self._their_digest.get(address) == digest
+            theirs, ours_then = self._their_digest.get(address, (None, None))
+        differs = ours_then == digest and theirs != digest
+        reply = self._exchange(address, peer_id, sent_at, digest, with_list=differs)
+        if reply is None or differs or self.me.leaving:  # a goodbye needs no list
+            return
+        digest = self.view_digest()
+        if reply.view_digest != digest:
+            self._exchange(address, peer_id, sent_at, digest, with_list=True)
+
+    def _exchange(
+        self, address: str, peer_id: str | None, sent_at: float, digest: int, *, with_list: bool
+    ) -> pb.HeartbeatReply | None:
+        """One heartbeat round trip, its answer merged; None if it went unanswered."""
         request = pb.HeartbeatRequest(
             swarm=self.swarm,
             sender=self.me,
-            known=[] if same else self.known_infos(),
+            known=[*self.known_infos(), *self.certificates()] if with_list else [],
             view_digest=digest,
         )
         try:
-            reply = self._heartbeat(address, request, max(self.cfg.heartbeat_interval, 1.0))
+            reply = self._heartbeat(address, request, self.heartbeat_timeout)
         except Exception as err:  # unreachable peers are expected; the sweep handles them
             log.debug("heartbeat to %s failed: %s", address, err)
             with self._lock:
                 self._their_digest.pop(address, None)
-            return
-        with self._lock:
-            self._their_digest[address] = reply.view_digest
+            if peer_id is not None:
+                self.unanswered(peer_id, sent_at)
+            return None
         self.observe(reply.responder, direct=True)
         for info in reply.known:
             self.observe(info, direct=False)
-
-    def beat_once(self) -> None:
-        """One heartbeat round: neighbours every time, other live peers every ``far_every``
-        rounds, dead ones now and then (to notice a return), bootstrap while alone."""
-        self._tick += 1
-        near = self._near(self.live_ids())
-        far_due = self._tick % self.cfg.far_every == 0
         with self._lock:
-            targets = [
-                r.info.address
-                for pid, r in self._peers.items()
-                if (r.state != DEAD and (far_due or pid in near)) or self._tick % 5 == 0
-            ]
+            # their digest, and ours as it stands after the merge (what it was compared to)
+            self._their_digest[address] = (reply.view_digest, self.view_digest())
+        if peer_id is not None and reply.responder.id != peer_id:
+            self.unanswered(peer_id, sent_at)  # someone else lives at that address now
+            return None
+        return reply
+
+    @property
+    def heartbeat_timeout(self) -> float:
+        """Deadline of one heartbeat, seconds."""
+        return max(self.cfg.heartbeat_interval, 1.0)
+
+    def far_fanout(self, n: int) -> int:
+        """Non-neighbours heartbeated per far round in a swarm of ``n`` present peers."""
+        if n < 2:
+            return 0
+        return max(1, math.ceil(self.cfg.far_fanout * math.log2(n)))
+
+    def _next_far(self, candidates: set[str], count: int) -> list[str]:
+        """``count`` far peers, round-robin over a pass shuffled anew each time it runs out."""
+        chosen: list[str] = []
+        count = min(count, len(candidates))
+        while len(chosen) < count:
+            if not self._far_pass:
+                self._far_pass = sorted(candidates)
+                self._rng.shuffle(self._far_pass)
+            pid = self._far_pass.pop()
+            if pid in candidates and pid not in chosen:
+                chosen.append(pid)
+        return chosen
+
+    def targets(self) -> list[tuple[str, str | None]]:
+        """This round's heartbeats as (address, peer id or None for a bootstrap address)."""
+        self._tick += 1
+        live = self.live_ids()
+        near = self._near(live)
+        far_due = self._tick % self.cfg.far_every == 0
+        dead_due = self._tick % 5 == 0
+        every: list[str] = []
+        far: set[str] = set()
+        with self._lock:
+            for pid, r in self._peers.items():
+                if r.state == DEAD:
+                    if dead_due and not r.info.leaving:  # one that left is not coming back
+                        every.append(pid)
+                elif pid in near or r.unanswered_since is not None or r.condemned:
+                    every.append(pid)
+                else:
+                    far.add(pid)
+            chosen = self._next_far(far, self.far_fanout(len(live))) if far_due else []
+            out = [(self._peers[pid].info.address, pid) for pid in [*every, *chosen]]
             alone = not any(r.state != DEAD for r in self._peers.values())
         if alone:
-            targets += self.bootstrap
+            out += [(a, None) for a in self.bootstrap]
+        return out
+
+    def beat_once(self) -> None:
+        """One heartbeat round (see the module docstring for who is heartbeated), then age
+        the table. A death reported in this round's replies is checked at once, not an
+        interval later, so a certificate spreads one hop per interval."""
+        targets = list(dict.fromkeys(self.targets()))
         self._rng.shuffle(targets)
-        futures = [self._pool.submit(self._beat, a) for a in dict.fromkeys(targets)]
+        self._beat_all(targets)
+        asked = {pid for _, pid in targets}
+        with self._lock:
+            check = [
+                (r.info.address, pid)
+                for pid, r in self._peers.items()
+                if r.condemned and r.state != DEAD and pid not in asked
+            ]
+        self._beat_all(check)
+        self.sweep()
+
+    def _beat_all(self, targets: list[tuple[str, str | None]]) -> None:
+        futures = [self._pool.submit(self._beat, a, pid) for a, pid in targets]
         for f in futures:
             f.result()
-        self.sweep()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -158,10 +284,8 @@ class Membership(PeerTable):
         """Tell every live peer we are leaving (best effort), so they rewire at once."""
         self.me.leaving = True
         with self._lock:
-            targets = [r.info.address for r in self._peers.values() if r.state != DEAD]
-        futures = [self._pool.submit(self._beat, a) for a in targets]
-        for f in futures:
-            f.result()
+            targets = [(r.info.address, p) for p, r in self._peers.items() if r.state != DEAD]
+        self._beat_all(targets)
 
     def stop(self) -> None:
         self._stop.set()

@@ -1,11 +1,20 @@
 """The peer table of one peer: who is known, in which state, at which incarnation.
 
-Failure detection by silence (timeouts, no phi accrual): a peer silent for ``suspect_after``
-seconds is *suspect* (kept in the topology, left out of mixing); silent for ``dead_after`` it
-is *dead* (dropped, the topology is recomputed); dead for ``FORGET_DEAD_AFTER`` periods it is
-forgotten. A peer that restarts comes back with a higher incarnation number, which wins over
+Failure detection by unanswered heartbeats (timeouts, no phi accrual): a peer that has left
+this peer's heartbeats unanswered for ``suspect_after`` seconds, with no word from it since, is
+*suspect* (kept in the topology, left out of mixing); for ``dead_after`` it is *dead* (dropped,
+the topology is recomputed); dead for ``FORGET_DEAD_AFTER`` periods it is forgotten. Silence
+alone proves nothing here, because far peers are heartbeated only now and then
+(``heartbeats.py``): only a heartbeat that went unanswered starts the clock.
+
+A death travels as a certificate: the dead peer's PeerInfo with ``leaving`` set. A table that
+receives one for a peer it holds alive at that incarnation does not believe it at once; it
+marks the peer *condemned*, and the peer is dead here as soon as one of this table's own
+heartbeats to it goes unanswered (a live peer answers and the rumour is dropped), the
+"suspect, then confirm" rule of SWIM (Das, Gupta, Motivala, DSN 2002) with the confirmation
+made locally. A peer that restarts comes back with a higher incarnation number, which wins over
 anything said about its old self. The table holds no thread and sends nothing: the heartbeats
-(``heartbeats.py``) feed it what they hear.
+feed it what they hear.
 """
 
 from __future__ import annotations
@@ -38,6 +47,10 @@ class PeerRecord:
     last_seen: float
     state: str = ALIVE
     heard_directly: bool = False
+    #: When a heartbeat to it first went unanswered since it last spoke (None: it answers).
+    unanswered_since: float | None = None
+    #: A peer reported it dead at its incarnation; dead here once it leaves us unanswered.
+    condemned: bool = False
 
 
 class PeerTable:
@@ -102,6 +115,19 @@ class PeerTable:
             infos = [r.info for r in self._peers.values() if r.state != DEAD]
         return [self.me, *infos]
 
+    def certificates(self) -> list[pb.PeerInfo]:
+        """Death certificates: each dead (not yet forgotten) peer's PeerInfo with ``leaving``
+        set, sent with the peer list so a death spreads beyond the peers that saw it."""
+        with self._lock:
+            dead = [r.info for r in self._peers.values() if r.state == DEAD]
+        certs = []
+        for info in dead:
+            cert = pb.PeerInfo()
+            cert.CopyFrom(info)
+            cert.leaving = True
+            certs.append(cert)
+        return certs
+
     def view_digest(self) -> int:
         """64-bit digest of who is in this view: ids, addresses, incarnations, leaving flags
         of self and every peer not dead (progress fields left out: they change every beat)."""
@@ -112,7 +138,11 @@ class PeerTable:
     # ------------------------------------------------------------------ updates
 
     def observe(self, info: pb.PeerInfo, *, direct: bool) -> None:
-        """Merge what we heard about a peer (directly from it, or second hand)."""
+        """Merge what we heard about a peer (directly from it, or second hand).
+
+        Second hand, a ``leaving`` PeerInfo at the incarnation we hold is a death certificate:
+        the peer is condemned, not dead (see the module docstring).
+        """
         if info.id == self.me.id or not info.id or not info.address:
             return
         changed = False
@@ -120,6 +150,8 @@ class PeerTable:
         with self._lock:
             rec = self._peers.get(info.id)
             if rec is None:
+                if info.leaving and not direct:
+                    return  # the death of a peer we never knew: nothing to drop
                 self._peers[info.id] = PeerRecord(info=info, last_seen=now, heard_directly=direct)
                 changed = True
                 log.info("peer %s joined at %s", info.id, info.address)
@@ -127,22 +159,43 @@ class PeerTable:
                 log.info("peer %s restarted (incarnation %d)", info.id, info.incarnation)
                 rec.info, rec.last_seen, rec.state = info, now, ALIVE
                 rec.heard_directly = direct
+                rec.unanswered_since, rec.condemned = None, False
                 changed = True
             elif info.incarnation == rec.info.incarnation and direct:
                 rec.info = info
                 rec.last_seen = now
                 rec.heard_directly = True
+                rec.unanswered_since, rec.condemned = None, False
                 if rec.state != ALIVE:
                     changed = rec.state == DEAD or info.leaving
                     log.info("peer %s is back (%s -> alive)", info.id, rec.state)
                     rec.state = ALIVE
                 if info.leaving:
                     changed = True
+            elif (
+                info.incarnation == rec.info.incarnation
+                and info.leaving
+                and rec.state != DEAD
+                and not rec.condemned
+            ):
+                log.info("peer %s reported dead; checking", info.id)
+                rec.condemned = True
+            rec = self._peers[info.id]
+            if rec.info.leaving and rec.state != DEAD:  # it said so itself: gone at once
+                log.info("peer %s left", info.id)
+                rec.state, changed = DEAD, True
         if changed:
             self._on_change()
 
+    def unanswered(self, peer_id: str, since: float) -> None:
+        """A heartbeat to ``peer_id`` sent at ``since`` (monotonic) got no answer from it."""
+        with self._lock:
+            rec = self._peers.get(peer_id)
+            if rec is not None and rec.unanswered_since is None:
+                rec.unanswered_since = since
+
     def sweep(self) -> None:
-        """Age peers: alive -> suspect -> dead by silence."""
+        """Age peers: alive -> suspect -> dead by unanswered heartbeats (or a confirmed report)."""
         now = time.monotonic()
         changed = False
         with self._lock:
@@ -154,15 +207,23 @@ class PeerTable:
             ]:
                 self._forget(pid)
             for pid, r in self._peers.items():
-                silent = now - r.last_seen
-                if r.state != DEAD and r.info.leaving:
+                if r.state == DEAD:
+                    continue
+                if r.info.leaving:
                     log.info("peer %s left", pid)
                     r.state, changed = DEAD, True
-                elif r.state != DEAD and silent > self.cfg.dead_after:
-                    log.warning("peer %s dead (silent %.1fs)", pid, silent)
+                    continue
+                if r.unanswered_since is None:
+                    continue
+                silent = now - r.unanswered_since
+                if silent > self.cfg.dead_after:
+                    log.warning("peer %s dead (unanswered %.1fs)", pid, silent)
+                    r.state, changed = DEAD, True
+                elif r.condemned:
+                    log.warning("peer %s dead (reported dead, unanswered here)", pid)
                     r.state, changed = DEAD, True
                 elif r.state == ALIVE and silent > self.cfg.suspect_after:
-                    log.info("peer %s suspect (silent %.1fs)", pid, silent)
+                    log.info("peer %s suspect (unanswered %.1fs)", pid, silent)
                     r.state = SUSPECT
         if changed:
             self._on_change()

@@ -273,6 +273,7 @@ class Peer:
         reply = self.clients.get(address).heartbeat(request, timeout=timeout)
         if reply.responder.id:
             self.metrics.record_sent(UNATTRIBUTED, "heartbeat", request.ByteSize())
+            self.metrics.sent_heartbeats.inc()
         return reply
 
     def donors(self) -> list[pb.PeerInfo]:
