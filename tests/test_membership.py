@@ -65,3 +65,24 @@ def test_steady_heartbeats_carry_no_peer_list_and_a_joiner_still_spreads() -> No
             time.sleep(0.05)
     finally:
         close_all(peers)
+
+
+def test_every_state_change_reaches_the_owner_so_the_peers_gauge_never_goes_stale() -> None:
+    """alive -> suspect -> alive are changes of the counts too: the owner (which sets the
+    gossipgrad_peers{state} gauge) is told of each, not only of joins and deaths."""
+    from gossipgrad.peer.config import MembershipSection
+    from gossipgrad.peer.membership.peers import PeerTable
+
+    seen: list[dict[str, int]] = []
+    table = PeerTable(
+        pb.PeerInfo(id="me", address="127.0.0.1:1", incarnation=1),
+        MembershipSection(heartbeat_interval=0.1, suspect_after=0.2, dead_after=5.0),
+        on_change=lambda: seen.append(table.counts()),
+    )
+    other = pb.PeerInfo(id="b", address="127.0.0.1:2", incarnation=1)
+    table.observe(other, direct=True)
+    table.unanswered("b", time.monotonic() - 1.0)  # silent for 1 s > suspect_after
+    table.sweep()
+    assert seen[-1]["suspect"] == 1 and seen[-1]["alive"] == 1, seen
+    table.observe(other, direct=True)  # it answers again
+    assert seen[-1]["suspect"] == 0 and seen[-1]["alive"] == 2, seen

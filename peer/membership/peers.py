@@ -59,7 +59,8 @@ class PeerTable:
     Args:
         me: this peer's own PeerInfo (its step/round fields are updated by the owner).
         cfg: the membership section of the config (the silence timeouts).
-        on_change: called when the set of present peers or a peer's incarnation changes.
+        on_change: called when the set of present peers, a peer's state or its incarnation
+            changes.
     """
 
     def __init__(
@@ -167,7 +168,7 @@ class PeerTable:
                 rec.heard_directly = True
                 rec.unanswered_since, rec.condemned = None, False
                 if rec.state != ALIVE:
-                    changed = rec.state == DEAD or info.leaving
+                    changed = True  # back from suspect or dead: the counts changed too
                     log.info("peer %s is back (%s -> alive)", info.id, rec.state)
                     rec.state = ALIVE
                 if info.leaving:
@@ -224,7 +225,7 @@ class PeerTable:
                     r.state, changed = DEAD, True
                 elif r.state == ALIVE and silent > self.cfg.suspect_after:
                     log.info("peer %s suspect (unanswered %.1fs)", pid, silent)
-                    r.state = SUSPECT
+                    r.state, changed = SUSPECT, True  # for the gauge of peers by state
         if changed:
             self._on_change()
 
