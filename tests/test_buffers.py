@@ -43,6 +43,7 @@ def spread(opts: list[GossipOptimizer]) -> float:
 
 
 def swarm(algorithm: str, buffers: str, **gossip) -> list[GossipOptimizer]:
+    gossip.setdefault("buffers_every", 1)
     return start_optimizers(
         3, algorithm=algorithm, lr=0.05, model_fn=bn_model, topology="full", buffers=buffers,
         **gossip,
@@ -131,5 +132,19 @@ def test_buffers_of_another_shape_are_refused_over_grpc() -> None:
             client.push(header, payload, timeout=5)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "does not fit 16 values" in err.value.details()
+    finally:
+        close(opts)
+
+
+def test_buffers_every_n_rounds_sends_one_exchange_in_n() -> None:
+    opts = swarm("choco", "average", local_steps=1, buffers_every=5)
+    try:
+        train_concurrently(opts, shifted_loss, steps=30)
+        for o in opts:
+            buffers = o.peer.buffer_average
+            assert buffers.rounds >= 30
+            assert buffers.average.step == -(-buffers.rounds // 5)  # ceil(rounds / 5)
+        # Still pulled together: measured 1.95 (every round: 0.33, local: 3.5).
+        assert spread(opts) < 0.65 * 3.5
     finally:
         close(opts)

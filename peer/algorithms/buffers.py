@@ -36,6 +36,7 @@ class BufferAverage:
         neighbourhood: the neighbour layer the algorithm also uses.
         state_lock: held while the buffers are written (the training thread's forward passes
             update them too).
+        every: exchange every this many rounds.
     """
 
     def __init__(
@@ -44,8 +45,10 @@ class BufferAverage:
         codec: str,
         neighbourhood: Neighbourhood,
         state_lock: threading.RLock,
+        every: int = 1,
     ) -> None:
         self.buffers = buffers
+        self.every = every
         # No metrics object: its bytes are counted by the neighbourhood's pushes, and the
         # error-feedback gauge is the algorithm's.
         self.average = CompressedAverage(
@@ -57,8 +60,11 @@ class BufferAverage:
         self.last_averaged: list[str] = []
 
     def after_round(self, round_: int) -> list[str]:
-        """Mix the buffers the last round's neighbours sent, then send ours to this round's;
-        returns who was averaged with."""
+        """Every ``every`` rounds: mix the buffers the neighbours sent at the last exchange,
+        then send ours to this round's; returns who was last averaged with."""
+        self.rounds += 1
+        if (self.rounds - 1) % self.every:
+            return self.last_averaged
         if self._ticket is not None:
             avg, stats = self.average.collect(self._ticket, wait=False)
             if stats.averaged:
@@ -68,7 +74,6 @@ class BufferAverage:
         with self._lock:
             current = self.buffers.gather()
         self._ticket = self.average.start(current, round_)
-        self.rounds += 1
         return self.last_averaged
 
     def handle_update(self, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:

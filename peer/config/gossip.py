@@ -75,6 +75,13 @@ class GossipSection(Section):
         "them with the neighbours after every round (plain gossip averaging, beside any "
         "algorithm), or keep each peer's own. Integer buffers stay local.",
     )
+    buffers_every: int = Field(
+        10,
+        ge=1,
+        description="Average the buffers every N gossip rounds. Running statistics move "
+        "slowly (BatchNorm's momentum 0.1 averages about 10 batches), and sending them every "
+        "round cost 23% more bytes than the parameters' top-1% gossip on the BatchNorm CNN.",
+    )
     buffer_codec: str = Field(
         "none",
         description="Codec of the buffers' messages (none: dense fp32; they are small). "

@@ -247,7 +247,7 @@ class Peer:
         )
         if self._buffers and g.buffers == "average":
             self.buffer_average = BufferAverage(
-                self._buffers, g.buffer_codec, self.neighbourhood, self.state_lock
+                self._buffers, g.buffer_codec, self.neighbourhood, self.state_lock, g.buffers_every
             )
 
     def close(self) -> None:
