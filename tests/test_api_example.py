@@ -43,31 +43,35 @@ def last_json(log: Path) -> dict:
     return json.loads(log.read_text().strip().splitlines()[-1])
 
 
+def run_pair(
+    args: list[str], tmp: Path, example: Path = EXAMPLE, timeout: float = 150
+) -> tuple[list[dict], list[Path]]:
+    """Peer 0 and peer 1 of ``example`` (same ``args``), peer 1 bootstrapping from peer 0;
+    each saves its final state_dict. Returns their last JSON lines and checkpoint paths."""
+    logs = [tmp / "peer0.log", tmp / "peer1.log"]
+    ckpts = [tmp / "peer0.pt", tmp / "peer1.pt"]
+    procs = [launch([*args, "--shard", "0", "--checkpoint", str(ckpts[0])], logs[0], example)]
+    try:
+        address = read_address(logs[0], procs[0])
+        shard1 = [*args, "--shard", "1", "--bootstrap", address, "--checkpoint", str(ckpts[1])]
+        procs.append(launch(shard1, logs[1], example))
+        for p, log in zip(procs, logs, strict=True):
+            assert p.wait(timeout=timeout) == 0, log.read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [last_json(log) for log in logs], ckpts
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("algorithm", ["choco", "ef-gradient"])
 def test_example_runs_as_two_peers(tmp_path: Path, algorithm: str) -> None:
     common = ["--steps", "200", "--set", f"gossip.algorithm={algorithm}"]
     if algorithm == "ef-gradient":
         common += ["--set", "gossip.codec=topk:0.05+int8", "--set", "gossip.gamma=0.3"]
-    logs = [tmp_path / "peer0.log", tmp_path / "peer1.log"]
-    ckpts = [tmp_path / "peer0.pt", tmp_path / "peer1.pt"]
-    procs = [launch([*common, "--shard", "0", "--checkpoint", str(ckpts[0])], logs[0])]
-    try:
-        address = read_address(logs[0], procs[0])
-        procs.append(
-            launch(
-                [*common, "--shard", "1", "--bootstrap", address, "--checkpoint", str(ckpts[1])],
-                logs[1],
-            )
-        )
-        for p, log in zip(procs, logs, strict=True):
-            assert p.wait(timeout=150) == 0, log.read_text()[-3000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    results = [last_json(log) for log in logs]
+    results, ckpts = run_pair(common, tmp_path)
     print(algorithm, results)
     states = [torch.load(c, weights_only=True) for c in ckpts]
     for r, s in zip(results, states, strict=True):
@@ -125,26 +129,7 @@ def test_a_transformers_gpt2_trains_as_two_peers(tmp_path: Path) -> None:
     """examples/hf_gpt2.py as a real pair: a Hugging Face GPT-2 (tied embeddings) under
     GossipOptimizer with diloco; the peers learn the text and end on one model."""
     pytest.importorskip("transformers")
-    logs = [tmp_path / "peer0.log", tmp_path / "peer1.log"]
-    ckpts = [tmp_path / "peer0.pt", tmp_path / "peer1.pt"]
-    procs = [launch(["--shard", "0", "--checkpoint", str(ckpts[0])], logs[0], HF_EXAMPLE)]
-    try:
-        address = read_address(logs[0], procs[0])
-        procs.append(
-            launch(
-                ["--shard", "1", "--bootstrap", address, "--checkpoint", str(ckpts[1])],
-                logs[1],
-                HF_EXAMPLE,
-            )
-        )
-        for p, log in zip(procs, logs, strict=True):
-            assert p.wait(timeout=200) == 0, log.read_text()[-3000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    results = [last_json(log) for log in logs]
+    results, ckpts = run_pair([], tmp_path, HF_EXAMPLE, timeout=200)
     print(results)
     for r in results:
         assert r["steps"] == 200 and r["rounds"] == 20 and r["tied"]

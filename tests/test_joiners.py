@@ -38,7 +38,7 @@ from gossipgrad.proto import gossip_pb2 as pb
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.peers import FAST_MEMBERSHIP, close_all, rejected, start_peer, wait_until_met
-from support.swarms import BASE
+from support.swarms import BASE, served_states
 from torch import nn
 
 CHUNK = 4096
@@ -295,17 +295,6 @@ def test_a_daemon_with_only_dead_bootstrap_addresses_exits_with_one_line_error(
 
 JOINERS = (2, 3)
 RATE = 50_000  # bytes/s each donor serves state at: a digits state (~212 kB) takes ~4 s
-
-
-def served_states(swarm: LocalSwarm, peers: range) -> list[tuple[int, str]]:
-    """(step, params digest) of every state the given peers logged serving to a joiner."""
-    served = []
-    for i in peers:
-        for line in (swarm.out / f"peer{i}.log").read_text().splitlines():
-            if "serving state at step " in line:
-                step = int(line.split("serving state at step ")[1].split()[0])
-                served.append((step, line.rsplit("params ", 1)[1].strip()))
-    return served
 
 
 def download_of(swarm: LocalSwarm, i: int) -> tuple[str, int, float, float]:

@@ -19,7 +19,7 @@ from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
 from gossipgrad.peer.runtime.checkpoint import params_digest
 from gossipgrad.peer.tasks import TaskContext, train_centralized
 from gossipgrad.peer.tasks.schedule import lr_factor
-from support.swarms import BASE, BATCH
+from support.swarms import BASE, BATCH, served_states
 
 STEPS = 300
 # Tolerances stated by the peer issue's test: every peer within 3 points of one model trained
@@ -43,17 +43,6 @@ def scheduled_lr(swarm: LocalSwarm, step: int) -> float:
     """The learning rate the peers' schedule gives optimizer step ``step`` (0-based)."""
     train = build_config({}, swarm.overrides).train
     return train.lr * lr_factor(step, train)
-
-
-def served_states(swarm: LocalSwarm, peers: range) -> list[tuple[int, str]]:
-    """(step, params digest) of every state the given peers logged serving to a joiner."""
-    served = []
-    for i in peers:
-        for line in (swarm.out / f"peer{i}.log").read_text().splitlines():
-            if "serving state at step " in line:
-                step = int(line.split("serving state at step ")[1].split()[0])
-                served.append((step, line.rsplit("params ", 1)[1].strip()))
-    return served
 
 
 @pytest.fixture

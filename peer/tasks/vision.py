@@ -45,13 +45,21 @@ def fashion_mlp() -> nn.Module:
     )
 
 
-def fashion_cnn() -> nn.Module:
-    """Two 3x3 conv layers (16, 32 channels) with max-pooling, then 1568-64-10 (106k params)."""
+def fashion_cnn(batchnorm: bool = False) -> nn.Module:
+    """Two 3x3 conv layers (16, 32 channels) with max-pooling, then 1568-64-10 (106k params);
+    ``batchnorm``: a BatchNorm after each convolution (96 running statistics), the model for
+    measuring the buffers' gossip (``gossip.buffers``)."""
+
+    def norm(channels: int) -> list[nn.Module]:
+        return [nn.BatchNorm2d(channels)] if batchnorm else []
+
     return nn.Sequential(
         nn.Conv2d(1, 16, 3, padding=1),
+        *norm(16),
         nn.ReLU(),
         nn.MaxPool2d(2),
         nn.Conv2d(16, 32, 3, padding=1),
+        *norm(32),
         nn.ReLU(),
         nn.MaxPool2d(2),
         nn.Flatten(),
@@ -62,22 +70,8 @@ def fashion_cnn() -> nn.Module:
 
 
 def fashion_cnn_bn() -> nn.Module:
-    """``fashion_cnn`` with BatchNorm after each convolution (106k parameters, 96 running
-    statistics): the model for measuring the buffers' gossip (``gossip.buffers``)."""
-    return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1),
-        nn.BatchNorm2d(16),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1),
-        nn.BatchNorm2d(32),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(32 * 7 * 7, 64),
-        nn.ReLU(),
-        nn.Linear(64, 10),
-    )
+    """``fashion_cnn`` with BatchNorm."""
+    return fashion_cnn(batchnorm=True)
 
 
 def _sgd(lr: float):
