@@ -73,6 +73,18 @@ class FlatParameters:
         return self.numel * self.data.element_size()
 
 
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The model's buffers that belong to its state (those ``state_dict()`` saves): not the
+    non-persistent ones (attention masks, rotary caches), which every peer rebuilds alike."""
+    out = []
+    for prefix, module in model.named_modules():
+        skip = module._non_persistent_buffers_set
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and name not in skip:
+                out.append((f"{prefix}.{name}" if prefix else name, b))
+    return out
+
+
 class FloatBuffers:
     """A model's floating-point buffers (BatchNorm running mean and variance, and the like)
     gathered into one flat fp32 vector and written back.
@@ -80,12 +92,12 @@ class FloatBuffers:
     They are copied, not re-homed like the parameters, because modules may replace a buffer
     tensor rather than update it in place. Integer buffers (BatchNorm's
     ``num_batches_tracked``) are left out: they count local batches, not a statistic to
-    average.
+    average; so are non-persistent ones (:func:`persistent_buffers`).
     """
 
     def __init__(self, model: nn.Module) -> None:
         self._model = model
-        named = [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
+        named = [(n, b) for n, b in persistent_buffers(model) if b.is_floating_point()]
         self.names = [n for n, _ in named]
         self.shapes = [tuple(b.shape) for _, b in named]
         self.numel = sum(b.numel() for _, b in named)
@@ -95,7 +107,7 @@ class FloatBuffers:
         return self.numel > 0
 
     def _tensors(self) -> list[torch.Tensor]:
-        buffers = dict(self._model.named_buffers())
+        buffers = dict(persistent_buffers(self._model))
         return [buffers[n] for n in self.names]
 
     def gather(self) -> torch.Tensor:

@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 from gossipgrad.compression import from_spec
-from gossipgrad.peer.flat import FloatBuffers
+from gossipgrad.peer.flat import FloatBuffers, persistent_buffers
 from gossipgrad.peer.network import PeerClient
 from gossipgrad.peer.runtime.optimizer import GossipOptimizer
 from gossipgrad.proto import gossip_pb2 as pb
@@ -65,6 +65,13 @@ def test_float_buffers_gather_and_add_leave_integer_buffers_alone() -> None:
     assert torch.equal(model[1].running_mean, torch.arange(8, dtype=torch.float32))
     assert int(model[1].num_batches_tracked) == 0
     assert not FloatBuffers(nn.Linear(2, 2))
+    # A non-persistent buffer (a mask, a rotary cache) is rebuilt alike by every peer: it is
+    # neither averaged nor saved.
+    model.register_buffer("cache", torch.ones(1000), persistent=False)
+    assert FloatBuffers(model).numel == 16
+    assert [n for n, _ in persistent_buffers(model)] == [
+        "1.running_mean", "1.running_var", "1.num_batches_tracked"
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(

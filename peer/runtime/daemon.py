@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from gossipgrad.peer.config import PeerConfig
+from gossipgrad.peer.flat import persistent_buffers
 from gossipgrad.peer.records import PeerStatus, PeerSummary, write_record
 from gossipgrad.peer.runtime import checkpoint
 from gossipgrad.peer.runtime.joining import JoinError, find_swarm
@@ -247,7 +248,7 @@ class Daemon:
         try:
             torch.save(gopt.flat.data.detach().cpu(), self.run_dir / "params.pt")
             if gopt.buffers:
-                buffers = {n: b.detach().cpu() for n, b in model.named_buffers()}
+                buffers = {n: b.detach().cpu() for n, b in persistent_buffers(model)}
                 torch.save(buffers, self.run_dir / "buffers.pt")
         except OSError as err:
             log.error("final parameters not written to params.pt / buffers.pt: %s", err)

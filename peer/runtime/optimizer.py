@@ -37,7 +37,7 @@ from collections.abc import Iterator
 import torch
 from gossipgrad.peer.algorithms import GossipAlgorithm, RoundStats
 from gossipgrad.peer.config import PeerConfig
-from gossipgrad.peer.flat import FlatParameters, FloatBuffers
+from gossipgrad.peer.flat import FlatParameters, FloatBuffers, persistent_buffers
 from gossipgrad.peer.runtime.checkpoint import params_digest
 from gossipgrad.peer.runtime.node import Peer
 from torch import nn
@@ -192,7 +192,7 @@ class GossipOptimizer:
         with self.state_lock:
             return {
                 "params": self.flat.data.detach().clone(),
-                "buffers": {n: b.detach().clone() for n, b in self.model.named_buffers()},
+                "buffers": {n: b.detach().clone() for n, b in persistent_buffers(self.model)},
                 "optimizer": self.optimizer.state_dict(),
                 "local_step": self.local_step,
                 "round": self.round,
@@ -215,7 +215,7 @@ class GossipOptimizer:
             )
         with self.state_lock, torch.no_grad():
             self.flat.data.copy_(state["params"].to(self.flat.data.device))
-            buffers = dict(self.model.named_buffers())
+            buffers = dict(persistent_buffers(self.model))
             for name, value in state.get("buffers", {}).items():
                 if name in buffers:
                     buffers[name].copy_(value.to(buffers[name].device))
