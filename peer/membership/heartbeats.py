@@ -81,8 +81,8 @@ class Membership(PeerTable):
         cfg: the membership section of the config.
         bootstrap: addresses to contact until some peer answers.
         heartbeat: callable(address, request, timeout) -> HeartbeatReply (the transport).
-        on_change: called (from the heartbeat thread) when the set of present peers or a
-            peer's incarnation changes.
+        on_change: called (from the heartbeat thread) when the set of present peers, a
+            peer's state or its incarnation changes.
         near: ids of this peer's gossip neighbours among the given live ids (heartbeated every
             interval; the others round-robin, a few per far round).
     """
