@@ -247,8 +247,8 @@ class Daemon:
         traffic = self._traffic(gopt)
         try:
             torch.save(gopt.flat.data.detach().cpu(), self.run_dir / "params.pt")
-            if gopt.buffers:
-                buffers = {n: b.detach().cpu() for n, b in persistent_buffers(model)}
+            buffers = {n: b.detach().cpu() for n, b in persistent_buffers(model)}
+            if buffers:
                 torch.save(buffers, self.run_dir / "buffers.pt")
         except OSError as err:
             log.error("final parameters not written to params.pt / buffers.pt: %s", err)

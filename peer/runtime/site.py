@@ -320,9 +320,17 @@ class SiteOptimizer:
         """Leader: wait for `count` sites; other ranks have nothing to wait for."""
         return self.gopt.wait_for_peers(count, timeout) if self.gopt is not None else True
 
-    def join_from_swarm(self, timeout: float = 60.0) -> bool:
-        """Leader: download state from the swarm (call ``sync_site`` afterwards on all ranks)."""
-        return self.gopt.join_from_swarm(timeout) if self.gopt is not None else False
+    def join_from_swarm(
+        self,
+        timeout: float | None = None,
+        patience: float | None = None,
+        min_step: int | None = None,
+    ) -> bool:
+        """Leader: download state from the swarm, as ``GossipOptimizer.join_from_swarm``
+        (call ``sync_site`` afterwards on all ranks)."""
+        if self.gopt is None:
+            return False
+        return self.gopt.join_from_swarm(timeout, patience, min_step)
 
     def close(self) -> None:
         if self.gopt is not None:
