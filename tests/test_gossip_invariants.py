@@ -121,6 +121,47 @@ def test_edge_reset_at_one_end_only_opens_a_new_session_at_both() -> None:
         close_all(peers)
 
 
+def test_a_follower_that_pruned_the_edge_gets_a_new_session() -> None:
+    """The follower's end of an edge is dropped while the leader's session goes on: a peer
+    that took the leader's opening before its membership knew the leader (a swarm starting,
+    CI saw it) prunes the edge at its next view change. Its fresh edge says hello; the leader
+    must open a new session, not wait forever for an answer in the old one (which stalled
+    the leader a whole round_timeout every few rounds, for the rest of the run)."""
+    peers = start_peers(2, {**GOSSIP, "gossip.round_timeout": 1.0})
+    p0, p1 = peers  # p0 leads the edge
+    try:
+        # p0 alone opens the session (a RESYNC: these peers differ from the start), p1 takes
+        # it: p0 now waits for p1's answer.
+        for _ in range(5):
+            p0.algorithm.step_round()
+            quiesce(peers)
+            if p1.algorithm.edges["p0"].received > p1.algorithm.edges["p0"].mixed:
+                break
+        old = p0.algorithm.edges["p1"].epoch
+        assert p1.algorithm.edges["p0"].epoch == old
+        p1.algorithm.prune({"p1"})  # as p1's membership does before it knows p0
+        assert "p0" not in p1.algorithm.edges
+        waits: list[float] = []
+
+        def work(p: Peer) -> None:
+            for _ in range(12):
+                waits.append(p.algorithm.step_round().waited_s)
+            p.algorithm.finish()
+
+        threads = [threading.Thread(target=work, args=(p,)) for p in peers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        quiesce(peers)
+        assert p0.algorithm.edges["p1"].epoch != old  # a new session at both ends
+        assert p1.algorithm.edges["p0"].mixed > 8, p1.algorithm.edges["p0"]
+        assert max(waits) < 1.0, f"a round waited out its whole timeout: {waits}"
+        assert assert_mirrors_exact(peers) == 2
+    finally:
+        close_all(peers)
+
+
 class FailingSender:
     """Fails the 3rd and 4th DELTA pushes to p1 before they reach it, with a gRPC status."""
 

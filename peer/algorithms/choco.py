@@ -81,6 +81,10 @@ class ChocoGossip(GossipAlgorithm):
         self.state_lock = state_lock
         self.metrics = metrics
         self.edges: dict[str, Edge] = {}
+        # Per peer, the latest of its sessions a pruned follower edge had taken part in: the
+        # edge made again says so in its hello, so the leader ends that session instead of
+        # waiting in it forever for an answer that this end can no longer give.
+        self._dropped: dict[str, int] = {}
         self._edges_lock = threading.Lock()
         self._round = 0
         self._direction = torch.zeros_like(x)
@@ -100,6 +104,7 @@ class ChocoGossip(GossipAlgorithm):
                     public=torch.zeros_like(self.x),
                     mirror=torch.zeros_like(self.x),
                     leader=self.nb.me < peer,
+                    dropped=self._dropped.pop(peer, 0),
                 )
             return e
 
@@ -113,7 +118,10 @@ class ChocoGossip(GossipAlgorithm):
     def prune(self, present: set[str]) -> None:
         with self._edges_lock:
             for peer in [p for p in self.edges if p not in present]:
-                del self.edges[peer]
+                e = self.edges.pop(peer)
+                if not e.leader:
+                    with e.lock:
+                        self._dropped[peer] = max(e.dropped, e.epoch)
 
     # ------------------------------------------------------------------ sending
 
