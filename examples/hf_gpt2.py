@@ -28,8 +28,6 @@ from pathlib import Path
 
 import torch
 from gossipgrad.peer import GossipOptimizer, load_config
-from transformers import GPT2Config, GPT2LMHeadModel
-from transformers.utils import logging as hf_logging
 
 CONTEXT = 32
 
@@ -47,9 +45,11 @@ def windows(data: torch.Tensor, count: int, gen: torch.Generator) -> torch.Tenso
     return torch.stack([data[s : s + CONTEXT] for s in starts.tolist()])
 
 
-def gpt2(layers: int, width: int) -> GPT2LMHeadModel:
+def gpt2(layers: int, width: int) -> torch.nn.Module:
     """A GPT-2 with a byte vocabulary; the same on every peer (same seed)."""
     torch.manual_seed(0)
+    from transformers import GPT2Config, GPT2LMHeadModel  # slow to import: not for --help
+
     config = GPT2Config(vocab_size=256, n_positions=CONTEXT, n_embd=width, n_layer=layers, n_head=2)
     return GPT2LMHeadModel(config)
 
@@ -73,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)
     model = gpt2(args.layers, args.width)
