@@ -22,7 +22,7 @@ import grpc
 import torch
 from gossipgrad.compression import Codec, DecodeError, from_spec
 from gossipgrad.peer.algorithms.base import GossipAlgorithm, RoundStats
-from gossipgrad.peer.algorithms.edges import Copies, Edge, Incoming, Kind, Verdict
+from gossipgrad.peer.algorithms.edges import Copies, Edge, EdgeTable, Incoming, Kind, Verdict
 from gossipgrad.peer.algorithms.mixing import (
     Pair,
     consensus_step,
@@ -80,12 +80,7 @@ class ChocoGossip(GossipAlgorithm):
         self.nb = neighbourhood
         self.state_lock = state_lock
         self.metrics = metrics
-        self.edges: dict[str, Edge] = {}
-        # Per peer, the latest of its sessions a pruned follower edge had taken part in: the
-        # edge made again says so in its hello, so the leader ends that session instead of
-        # waiting in it forever for an answer that this end can no longer give.
-        self._dropped: dict[str, int] = {}
-        self._edges_lock = threading.Lock()
+        self.edges = EdgeTable(x, neighbourhood.me)
         self._round = 0
         self._direction = torch.zeros_like(x)
 
@@ -96,32 +91,15 @@ class ChocoGossip(GossipAlgorithm):
     # ------------------------------------------------------------------ edges
 
     def edge(self, peer: str) -> Edge:
-        """The edge with ``peer`` (created on first use)."""
-        with self._edges_lock:
-            e = self.edges.get(peer)
-            if e is None:
-                e = self.edges[peer] = Edge(
-                    public=torch.zeros_like(self.x),
-                    mirror=torch.zeros_like(self.x),
-                    leader=self.nb.me < peer,
-                    dropped=self._dropped.pop(peer, 0),
-                )
-            return e
+        """The edge with ``peer`` (made on first use)."""
+        return self.edges.edge(peer)
 
     def forget(self, peer: str) -> None:
-        e = self.edges.get(peer)
-        if e is not None:
-            with e.lock:
-                e.restart()
+        self.edges.restart(peer)
         self.nb.forget(peer)
 
     def prune(self, present: set[str]) -> None:
-        with self._edges_lock:
-            for peer in [p for p in self.edges if p not in present]:
-                e = self.edges.pop(peer)
-                if not e.leader:
-                    with e.lock:
-                        self._dropped[peer] = max(e.dropped, e.epoch)
+        self.edges.prune(present)
 
     # ------------------------------------------------------------------ sending
 

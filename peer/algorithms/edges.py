@@ -330,3 +330,50 @@ class Edge:
         self.mixed += 1
         held, self.held = self.held, None
         return held
+
+
+class EdgeTable(dict):
+    """A peer's edges by neighbour id, made on first use.
+
+    It also remembers, per neighbour, the newest of the leader's sessions that a pruned
+    follower edge took part in: the edge made again names it in its hello (rule 1), so the
+    leader ends that session rather than wait in it forever for an answer this end can no
+    longer give (a peer that took a leader's opening before its membership knew the leader
+    prunes the edge at its next view change).
+    """
+
+    def __init__(self, like: torch.Tensor, me: str) -> None:
+        super().__init__()
+        self._like = like
+        self._me = me
+        self._dropped: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def edge(self, peer: str) -> Edge:
+        """The edge with ``peer`` (made now if there is none)."""
+        with self._lock:
+            e = self.get(peer)
+            if e is None:
+                e = self[peer] = Edge(
+                    public=torch.zeros_like(self._like),
+                    mirror=torch.zeros_like(self._like),
+                    leader=self._me < peer,
+                    dropped=self._dropped.pop(peer, 0),
+                )
+            return e
+
+    def restart(self, peer: str) -> None:
+        """End the session with ``peer`` (if there is an edge)."""
+        e = self.get(peer)
+        if e is not None:
+            with e.lock:
+                e.restart()
+
+    def prune(self, present: set[str]) -> None:
+        """Drop the edges of peers not in ``present``."""
+        with self._lock:
+            for peer in [p for p in self if p not in present]:
+                e = self.pop(peer)
+                if not e.leader:
+                    with e.lock:
+                        self._dropped[peer] = max(e.dropped, e.epoch)
