@@ -29,8 +29,9 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from gossipgrad.experiment.churn import ChurnDriver, ChurnSchedule
+from gossipgrad.experiment.churn import ChurnDriver
 from gossipgrad.experiment.churn_figures import ChurnFigures, figures
+from gossipgrad.experiment.churn_schedule import ChurnSchedule
 from gossipgrad.experiment.launch import LocalSwarm
 
 BASE = {

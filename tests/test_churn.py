@@ -21,16 +21,15 @@ import pytest
 import torch
 from gossipgrad.experiment.analysis import consensus_distance
 from gossipgrad.experiment.churn import (
-    EVENT_KINDS,
     ChurnDriver,
     ChurnEvent,
-    ChurnSchedule,
     ChurnTrace,
     Life,
     StatusSample,
     mixed_neighbours,
 )
 from gossipgrad.experiment.churn_figures import figures, max_stall, redone_steps, window
+from gossipgrad.experiment.churn_schedule import EVENT_KINDS, ChurnSchedule
 from gossipgrad.experiment.launch import LocalSwarm
 from gossipgrad.peer.records import PeerSummary, read_record
 from hypothesis import given, settings
