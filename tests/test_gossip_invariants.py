@@ -141,18 +141,7 @@ def test_a_follower_that_pruned_the_edge_gets_a_new_session() -> None:
         assert p1.algorithm.edges["p0"].epoch == old
         p1.algorithm.prune({"p1"})  # as p1's membership does before it knows p0
         assert "p0" not in p1.algorithm.edges
-        waits: list[float] = []
-
-        def work(p: Peer) -> None:
-            for _ in range(12):
-                waits.append(p.algorithm.step_round().waited_s)
-            p.algorithm.finish()
-
-        threads = [threading.Thread(target=work, args=(p,)) for p in peers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        waits = [stats.waited_s for stats in run_rounds(peers, 12, timeout=60)]
         quiesce(peers)
         assert p0.algorithm.edges["p1"].epoch != old  # a new session at both ends
         assert p1.algorithm.edges["p0"].mixed > 8, p1.algorithm.edges["p0"]

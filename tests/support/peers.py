@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import torch
+from gossipgrad.peer.algorithms.base import RoundStats
 from gossipgrad.peer.config import build_config
 from gossipgrad.peer.flat import FlatParameters
 from gossipgrad.peer.runtime.node import Peer
@@ -65,14 +66,16 @@ def start_peers(
     return peers
 
 
-def run_rounds(peers: list[Peer], rounds: int, timeout: float = 100.0) -> None:
-    """Every peer runs `rounds` gossip rounds on its own thread, as training threads would."""
+def run_rounds(peers: list[Peer], rounds: int, timeout: float = 100.0) -> list[RoundStats]:
+    """Every peer runs `rounds` gossip rounds on its own thread, as training threads would;
+    returns every round's stats (all peers, in no particular order)."""
     errors: list[BaseException] = []
+    stats: list[RoundStats] = []
 
     def work(p: Peer) -> None:
         try:
             for _ in range(rounds):
-                p.algorithm.step_round()
+                stats.append(p.algorithm.step_round())
             p.algorithm.finish()  # as a daemon does at the end: mix what is still open
         except BaseException as err:
             errors.append(err)
@@ -83,6 +86,7 @@ def run_rounds(peers: list[Peer], rounds: int, timeout: float = 100.0) -> None:
     for t in threads:
         t.join(timeout=timeout)
     assert not errors, errors
+    return stats
 
 
 def quiesce(peers: list[Peer], timeout: float = 10.0) -> None:
