@@ -7,8 +7,8 @@ a decaying loss and consensus distance, rising accuracy, a resync every 25 round
 update now and then -- until SIGTERM or ``--max-seconds``. Heartbeats are counted without
 a neighbour (``UNATTRIBUTED``), as the daemon's membership layer does.
 
-tests/test_prometheus_e2e.py scrapes a swarm of these next to a swarm of real daemons: the
-fake one is deterministic in shape (every series moves) and starts in a second.
+tests/peer/runtime/test_prometheus_e2e.py scrapes a swarm of these next to a swarm of real
+daemons: the fake one is deterministic in shape (every series moves) and starts in a second.
 """
 
 from __future__ import annotations

@@ -17,6 +17,24 @@ from gossipgrad.peer.flat import FlatParameters
 from gossipgrad.peer.runtime.node import Peer
 from torch import nn
 
+_STARTED: list[Peer] = []
+"""Every peer started here and not yet closed by ``close_started`` (the ``tests/conftest.py``
+fixture closes them after each test, passed or failed)."""
+
+
+def started(peer: Peer) -> Peer:
+    """Start ``peer`` and have it closed after the test (``close_started``)."""
+    peer.start()
+    _STARTED.append(peer)
+    return peer
+
+
+def close_started() -> None:
+    """Close every peer ``started`` since the last call (closing twice is harmless)."""
+    while _STARTED:
+        _STARTED.pop().close()
+
+
 FAST_MEMBERSHIP = {
     "metrics.enabled": False,
     "membership.heartbeat_interval": 0.1,
@@ -39,9 +57,7 @@ def start_peer(
         {},
         {"peer.id": pid, "peer.bootstrap": bootstrap, **FAST_MEMBERSHIP, **(overrides or {})},
     )
-    peer = Peer(cfg, flat)
-    peer.start()
-    return peer
+    return started(Peer(cfg, flat))
 
 
 def wait_until_met(peers: list[Peer], timeout: float = 20.0) -> None:

@@ -1,4 +1,4 @@
-"""A user task for tests/test_tasks.py, loaded as "support.tiny_user_task:make_task".
+"""A user task for tests/peer/tasks/test_tasks.py, loaded as "support.tiny_user_task:make_task".
 
 Synthetic two-class data from a fixed generator: a linear rule the model can learn quickly.
 """

@@ -19,6 +19,7 @@ from gossipgrad.experiment.launch import LocalSwarm
 from gossipgrad.experiment.swarm import summarize
 from gossipgrad.peer.runtime.site import SiteContext
 from gossipgrad.peer.tasks import TaskContext, train_centralized
+from support import TESTS
 
 SITES, RANKS = 2, 2
 STEPS = 200
@@ -93,9 +94,9 @@ def test_two_sites_of_two_ranks_converge_identical_within_site(
     for acc in accs:
         assert acc >= central["accuracy"] - 0.03
     # Calibrated: the sites end 5.8e-5 apart with gossip; the same two sites with gossip cut
-    # off (each in a swarm of its own, tests/test_diloco_swarm.py's control) end 9.6e-3 apart
-    # and their accuracies (0.94, 0.95) pass the bar above too, so this bound is what sites
-    # that do not mix fail.
+    # off (each in a swarm of its own, tests/peer/algorithms/test_diloco_swarm.py's control)
+    # end 9.6e-3 apart and their accuracies (0.94, 0.95) pass the bar above too, so this
+    # bound is what sites that do not mix fail.
     assert result["relative_consensus_distance"] < RELATIVE_CONSENSUS_BOUND
 
     numel = result["peers"][0]["params"]
@@ -129,7 +130,7 @@ def test_a_leader_that_fails_alone_fails_the_other_ranks_at_once(tmp_path: Path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    script = Path(__file__).parent / "support" / "site_leader_fails.py"
+    script = TESTS / "support" / "site_leader_fails.py"
     procs = []
     for rank in range(2):
         env = {

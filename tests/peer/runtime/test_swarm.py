@@ -85,7 +85,8 @@ def test_four_peer_ring_matches_centralized_accuracy(swarm_factory) -> None:
 @pytest.mark.timeout(300)
 def test_killed_peer_others_go_on_and_it_resumes_from_checkpoint(swarm_factory) -> None:
     # The others go 150 steps on while it is down: with the default join_after_steps it
-    # would rejoin from their state (tests/test_churn.py); here it resumes its checkpoint.
+    # would rejoin from their state (tests/experiment/test_churn.py); here it resumes its
+    # checkpoint.
     swarm = swarm_factory(
         4, **{"train.steps": "700", "checkpoint.every": "50", "peer.join_after_steps": "100000"}
     )

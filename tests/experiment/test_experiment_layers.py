@@ -1,7 +1,7 @@
 """One clear middle layer: the experiment side launches processes and reads the peers'
 records; it imports nothing of what runs a peer (``gossipgrad.peer.runtime``: the daemon's
 loop, ``Peer``, ``GossipOptimizer``), and the peer never imports it. The layers inside the peer
-are tests/test_peer_layers.py's."""
+are tests/peer/test_peer_layers.py's."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import ast
 from pathlib import Path
 
 import pytest
+from support import ROOT
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parents[1]
 # Module -> what it may not import (a module or anything inside it).
 FORBIDDEN = {
     # gossipgrad.peer re-exports the runtime's classes lazily: those names count as the runtime.

@@ -15,7 +15,6 @@ from gossipgrad.peer.runtime.node import Peer
 from support.optimizers import exchange_all, lone_exchange, start_optimizers
 from support.peers import (
     assert_mirrors_exact,
-    close_all,
     distance,
     quiesce,
     resyncs,
@@ -44,28 +43,25 @@ def edge_gap(peers: list[Peer]) -> float:
 
 def test_copies_agree_without_error_feedback_and_resync_resets_the_base() -> None:
     peers = choco_peers(3, error_feedback=False)
-    try:
-        run_rounds(peers, 20)
-        quiesce(peers)
-        assert assert_mirrors_exact(peers) == 6
-        for p in peers:
-            for other, edge in p.algorithm.edges.items():
-                assert resyncs(p, other) == 1.0  # only the opening one (seeds differ)
-                assert edge.last_sent is not None
-        # A resync restarts the difference from the model it sends: b = x = xhat.
-        p0 = peers[0]
-        edge = p0.algorithm.edges["p1"]
-        assert not torch.equal(edge.public, edge.last_sent)
-        p0.algorithm.forget("p1")  # as if p1 had restarted: a new session
-        run_rounds(peers, 1)
-        quiesce(peers)
-        assert resyncs(p0, "p1") == 2.0
-        assert torch.equal(edge.public, edge.last_sent)
-        run_rounds(peers, 5)
-        quiesce(peers)
-        assert assert_mirrors_exact(peers) == 6
-    finally:
-        close_all(peers)
+    run_rounds(peers, 20)
+    quiesce(peers)
+    assert assert_mirrors_exact(peers) == 6
+    for p in peers:
+        for other, edge in p.algorithm.edges.items():
+            assert resyncs(p, other) == 1.0  # only the opening one (seeds differ)
+            assert edge.last_sent is not None
+    # A resync restarts the difference from the model it sends: b = x = xhat.
+    p0 = peers[0]
+    edge = p0.algorithm.edges["p1"]
+    assert not torch.equal(edge.public, edge.last_sent)
+    p0.algorithm.forget("p1")  # as if p1 had restarted: a new session
+    run_rounds(peers, 1)
+    quiesce(peers)
+    assert resyncs(p0, "p1") == 2.0
+    assert torch.equal(edge.public, edge.last_sent)
+    run_rounds(peers, 5)
+    quiesce(peers)
+    assert assert_mirrors_exact(peers) == 6
 
 
 def test_init_opening_starts_the_base_at_the_initial_model() -> None:
@@ -73,27 +69,21 @@ def test_init_opening_starts_the_base_at_the_initial_model() -> None:
     overrides = {**TOPK, "gossip.error_feedback": False}
     peers = [start_peer("p0", [], seed=7, overrides=overrides)]
     peers.append(start_peer("p1", [peers[0].address], seed=7, overrides=overrides))
-    try:
-        wait_until_met(peers)
-        with torch.no_grad():
-            for p in peers:
-                p.flat.data.add_(torch.randn_like(p.flat.data), alpha=0.1)
-        run_rounds(peers, 10)
-        quiesce(peers)
-        assert assert_mirrors_exact(peers) == 2
-        assert resyncs(peers[0], "p1") == 0.0 and resyncs(peers[1], "p0") == 0.0
-    finally:
-        close_all(peers)
+    wait_until_met(peers)
+    with torch.no_grad():
+        for p in peers:
+            p.flat.data.add_(torch.randn_like(p.flat.data), alpha=0.1)
+    run_rounds(peers, 10)
+    quiesce(peers)
+    assert assert_mirrors_exact(peers) == 2
+    assert resyncs(peers[0], "p1") == 0.0 and resyncs(peers[1], "p0") == 0.0
 
 
 def test_default_keeps_no_extra_copy() -> None:
     peers = choco_peers(2, error_feedback=True)
-    try:
-        run_rounds(peers, 3)
-        quiesce(peers)
-        assert all(e.last_sent is None for p in peers for e in p.algorithm.edges.values())
-    finally:
-        close_all(peers)
+    run_rounds(peers, 3)
+    quiesce(peers)
+    assert all(e.last_sent is None for p in peers for e in p.algorithm.edges.values())
 
 
 def test_top_k_without_error_feedback_loses_what_it_drops() -> None:
@@ -102,14 +92,11 @@ def test_top_k_without_error_feedback_loses_what_it_drops() -> None:
     result = {}
     for ef in (True, False):
         peers = choco_peers(3, error_feedback=ef)
-        try:
-            d0 = distance(peers)
-            run_rounds(peers, 40)
-            quiesce(peers)
-            result[ef] = (d0, distance(peers), edge_gap(peers))
-            assert assert_mirrors_exact(peers) == 6
-        finally:
-            close_all(peers)
+        d0 = distance(peers)
+        run_rounds(peers, 40)
+        quiesce(peers)
+        result[ef] = (d0, distance(peers), edge_gap(peers))
+        assert assert_mirrors_exact(peers) == 6
     (d0_on, d_on, gap_on), (d0_off, d_off, gap_off) = result[True], result[False]
     assert d0_on == pytest.approx(d0_off)  # same starting models
     assert d_on < d0_on / 20, result
@@ -123,12 +110,9 @@ def test_lossless_codec_is_the_same_with_or_without_error_feedback() -> None:
     models = {}
     for ef in (True, False):
         peers = choco_peers(2, error_feedback=ef, **{"gossip.codec": "none"})
-        try:
-            run_rounds(peers, 8)
-            quiesce(peers)
-            models[ef] = [p.flat.data.clone() for p in peers]
-        finally:
-            close_all(peers)
+        run_rounds(peers, 8)
+        quiesce(peers)
+        models[ef] = [p.flat.data.clone() for p in peers]
     for on, off in zip(models[True], models[False], strict=True):
         assert torch.allclose(on, off, atol=1e-5)
 

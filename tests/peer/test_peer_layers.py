@@ -14,10 +14,10 @@ import ast
 from pathlib import Path
 
 import pytest
+from support import ROOT
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parents[1]
 PEER = ROOT / "peer"
 PACKAGE = "gossipgrad.peer"
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from gossipgrad.experiment.report import load_report
 from gossipgrad.peer.records import PeerStatus, read_record
+from support import ROOT
 from support.experiment import PNG_SIGNATURE, png_size, processes_mentioning
 
-ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "scripts" / "experiments" / "digits-small.toml"
 # (1/n) Σ||x_i - x̄||² / ||x̄||² of the final models: gossip 1.0e-3, no gossip 1.27e-2.
 RELATIVE_CONSENSUS_BOUND = 4e-3
@@ -52,8 +52,9 @@ def test_local_experiment_end_to_end(tmp_path: Path) -> None:
     assert estimates and all(c >= 0 for c in estimates)
     # The peers end on nearly one model. Calibrated on this spec with 3 peers (seed 0): with
     # gossip 1.0e-3; the same peers with gossip cut off (each in a swarm of its own,
-    # tests/test_diloco_swarm.py's control) 1.27e-2, and their accuracies (0.92-0.93) pass the
-    # bars above too, so this bound is what a swarm that does not mix fails.
+    # tests/peer/algorithms/test_diloco_swarm.py's control) 1.27e-2, and their accuracies
+    # (0.92-0.93) pass the bars above too, so this bound is what a swarm that does not mix
+    # fails.
     assert 0 <= (swarm.relative_consensus_distance or 1) < RELATIVE_CONSENSUS_BOUND
     assert swarm.link_bytes and all(v > 0 for v in swarm.link_bytes.values())
 

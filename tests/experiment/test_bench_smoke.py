@@ -15,10 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import ROOT
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(180)]
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = ROOT / "scripts"
 
 
 def run_script(name: str, *args: str) -> str:

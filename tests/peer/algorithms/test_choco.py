@@ -14,7 +14,7 @@ import pytest
 import torch
 from gossipgrad.peer.runtime.node import Peer
 from gossipgrad.proto import gossip_pb2 as pb
-from support.peers import assert_mirrors_exact, close_all, distance, quiesce, resyncs, run_rounds
+from support.peers import assert_mirrors_exact, distance, quiesce, resyncs, run_rounds
 from support.peers import start_peers as harness_start
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,35 +33,29 @@ def start_peers(n: int, **gossip: str) -> list[Peer]:
 def test_consensus_with_compression(codec: str, gamma: str) -> None:
     # gamma below the codec's precision, as CHOCO-SGD's analysis requires (Koloskova 2019).
     peers = start_peers(4, codec=codec, topology="ring", gamma=gamma)
-    try:
-        mean0 = torch.stack([p.flat.data for p in peers]).double().mean(0)
-        d0 = distance(peers)
-        run_rounds(peers, 60)
-        quiesce(peers)
-        d1 = distance(peers)
-        mean1 = torch.stack([p.flat.data for p in peers]).double().mean(0)
-        assert d1 < d0 / 20, (codec, d0, d1)
-        # The average moves only through timing asymmetries, a small fraction of the spread.
-        assert float((mean1 - mean0).norm()) < 0.05 * d0**0.5
-        assert assert_mirrors_exact(peers) == 8
-        for p in peers:
-            assert torch.isfinite(p.flat.data).all()
-    finally:
-        close_all(peers)
+    mean0 = torch.stack([p.flat.data for p in peers]).double().mean(0)
+    d0 = distance(peers)
+    run_rounds(peers, 60)
+    quiesce(peers)
+    d1 = distance(peers)
+    mean1 = torch.stack([p.flat.data for p in peers]).double().mean(0)
+    assert d1 < d0 / 20, (codec, d0, d1)
+    # The average moves only through timing asymmetries, a small fraction of the spread.
+    assert float((mean1 - mean0).norm()) < 0.05 * d0**0.5
+    assert assert_mirrors_exact(peers) == 8
+    for p in peers:
+        assert torch.isfinite(p.flat.data).all()
 
 
 def test_time_varying_one_peer_exponential() -> None:
     peers = start_peers(4, codec="topk:0.2+int8", topology="one-peer-exponential", gamma="0.5")
-    try:
-        d0 = distance(peers)
-        run_rounds(peers, 60)
-        quiesce(peers)
-        assert distance(peers) < d0 / 20
-        assert_mirrors_exact(peers)
-        # One neighbour per round: each peer pushed to exactly one peer in its last round.
-        assert all(len(p.neighbourhood.neighbors_at(p.algorithm.round - 1)) == 1 for p in peers)
-    finally:
-        close_all(peers)
+    d0 = distance(peers)
+    run_rounds(peers, 60)
+    quiesce(peers)
+    assert distance(peers) < d0 / 20
+    assert_mirrors_exact(peers)
+    # One neighbour per round: each peer pushed to exactly one peer in its last round.
+    assert all(len(p.neighbourhood.neighbors_at(p.algorithm.round - 1)) == 1 for p in peers)
 
 
 Reply = tuple[pb.PushReply, int]
@@ -142,28 +136,25 @@ def _bad_checksum(n, real, target, header, payload):
 )
 def test_faulty_edge_is_detected_and_healed(fault) -> None:
     peers = start_peers(3, codec="topk:0.2+int8", topology="ring", gamma="0.4")
-    try:
-        inject(peers[0], fault)
-        d0 = distance(peers)
-        run_rounds(peers, 25)
-        quiesce(peers)
-        run_rounds(peers, 3)  # a resync asked for in the last round lands here
-        quiesce(peers)
-        assert_mirrors_exact(peers)
-        initial_resync = 1.0  # every edge starts with one (the peers' initial models differ)
-        healed = resyncs(peers[0], "p1")
-        if fault is _duplicate:
-            assert healed == initial_resync
-        else:
-            assert healed == initial_resync + 1, healed  # one heal
-        # ... and then compressed pushes only: no edge stuck in dense-resync mode.
-        run_rounds(peers, 5)
-        quiesce(peers)
-        assert resyncs(peers[0], "p1") == healed
-        assert_mirrors_exact(peers)
-        assert distance(peers) < d0 / 5
-    finally:
-        close_all(peers)
+    inject(peers[0], fault)
+    d0 = distance(peers)
+    run_rounds(peers, 25)
+    quiesce(peers)
+    run_rounds(peers, 3)  # a resync asked for in the last round lands here
+    quiesce(peers)
+    assert_mirrors_exact(peers)
+    initial_resync = 1.0  # every edge starts with one (the peers' initial models differ)
+    healed = resyncs(peers[0], "p1")
+    if fault is _duplicate:
+        assert healed == initial_resync
+    else:
+        assert healed == initial_resync + 1, healed  # one heal
+    # ... and then compressed pushes only: no edge stuck in dense-resync mode.
+    run_rounds(peers, 5)
+    quiesce(peers)
+    assert resyncs(peers[0], "p1") == healed
+    assert_mirrors_exact(peers)
+    assert distance(peers) < d0 / 5
 
 
 EVERY_CODEC = [
@@ -191,16 +182,13 @@ def test_every_codec_keeps_edges_exact(codec: str) -> None:
     # QSGD is unbiased with a large variance: CHOCO needs a smaller step with it.
     gamma = "0.05" if "qsgd" in codec else "0.2"
     peers = start_peers(2, codec=codec, topology="ring", gamma=gamma)
-    try:
-        d0 = distance(peers)
-        run_rounds(peers, 12)
-        quiesce(peers)
-        assert assert_mirrors_exact(peers) == 2
-        assert distance(peers) < d0
-        assert all(torch.isfinite(p.flat.data).all() for p in peers)
-        assert resyncs(peers[0], "p1") == 1.0  # only the opening one
-    finally:
-        close_all(peers)
+    d0 = distance(peers)
+    run_rounds(peers, 12)
+    quiesce(peers)
+    assert assert_mirrors_exact(peers) == 2
+    assert distance(peers) < d0
+    assert all(torch.isfinite(p.flat.data).all() for p in peers)
+    assert resyncs(peers[0], "p1") == 1.0  # only the opening one
 
 
 def test_peers_seeded_alike_open_edges_without_sending_the_model() -> None:
@@ -211,21 +199,18 @@ def test_peers_seeded_alike_open_edges_without_sending_the_model() -> None:
     p0 = start_peer("p0", [], seed=7, overrides=overrides)
     p1 = start_peer("p1", [p0.address], seed=7, overrides=overrides)
     peers = [p0, p1]
-    try:
-        wait_until_met(peers)
-        with torch.no_grad():  # as if each had trained a little on its own data
-            p0.flat.data.add_(torch.randn_like(p0.flat.data), alpha=0.1)
-            p1.flat.data.add_(torch.randn_like(p1.flat.data), alpha=0.1)
-        d0 = distance(peers)
-        run_rounds(peers, 15)
-        quiesce(peers)
-        assert assert_mirrors_exact(peers) == 2
-        assert distance(peers) < d0
-        for p, other in ((p0, "p1"), (p1, "p0")):
-            assert resyncs(p, other) == 0.0
-            sent = p.metrics.registry.get_sample_value(
-                "gossipgrad_sent_bytes_total", {"neighbor": other, "kind": "resync"}
-            )
-            assert 0 < sent < 1000  # a header, not 4 bytes per parameter
-    finally:
-        close_all(peers)
+    wait_until_met(peers)
+    with torch.no_grad():  # as if each had trained a little on its own data
+        p0.flat.data.add_(torch.randn_like(p0.flat.data), alpha=0.1)
+        p1.flat.data.add_(torch.randn_like(p1.flat.data), alpha=0.1)
+    d0 = distance(peers)
+    run_rounds(peers, 15)
+    quiesce(peers)
+    assert assert_mirrors_exact(peers) == 2
+    assert distance(peers) < d0
+    for p, other in ((p0, "p1"), (p1, "p0")):
+        assert resyncs(p, other) == 0.0
+        sent = p.metrics.registry.get_sample_value(
+            "gossipgrad_sent_bytes_total", {"neighbor": other, "kind": "resync"}
+        )
+        assert 0 < sent < 1000  # a header, not 4 bytes per parameter

@@ -39,10 +39,10 @@ from gossipgrad.peer.network.protocol import PUSH, UPDATE_CODEC, method_path
 from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
 from gossipgrad.peer.runtime.optimizer import GossipOptimizer
 from gossipgrad.proto import gossip_pb2 as pb
+from support import ROOT
 from support.peers import (
     FAST_MEMBERSHIP,
     assert_mirrors_exact,
-    close_all,
     quiesce,
     rejected,
     run_rounds,
@@ -56,7 +56,6 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
@@ -120,15 +119,12 @@ def test_small_chunks_deliver_updates_exactly_and_set_the_framing() -> None:
             "gossip.max_staleness": 0,
         }
         peers = harness_start_peers(2, overrides, widths=widths)
-        try:
-            d0 = float((peers[0].flat.data - peers[1].flat.data).norm())
-            run_rounds(peers, 12)
-            quiesce(peers)
-            assert assert_mirrors_exact(peers) == 2
-            assert float((peers[0].flat.data - peers[1].flat.data).norm()) < d0 / 100
-            sent, received, pushes = _update_traffic(peers[0], peers[1])
-        finally:
-            close_all(peers)
+        d0 = float((peers[0].flat.data - peers[1].flat.data).norm())
+        run_rounds(peers, 12)
+        quiesce(peers)
+        assert assert_mirrors_exact(peers) == 2
+        assert float((peers[0].flat.data - peers[1].flat.data).norm()) < d0 / 100
+        sent, received, pushes = _update_traffic(peers[0], peers[1])
         assert pushes > 0 and received > 0
         figures[chunk] = (sent - received) / pushes  # framing bytes per push
     nbytes = widths[0] * widths[1] + widths[1] + widths[1] * widths[2] + widths[2]
@@ -165,25 +161,18 @@ def test_peers_reach_a_peer_at_the_address_it_advertises() -> None:
         bound.append(f"127.0.0.1:{p1.server.port}")
         p2 = start_peer("p2", [p0.address], seed=3)
         peers = [p0, p1, p2]
-        try:
-            wait_for(
-                lambda: all(len(p.membership.present_ids()) == 3 for p in peers), 20, "membership"
-            )
-            assert p1.address == advertised
-            assert p0.membership.address_of("p1") == p2.membership.address_of("p1") == advertised
-            run_rounds(peers, 5)
-            quiesce(peers)
-            assert assert_mirrors_exact(peers) == 6
-            for other in ("p0", "p2"):
-                assert (
-                    sample(
-                        p1, "gossipgrad_received_bytes_total", {"neighbor": other, "kind": "update"}
-                    )
-                    > 0
-                ), other
-            stats = relay.stats()
-        finally:
-            close_all(peers)
+        wait_for(lambda: all(len(p.membership.present_ids()) == 3 for p in peers), 20, "membership")
+        assert p1.address == advertised
+        assert p0.membership.address_of("p1") == p2.membership.address_of("p1") == advertised
+        run_rounds(peers, 5)
+        quiesce(peers)
+        assert assert_mirrors_exact(peers) == 6
+        for other in ("p0", "p2"):
+            assert (
+                sample(p1, "gossipgrad_received_bytes_total", {"neighbor": other, "kind": "update"})
+                > 0
+            ), other
+        stats = relay.stats()
     # One connection per dialling peer at least (bulk and heartbeat channels), carrying all of
     # p1's incoming traffic: nobody reached it at the address it binds.
     assert stats["connections"] >= 2, stats
@@ -213,22 +202,19 @@ def test_swarm_token_from_the_environment_admits_members_and_refuses_others(
     monkeypatch.delenv("GOSSIPGRAD_TOKEN")
     missing = start_peer("missing", [p0.address], seed=4)
     members = [p0, p1]
-    try:
-        wait_for(lambda: all(len(p.membership.present_ids()) == 2 for p in members), 20, "p0+p1")
-        wait_for(lambda: rejected(p0, "unauthenticated") >= 4, 20, "refused heartbeats")
-        run_rounds(members, 4)
-        quiesce(members)
-        assert assert_mirrors_exact(members) == 2
-        # The outsiders never got in, and they know nobody either.
-        for p in (p0, p1):
-            assert set(p.membership.present_ids()) == {"p0", "p1"}
-        assert wrong.membership.present_ids() == ["wrong"]
-        assert missing.membership.present_ids() == ["missing"]
-        # The members did not refuse each other.
-        assert rejected(p1, "unauthenticated") == 0
-        print(f"p0 refused {rejected(p0, 'unauthenticated'):.0f} calls without the token")
-    finally:
-        close_all([*members, wrong, missing])
+    wait_for(lambda: all(len(p.membership.present_ids()) == 2 for p in members), 20, "p0+p1")
+    wait_for(lambda: rejected(p0, "unauthenticated") >= 4, 20, "refused heartbeats")
+    run_rounds(members, 4)
+    quiesce(members)
+    assert assert_mirrors_exact(members) == 2
+    # The outsiders never got in, and they know nobody either.
+    for p in (p0, p1):
+        assert set(p.membership.present_ids()) == {"p0", "p1"}
+    assert wrong.membership.present_ids() == ["wrong"]
+    assert missing.membership.present_ids() == ["missing"]
+    # The members did not refuse each other.
+    assert rejected(p1, "unauthenticated") == 0
+    print(f"p0 refused {rejected(p0, 'unauthenticated'):.0f} calls without the token")
 
 
 # --- security.max_streams_per_peer -----------------------------------------------------------

@@ -12,12 +12,9 @@ from gossipgrad.experiment.report import save_report
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture
-def bench(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+def bench(scripts_on_path: None):
     return importlib.import_module("bench_suite")
 
 

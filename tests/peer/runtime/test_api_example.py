@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from gossipgrad.peer import GossipOptimizer, build_config
+from support import ROOT
 from torch import nn
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "own_loop.py"
+EXAMPLE = ROOT / "examples" / "own_loop.py"
 
 
 def launch(args: list[str], log: Path, example: Path = EXAMPLE) -> subprocess.Popen:

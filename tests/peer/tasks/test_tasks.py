@@ -33,9 +33,9 @@ from gossipgrad.peer.tasks.sharding import balanced_groups, dirichlet_partition,
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from support import ROOT
 
-TESTS_DIR = Path(__file__).parent
-FETCH_SCRIPT = TESTS_DIR.parent / "scripts" / "fetch_data.sh"
+FETCH_SCRIPT = ROOT / "scripts" / "fetch_data.sh"
 
 
 def _available(load) -> bool:
@@ -54,13 +54,6 @@ needs_shakespeare = pytest.mark.skipif(
     not _available(load_shakespeare),
     reason="Shakespeare texts absent (scripts/fetch_data.sh caches them)",
 )
-
-
-@pytest.fixture
-def user_tasks_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(TESTS_DIR))
-    yield
-    sys.modules.pop("support.tiny_user_task", None)
 
 
 def _ctx(**kw) -> TaskContext:
@@ -273,7 +266,7 @@ def test_train_centralized_learns_and_zero_steps_is_chance() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.usefixtures("user_tasks_on_path")
+@pytest.mark.usefixtures("support_on_path")
 def test_user_task_module_factory() -> None:
     tasks = [build_task("support.tiny_user_task:make_task", _ctx(peer_index=i)) for i in range(4)]
     assert sum(t.num_train_samples for t in tasks) == 400
@@ -296,7 +289,7 @@ def test_user_task_module_factory() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.usefixtures("user_tasks_on_path")
+@pytest.mark.usefixtures("support_on_path")
 def test_user_task_map_style_dataset_and_errors() -> None:
     # Dirichlet labels come from the dataset's .targets; shards still cover the data.
     skewed = [

@@ -24,10 +24,10 @@ from gossipgrad.peer.records import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import ROOT
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parents[1]
 SUMMARY = {
     "id": "peer0", "task": "digits", "steps": 300, "rounds": 300, "metric": "accuracy",
     "higher_is_better": True, "final": {"accuracy": 0.96, "loss": 0.12}, "train_loss": 0.05,

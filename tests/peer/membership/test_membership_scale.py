@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from gossipgrad.peer.algorithms.neighbours import neighbours_in
@@ -29,6 +28,7 @@ from gossipgrad.peer.membership import DEAD, Membership, topology_from_name
 from gossipgrad.peer.membership.heartbeats import death_agreed_within
 from gossipgrad.peer.network import GossipServer, PeerClient, TransportOptions
 from gossipgrad.proto import gossip_pb2 as pb
+from support import ROOT
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -278,7 +278,7 @@ def test_bench_membership_counts_the_heartbeats_of_real_peer_processes(tmp_path)
     """scripts/bench_membership.py at 2 and 3 peers: every peer is a neighbour of every other
     there, so each sends n - 1 heartbeats per 0.5 s interval (fewer if the machine is slow)."""
     out = tmp_path / "rows.json"
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_membership.py"
+    script = ROOT / "scripts" / "bench_membership.py"
     proc = subprocess.run(
         [sys.executable, str(script), "--sizes", "2,3", "--seconds", "4", "--settle", "1",
          "--label", "t", "--out", str(out), "--run-dir", str(tmp_path / "run")],

@@ -43,8 +43,8 @@ from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as openmetrics_families,
 )
 from prometheus_client.parser import text_string_to_metric_families
+from support import ROOT, TESTS
 
-ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD_DIR = ROOT / "grafana" / "dashboards"
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
@@ -135,7 +135,7 @@ def start_fake_swarm(tmp: Path, n: int = 3, timeout: float = 30.0) -> Swarm:
             neighbors = sorted({ids[(i - 1) % n], ids[(i + 1) % n]} - {pid})
             cmd = [
                 sys.executable,
-                str(Path(__file__).parent / "support" / "fake_metrics_peer.py"),
+                str(TESTS / "support" / "fake_metrics_peer.py"),
                 f"--id={pid}",
                 f"--neighbors={','.join(neighbors)}",
                 f"--seed={i}",

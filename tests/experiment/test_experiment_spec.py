@@ -29,9 +29,9 @@ from gossipgrad.experiment.spec import (
 from gossipgrad.peer.records import PeerStatus, write_record
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import ROOT
 from support.experiment import png_size
 
-ROOT = Path(__file__).resolve().parents[1]
 SPECS = sorted((ROOT / "scripts" / "experiments").glob("*.toml"))
 
 

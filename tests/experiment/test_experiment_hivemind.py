@@ -15,11 +15,11 @@ import pytest
 from gossipgrad.experiment.baselines import HIVEMIND_VENV
 from gossipgrad.experiment.report import load_report
 from gossipgrad.experiment.spec import SpecError, parse_spec
+from support import ROOT
 from support.experiment import processes_mentioning
 
 pytestmark = pytest.mark.timeout(300)
 
-ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "scripts" / "experiments" / "digits-small.toml"
 HAVE_HIVEMIND = (HIVEMIND_VENV / "bin" / "python").exists()
 

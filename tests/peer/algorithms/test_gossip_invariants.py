@@ -19,7 +19,6 @@ from gossipgrad.peer.runtime.node import Peer
 from gossipgrad.proto import gossip_pb2 as pb
 from support.peers import (
     assert_mirrors_exact,
-    close_all,
     distance,
     quiesce,
     run_rounds,
@@ -88,15 +87,12 @@ def rounds_until(peers: list[Peer], done, timeout: float, end: bool = True) -> N
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_both_ends_mix_the_same_copies_under_either_staleness(staleness: int) -> None:
     peers = start_peers(4, {**GOSSIP, "gossip.max_staleness": staleness})
-    try:
-        m0, d0 = mean(peers), distance(peers)
-        run_rounds(peers, 20)
-        quiesce(peers)
-        assert assert_mirrors_exact(peers) == 8
-        assert distance(peers) < d0 / 5
-        assert_average_kept(peers, m0, d0)
-    finally:
-        close_all(peers)
+    m0, d0 = mean(peers), distance(peers)
+    run_rounds(peers, 20)
+    quiesce(peers)
+    assert assert_mirrors_exact(peers) == 8
+    assert distance(peers) < d0 / 5
+    assert_average_kept(peers, m0, d0)
 
 
 def test_edge_reset_at_one_end_only_opens_a_new_session_at_both() -> None:
@@ -104,21 +100,18 @@ def test_edge_reset_at_one_end_only_opens_a_new_session_at_both() -> None:
     suspected p0 and kept it. p0's fresh edge must not be taken for the old stream."""
     peers = start_peers(2, GOSSIP)
     p0, p1 = peers
-    try:
-        run_rounds(peers, 8)
-        quiesce(peers)
-        old = p1.algorithm.edges["p0"].epoch
-        p0.algorithm.prune({"p0"})  # as p0's membership does for a dead peer
-        assert "p1" not in p0.algorithm.edges
-        m0, d0 = mean(peers), distance(peers)
-        run_rounds(peers, 8)
-        quiesce(peers)
-        assert p1.algorithm.edges["p0"].epoch != old  # a new session at both ends
-        assert assert_mirrors_exact(peers) == 2
-        assert p1.algorithm.edges["p0"].mixed > 3  # and the edge mixes again
-        assert_average_kept(peers, m0, d0)
-    finally:
-        close_all(peers)
+    run_rounds(peers, 8)
+    quiesce(peers)
+    old = p1.algorithm.edges["p0"].epoch
+    p0.algorithm.prune({"p0"})  # as p0's membership does for a dead peer
+    assert "p1" not in p0.algorithm.edges
+    m0, d0 = mean(peers), distance(peers)
+    run_rounds(peers, 8)
+    quiesce(peers)
+    assert p1.algorithm.edges["p0"].epoch != old  # a new session at both ends
+    assert assert_mirrors_exact(peers) == 2
+    assert p1.algorithm.edges["p0"].mixed > 3  # and the edge mixes again
+    assert_average_kept(peers, m0, d0)
 
 
 def test_a_follower_that_pruned_the_edge_gets_a_new_session() -> None:
@@ -129,26 +122,23 @@ def test_a_follower_that_pruned_the_edge_gets_a_new_session() -> None:
     the leader a whole round_timeout every few rounds, for the rest of the run)."""
     peers = start_peers(2, {**GOSSIP, "gossip.round_timeout": 1.0})
     p0, p1 = peers  # p0 leads the edge
-    try:
-        # p0 alone opens the session (a RESYNC: these peers differ from the start), p1 takes
-        # it: p0 now waits for p1's answer.
-        for _ in range(5):
-            p0.algorithm.step_round()
-            quiesce(peers)
-            if p1.algorithm.edges["p0"].received > p1.algorithm.edges["p0"].mixed:
-                break
-        old = p0.algorithm.edges["p1"].epoch
-        assert p1.algorithm.edges["p0"].epoch == old
-        p1.algorithm.prune({"p1"})  # as p1's membership does before it knows p0
-        assert "p0" not in p1.algorithm.edges
-        waits = [stats.waited_s for stats in run_rounds(peers, 12, timeout=60)]
+    # p0 alone opens the session (a RESYNC: these peers differ from the start), p1 takes
+    # it: p0 now waits for p1's answer.
+    for _ in range(5):
+        p0.algorithm.step_round()
         quiesce(peers)
-        assert p0.algorithm.edges["p1"].epoch != old  # a new session at both ends
-        assert p1.algorithm.edges["p0"].mixed > 8, p1.algorithm.edges["p0"]
-        assert max(waits) < 1.0, f"a round waited out its whole timeout: {waits}"
-        assert assert_mirrors_exact(peers) == 2
-    finally:
-        close_all(peers)
+        if p1.algorithm.edges["p0"].received > p1.algorithm.edges["p0"].mixed:
+            break
+    old = p0.algorithm.edges["p1"].epoch
+    assert p1.algorithm.edges["p0"].epoch == old
+    p1.algorithm.prune({"p1"})  # as p1's membership does before it knows p0
+    assert "p0" not in p1.algorithm.edges
+    waits = [stats.waited_s for stats in run_rounds(peers, 12, timeout=60)]
+    quiesce(peers)
+    assert p0.algorithm.edges["p1"].epoch != old  # a new session at both ends
+    assert p1.algorithm.edges["p0"].mixed > 8, p1.algorithm.edges["p0"]
+    assert max(waits) < 1.0, f"a round waited out its whole timeout: {waits}"
+    assert assert_mirrors_exact(peers) == 2
 
 
 class FailingSender:
@@ -175,18 +165,15 @@ class FailingSender:
 )
 def test_a_failed_push_is_retried_and_never_mixed(code: grpc.StatusCode) -> None:
     peers = start_peers(3, GOSSIP)
-    try:
-        peers[0].neighbourhood.sender = FailingSender(peers[0].neighbourhood.sender, code)
-        m0, d0 = mean(peers), distance(peers)
-        run_rounds(peers, 12)
-        quiesce(peers)
-        assert peers[0].neighbourhood.sender.n > 4
-        assert assert_mirrors_exact(peers) == 6
-        assert_average_kept(peers, m0, d0)
-        edge = peers[0].algorithm.edges["p1"]
-        assert edge.restarts <= 1  # the opening only: a retry needs no resync
-    finally:
-        close_all(peers)
+    peers[0].neighbourhood.sender = FailingSender(peers[0].neighbourhood.sender, code)
+    m0, d0 = mean(peers), distance(peers)
+    run_rounds(peers, 12)
+    quiesce(peers)
+    assert peers[0].neighbourhood.sender.n > 4
+    assert assert_mirrors_exact(peers) == 6
+    assert_average_kept(peers, m0, d0)
+    edge = peers[0].algorithm.edges["p1"]
+    assert edge.restarts <= 1  # the opening only: a retry needs no resync
 
 
 def test_peers_that_disagree_on_the_topology_never_mix_one_sidedly() -> None:
@@ -195,18 +182,15 @@ def test_peers_that_disagree_on_the_topology_never_mix_one_sidedly() -> None:
     peers = [start_peer("p0", [], 100, {**GOSSIP, "gossip.topology": "full"})]
     for i in range(1, 4):
         peers.append(start_peer(f"p{i}", [peers[0].address], 100 + i, GOSSIP))
-    try:
-        wait_until_met(peers)
-        m0, d0 = mean(peers), distance(peers)
-        run_rounds(peers, 15)
-        quiesce(peers)
-        assert distance(peers) < d0
-        assert_average_kept(peers, m0, d0)
-        edge = peers[0].algorithm.edges.get("p2")
-        assert edge is not None and edge.sent > 0  # p0 did send to p2
-        assert edge.weight() == 0.0  # ... and p2 refused to mix it, so p0 did not either
-    finally:
-        close_all(peers)
+    wait_until_met(peers)
+    m0, d0 = mean(peers), distance(peers)
+    run_rounds(peers, 15)
+    quiesce(peers)
+    assert distance(peers) < d0
+    assert_average_kept(peers, m0, d0)
+    edge = peers[0].algorithm.edges.get("p2")
+    assert edge is not None and edge.sent > 0  # p0 did send to p2
+    assert edge.weight() == 0.0  # ... and p2 refused to mix it, so p0 did not either
 
 
 def test_a_peer_that_ran_ahead_is_caught_up_with_not_mixed_one_sidedly() -> None:
@@ -214,22 +198,19 @@ def test_a_peer_that_ran_ahead_is_caught_up_with_not_mixed_one_sidedly() -> None
     hold p1's updates or mix stale copies."""
     peers = start_peers(2, {**GOSSIP, "gossip.round_timeout": 0.5})
     p0, p1 = peers
-    try:
-        m0, d0 = mean(peers), distance(peers)
-        ahead = threading.Thread(target=lambda: [p0.algorithm.step_round() for _ in range(10)])
-        ahead.start()
-        ahead.join(30)
-        assert p0.algorithm.round == 10 and p1.algorithm.round == 0
-        # p0 may run through its rounds before p1's first update lifts the "lagging" mark (a
-        # known limit, it trains alone meanwhile); what must hold is that nothing is mixed
-        # one-sidedly and the edge mixes again.
-        run_rounds(peers, 30)
-        quiesce(peers)
-        assert_symmetric(peers)
-        assert_average_kept(peers, m0, d0)
-        assert p0.algorithm.edges["p1"].mixed >= 1
-    finally:
-        close_all(peers)
+    m0, d0 = mean(peers), distance(peers)
+    ahead = threading.Thread(target=lambda: [p0.algorithm.step_round() for _ in range(10)])
+    ahead.start()
+    ahead.join(30)
+    assert p0.algorithm.round == 10 and p1.algorithm.round == 0
+    # p0 may run through its rounds before p1's first update lifts the "lagging" mark (a
+    # known limit, it trains alone meanwhile); what must hold is that nothing is mixed
+    # one-sidedly and the edge mixes again.
+    run_rounds(peers, 30)
+    quiesce(peers)
+    assert_symmetric(peers)
+    assert_average_kept(peers, m0, d0)
+    assert p0.algorithm.edges["p1"].mixed >= 1
 
 
 def test_model_larger_than_the_payload_cap_is_a_clear_error() -> None:
@@ -240,23 +221,20 @@ def test_model_larger_than_the_payload_cap_is_a_clear_error() -> None:
 def test_a_failing_heartbeat_round_does_not_stop_heartbeats() -> None:
     p0 = start_peer("p0", [], 1, GOSSIP)
     p1 = start_peer("p1", [p0.address], 2, GOSSIP)
-    try:
-        wait_until_met([p0, p1])
-        calls = {"n": 0}
-        real = p1.membership._near
+    wait_until_met([p0, p1])
+    calls = {"n": 0}
+    real = p1.membership._near
 
-        def broken_once(ids):
-            calls["n"] += 1
-            if calls["n"] == 1:
-                raise RuntimeError("injected")
-            return real(ids)
+    def broken_once(ids):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected")
+        return real(ids)
 
-        p1.membership._near = broken_once
-        time.sleep(1.0)
-        assert calls["n"] > 2  # the loop went on after the exception
-        assert p0.membership.is_alive("p1") and p1.membership.is_alive("p0")
-    finally:
-        close_all([p0, p1])
+    p1.membership._near = broken_once
+    time.sleep(1.0)
+    assert calls["n"] > 2  # the loop went on after the exception
+    assert p0.membership.is_alive("p1") and p1.membership.is_alive("p0")
 
 
 def test_a_dense_resync_slower_than_the_push_deadline_gets_through() -> None:
@@ -289,19 +267,16 @@ def test_a_dense_resync_slower_than_the_push_deadline_gets_through() -> None:
         p1 = start_peer("p1", [p0.address], 2, slow, widths)
         upstream.append(p1.address)
         peers = [p0, p1]
-        try:
-            wait_until_met(peers, timeout=30.0)
-            m0, d0 = mean(peers), distance(peers)
-            rounds_until(peers, lambda: mixed(p0, "p1") >= 3, timeout=60.0)
-            quiesce(peers, timeout=30.0)
-            edge = p0.algorithm.edges["p1"]
-            assert edge.mixed >= 3, (edge.mixed, edge.sent, edge.acked, edge.timeouts)
-            assert edge.timeouts == 0  # the deadline went back to one push_timeout
-            assert_symmetric(peers)
-            assert_average_kept(peers, m0, d0)
-            assert distance(peers) < 0.5 * d0
-        finally:
-            close_all(peers)
+        wait_until_met(peers, timeout=30.0)
+        m0, d0 = mean(peers), distance(peers)
+        rounds_until(peers, lambda: mixed(p0, "p1") >= 3, timeout=60.0)
+        quiesce(peers, timeout=30.0)
+        edge = p0.algorithm.edges["p1"]
+        assert edge.mixed >= 3, (edge.mixed, edge.sent, edge.acked, edge.timeouts)
+        assert edge.timeouts == 0  # the deadline went back to one push_timeout
+        assert_symmetric(peers)
+        assert_average_kept(peers, m0, d0)
+        assert distance(peers) < 0.5 * d0
 
 
 def test_an_exchange_left_open_at_the_end_is_never_mixed_at_one_end() -> None:
@@ -310,18 +285,15 @@ def test_an_exchange_left_open_at_the_end_is_never_mixed_at_one_end() -> None:
     mix (p0 would then mix it alone, moving the swarm's average)."""
     peers = start_peers(2, {**GOSSIP, "gossip.round_timeout": 0.5})
     p0, p1 = peers
-    try:
-        m0, d0 = mean(peers), distance(peers)
-        rounds_until(peers, lambda: min(mixed(p0, "p1"), mixed(p1, "p0")) >= 2, 30.0, end=False)
-        quiesce(peers)
-        p1.algorithm.step_round()  # exchange k opened by p1; p0 does not answer yet
-        p1.algorithm.finish()  # gives up after its bounded wait
-        p0.algorithm.step_round()  # p0 opens exchange k now
-        p0.algorithm.finish()
-        quiesce(peers)
-        assert_average_kept(peers, m0, d0)
-    finally:
-        close_all(peers)
+    m0, d0 = mean(peers), distance(peers)
+    rounds_until(peers, lambda: min(mixed(p0, "p1"), mixed(p1, "p0")) >= 2, 30.0, end=False)
+    quiesce(peers)
+    p1.algorithm.step_round()  # exchange k opened by p1; p0 does not answer yet
+    p1.algorithm.finish()  # gives up after its bounded wait
+    p0.algorithm.step_round()  # p0 opens exchange k now
+    p0.algorithm.finish()
+    quiesce(peers)
+    assert_average_kept(peers, m0, d0)
 
 
 def sent_total(peer: Peer) -> float:
@@ -336,32 +308,27 @@ def sent_total(peer: Peer) -> float:
 def test_a_departed_neighbour_leaves_no_edge_series_or_channel_and_totals_never_drop() -> None:
     fast = {**GOSSIP, "membership.suspect_after": 0.5, "membership.dead_after": 1.0}
     peers = start_peers(3, fast)
-    try:
-        run_rounds(peers, 3)
-        quiesce(peers)
-        p0 = peers[0]
-        assert "p2" in p0.metrics.neighbor_ids and "p2" in p0.algorithm.edges
-        before = sent_total(p0)
-        gone = peers[2].address
-        assert gone in p0.clients.addresses()
-        peers[2].close()
-        deadline = time.monotonic() + 20.0
-        while "p2" in p0.membership.present_ids():
-            assert time.monotonic() < deadline, "p2 was never declared dead"
-            time.sleep(0.1)
-        time.sleep(0.3)  # the membership-change hook runs right after
-        assert "p2" not in p0.algorithm.edges
-        assert "p2" not in p0.metrics.neighbor_ids
-        labels = {
-            s.labels.get("neighbor")
-            for metric in p0.metrics.registry.collect()
-            for s in metric.samples
-        }
-        assert "p2" not in labels
-        assert gone not in p0.clients.addresses()  # its channel is closed
-        assert sent_total(p0) >= before
-    finally:
-        close_all(peers[:2])
+    run_rounds(peers, 3)
+    quiesce(peers)
+    p0 = peers[0]
+    assert "p2" in p0.metrics.neighbor_ids and "p2" in p0.algorithm.edges
+    before = sent_total(p0)
+    gone = peers[2].address
+    assert gone in p0.clients.addresses()
+    peers[2].close()
+    deadline = time.monotonic() + 20.0
+    while "p2" in p0.membership.present_ids():
+        assert time.monotonic() < deadline, "p2 was never declared dead"
+        time.sleep(0.1)
+    time.sleep(0.3)  # the membership-change hook runs right after
+    assert "p2" not in p0.algorithm.edges
+    assert "p2" not in p0.metrics.neighbor_ids
+    labels = {
+        s.labels.get("neighbor") for metric in p0.metrics.registry.collect() for s in metric.samples
+    }
+    assert "p2" not in labels
+    assert gone not in p0.clients.addresses()  # its channel is closed
+    assert sent_total(p0) >= before
 
 
 def test_a_peer_whose_neighbours_are_only_suspect_waits_rather_than_trains_alone() -> None:

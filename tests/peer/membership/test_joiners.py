@@ -37,7 +37,7 @@ from gossipgrad.peer.runtime.node import Peer, transport_options
 from gossipgrad.proto import gossip_pb2 as pb
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.peers import FAST_MEMBERSHIP, close_all, rejected, start_peer, wait_until_met
+from support.peers import FAST_MEMBERSHIP, rejected, start_peer, started, wait_until_met
 from support.swarms import BASE, served_states
 from torch import nn
 
@@ -72,8 +72,7 @@ def start_donor(pid: str, bootstrap: list[str], step: int, blob: bytes, **overri
             **overrides,
         },
     )
-    peer = Peer(cfg, flat, state_source=lambda: (step, 0, blob))
-    peer.start()
+    peer = started(Peer(cfg, flat, state_source=lambda: (step, 0, blob)))
     peer.update_progress(step, 0)
     return peer
 
@@ -81,9 +80,7 @@ def start_donor(pid: str, bootstrap: list[str], step: int, blob: bytes, **overri
 def start_joiner(bootstrap: list[str]) -> Peer:
     torch.manual_seed(1)
     cfg = build_config({}, {"peer.id": "joiner", "peer.bootstrap": bootstrap, **FAST_MEMBERSHIP})
-    peer = Peer(cfg, FlatParameters(nn.Linear(16, 4)))
-    peer.start()
-    return peer
+    return started(Peer(cfg, FlatParameters(nn.Linear(16, 4))))
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:
@@ -197,7 +194,6 @@ def test_a_busy_donor_makes_the_joiner_take_another_and_the_rate_limit_holds() -
         assert header.sender == "a" and bytes(blob) == blob_a
     finally:
         holder.join(30)
-        close_all(peers)
 
 
 @pytest.mark.timeout(60)
@@ -233,7 +229,6 @@ def test_no_donor_serving_within_patience_is_an_error_naming_it() -> None:
         assert joiner.download_state(min_step=101, patience=1.0) is None
     finally:
         holder.join(30)
-        close_all([a, joiner])
 
 
 # --------------------------------------------------------------------------- bootstrap
@@ -244,11 +239,8 @@ def test_find_swarm_skips_a_dead_bootstrap_address() -> None:
     with dead_addresses(1) as dead:
         first = start_peer("p0", [], seed=0)
         joiner = start_peer("joiner", [*dead, first.address], seed=1)
-        try:
-            find_swarm(joiner.membership, timeout=20)
-            assert "p0" in joiner.membership.present_ids()
-        finally:
-            close_all([first, joiner])
+        find_swarm(joiner.membership, timeout=20)
+        assert "p0" in joiner.membership.present_ids()
 
 
 @pytest.mark.timeout(60)

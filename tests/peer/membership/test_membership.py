@@ -7,7 +7,7 @@ import time
 
 import pytest
 from gossipgrad.proto import gossip_pb2 as pb
-from support.peers import close_all, start_peer, start_peers, wait_until_met
+from support.peers import start_peer, start_peers, wait_until_met
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,42 +29,39 @@ def record_requests(peer) -> list[pb.HeartbeatRequest]:
 
 def test_steady_heartbeats_carry_no_peer_list_and_a_joiner_still_spreads() -> None:
     peers = start_peers(4)
-    try:
+    digests = {p.membership.view_digest() for p in peers}
+    deadline = time.monotonic() + 10
+    while len(digests) != 1:  # views converge (same members, incarnations, flags)
+        assert time.monotonic() < deadline, "views did not converge"
+        time.sleep(0.05)
         digests = {p.membership.view_digest() for p in peers}
-        deadline = time.monotonic() + 10
-        while len(digests) != 1:  # views converge (same members, incarnations, flags)
-            assert time.monotonic() < deadline, "views did not converge"
-            time.sleep(0.05)
-            digests = {p.membership.view_digest() for p in peers}
-        (view,) = digests
-        seen = record_requests(peers[1])
-        time.sleep(1.0)  # ~10 heartbeat intervals
-        assert len(seen) >= 10
-        assert all(r.view_digest == view for r in seen)
-        # At most one list per other peer (whose digest p1 had not heard since the views met),
-        # then none at all.
-        assert sum(len(r.known) > 0 for r in seen) <= 3
-        assert all(len(r.known) == 0 for r in seen[len(seen) // 2 :])
+    (view,) = digests
+    seen = record_requests(peers[1])
+    time.sleep(1.0)  # ~10 heartbeat intervals
+    assert len(seen) >= 10
+    assert all(r.view_digest == view for r in seen)
+    # At most one list per other peer (whose digest p1 had not heard since the views met),
+    # then none at all.
+    assert sum(len(r.known) > 0 for r in seen) <= 3
+    assert all(len(r.known) == 0 for r in seen[len(seen) // 2 :])
 
-        # Server side: a matching digest gets no list back, an unknown one (0) the whole view.
-        client = peers[1].clients.get(peers[2].address)
-        me = peers[1].membership.me
-        digest = peers[2].membership.view_digest()
-        same = client.heartbeat(pb.HeartbeatRequest(swarm="gossipgrad", sender=me,
-                                                    view_digest=digest))  # fmt: skip
-        assert len(same.known) == 0 and same.view_digest == digest
-        fresh = client.heartbeat(pb.HeartbeatRequest(swarm="gossipgrad", sender=me))
-        assert sorted(i.id for i in fresh.known) == ["p0", "p1", "p2", "p3"]
+    # Server side: a matching digest gets no list back, an unknown one (0) the whole view.
+    client = peers[1].clients.get(peers[2].address)
+    me = peers[1].membership.me
+    digest = peers[2].membership.view_digest()
+    same = client.heartbeat(pb.HeartbeatRequest(swarm="gossipgrad", sender=me,
+                                                view_digest=digest))  # fmt: skip
+    assert len(same.known) == 0 and same.view_digest == digest
+    fresh = client.heartbeat(pb.HeartbeatRequest(swarm="gossipgrad", sender=me))
+    assert sorted(i.id for i in fresh.known) == ["p0", "p1", "p2", "p3"]
 
-        # A fifth peer knows only p0: views differ again, lists flow, all five meet.
-        peers.append(start_peer("p4", [peers[0].address], 104))
-        wait_until_met(peers)
-        deadline = time.monotonic() + 10
-        while len({p.membership.view_digest() for p in peers}) != 1:
-            assert time.monotonic() < deadline, "views did not converge after the join"
-            time.sleep(0.05)
-    finally:
-        close_all(peers)
+    # A fifth peer knows only p0: views differ again, lists flow, all five meet.
+    peers.append(start_peer("p4", [peers[0].address], 104))
+    wait_until_met(peers)
+    deadline = time.monotonic() + 10
+    while len({p.membership.view_digest() for p in peers}) != 1:
+        assert time.monotonic() < deadline, "views did not converge after the join"
+        time.sleep(0.05)
 
 
 def test_every_state_change_reaches_the_owner_so_the_peers_gauge_never_goes_stale() -> None:

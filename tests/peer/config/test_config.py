@@ -14,9 +14,9 @@ from gossipgrad.peer.config import (
     load_config,
     markdown_reference,
 )
+from support import ROOT
 
 pytestmark = pytest.mark.timeout(60)
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_defaults_are_valid_and_documented() -> None:
@@ -120,7 +120,7 @@ def test_both_tools_take_both_list_spellings(spelling: str, capsys) -> None:
     printed = json.loads(capsys.readouterr().out)
     assert printed["peer"]["bootstrap"] == ["127.0.0.1:7001", "127.0.0.1:7002"]
 
-    spec_file = Path(__file__).parent.parent / "scripts" / "experiments" / "digits-small.toml"
+    spec_file = ROOT / "scripts" / "experiments" / "digits-small.toml"
     raw = tomllib.loads(spec_file.read_text())
     runs = spelling.replace("A", "ddp").replace("B", "powersgd")
     spec = parse_spec(apply_overrides(raw, [f"baselines.run={runs}"]), spec_file)

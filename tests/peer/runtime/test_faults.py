@@ -1,8 +1,8 @@
 """Faults with real processes: crashes during checkpoints, a full or read-only disk.
 
 Each test states what must hold and checks it. (A peer SIGKILLed mid-round is covered by
-tests/test_swarm.py::test_killed_peer_others_go_on_and_it_resumes_from_checkpoint; network
-faults -- partition, slow and flapping links -- are in tests/test_faults_net.py.)
+tests/peer/runtime/test_swarm.py::test_killed_peer_others_go_on_and_it_resumes_from_checkpoint;
+network faults -- partition, slow and flapping links -- are in tests/experiment/test_faults_net.py.)
 """
 
 from __future__ import annotations

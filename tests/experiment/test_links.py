@@ -31,6 +31,7 @@ from gossipgrad.experiment.links import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import ROOT
 
 PING = 32
 
@@ -409,13 +410,11 @@ def test_release_law_in_order_no_earlier_than_the_rate_allows(reads, rate, delay
 
 
 def test_dry_run_plans_relays_and_dial_maps(tmp_path) -> None:
-    from pathlib import Path
 
     from gossipgrad.experiment.runner import Experiment
     from gossipgrad.experiment.spec import load_spec
 
-    root = Path(__file__).resolve().parents[1]
-    spec = load_spec(root / "scripts" / "experiments" / "digits-wan-local.toml")
+    spec = load_spec(ROOT / "scripts" / "experiments" / "digits-wan-local.toml")
     assert spec.network.uses_relay(spec.experiment.mode)
     lines = Experiment(spec, tmp_path / "run").plan()
     assert any(line.startswith("links: 12 user-space relays") for line in lines)

@@ -10,7 +10,6 @@ import json
 import re
 import socket
 import urllib.request
-from pathlib import Path
 
 import pytest
 from gossipgrad.peer.metrics import (
@@ -25,8 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
-
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
 
 # The metric families the brief asks for, with their label names (the peer id is a target
 # label added by Prometheus, never a metric label).
@@ -364,8 +362,8 @@ def dashboard_exprs(dash: dict) -> list[str]:
 
 
 @pytest.mark.timeout(60)
-def test_committed_dashboards_equal_the_generator_output(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # it imports scripts/dashboards/
+@pytest.mark.usefixtures("scripts_on_path")  # make_dashboards imports scripts/dashboards/
+def test_committed_dashboards_equal_the_generator_output() -> None:
     gen = load_script("make_dashboards")
     built = gen.build_dashboards()
     assert sorted(built) == sorted(p.name for p in DASHBOARD_DIR.glob("*.json"))

@@ -15,7 +15,6 @@ from gossipgrad.experiment.launch import LocalSwarm
 from gossipgrad.experiment.swarm import summarize
 from gossipgrad.peer.tasks import TaskContext, train_centralized
 
-TESTS = Path(__file__).resolve().parent
 PEERS, STEPS, BATCH = 3, 150, 16
 BASE = {
     "train.task": "support.tiny_lm_task:make_task",
@@ -53,8 +52,8 @@ def run(out: Path, alone: bool) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_diloco_swarm_trains_a_transformer_near_centralized(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("PYTHONPATH", str(TESTS))  # the peers import support.tiny_lm_task
+@pytest.mark.usefixtures("support_on_path")  # the peers import support.tiny_lm_task
+def test_diloco_swarm_trains_a_transformer_near_centralized(tmp_path: Path) -> None:
     central = train_centralized(
         "support.tiny_lm_task:make_task",
         STEPS,

@@ -18,9 +18,9 @@ from gossipgrad.experiment import netns
 from gossipgrad.experiment.report import load_report
 from gossipgrad.experiment.spec import NetworkSection
 from gossipgrad.peer.records import PeerStatus, read_record
+from support import ROOT
 from support.experiment import processes_mentioning
 
-ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "scripts" / "experiments" / "digits-small.toml"
 
 pytestmark = pytest.mark.skipif(
