@@ -12,15 +12,17 @@ from collections.abc import Iterator
 
 import pytest
 from support import ROOT, TESTS
-from support.peers import close_started
+from support.peers import close_started, started_count
 
 
 @pytest.fixture(autouse=True)
 def _close_started_peers() -> Iterator[None]:
     """In-process peers a test started through ``support.peers`` are closed after it, passed
-    or failed, so no gRPC server or thread outlives the test that made it."""
+    or failed, so no gRPC server or thread outlives the test that made it. Fixtures of a wider
+    scope are set up before this one, so their peers come before the mark and stay open."""
+    mark = started_count()
     yield
-    close_started()
+    close_started(mark)
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ from gossipgrad.peer.runtime.node import Peer
 from torch import nn
 
 _STARTED: list[Peer] = []
-"""Every peer started here and not yet closed by ``close_started`` (the ``tests/conftest.py``
-fixture closes them after each test, passed or failed)."""
+"""Every peer started here, in order (the ``tests/conftest.py`` fixture closes those a test
+started after it, passed or failed; a module-scoped fixture's peers are its own to close)."""
 
 
 def started(peer: Peer) -> Peer:
@@ -29,9 +29,14 @@ def started(peer: Peer) -> Peer:
     return peer
 
 
-def close_started() -> None:
-    """Close every peer ``started`` since the last call (closing twice is harmless)."""
-    while _STARTED:
+def started_count() -> int:
+    """How many peers ``started`` has started so far (a mark for ``close_started``)."""
+    return len(_STARTED)
+
+
+def close_started(mark: int = 0) -> None:
+    """Close every peer ``started`` after ``mark`` (closing twice is harmless)."""
+    while len(_STARTED) > mark:
         _STARTED.pop().close()
 
 
