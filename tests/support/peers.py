@@ -119,11 +119,6 @@ def quiesce(peers: list[Peer], timeout: float = 10.0) -> None:
     time.sleep(0.1)
 
 
-def close_all(peers: list[Peer]) -> None:
-    for p in peers:
-        p.close()
-
-
 def rejected(peer: Peer, reason: str) -> float:
     """gossipgrad_rejected_updates_total{reason} of a peer."""
     value = peer.metrics.registry.get_sample_value(
