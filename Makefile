@@ -1,6 +1,9 @@
 # The two commands the README opens with, plus the checks CI runs.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# pytest-xdist workers (one per core by default); whole files go to one worker (their
+# module fixtures are set up once).
+TEST_WORKERS ?= auto
 
 .PHONY: swarm test lint proto bench setup
 
@@ -15,7 +18,7 @@ test:
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) scripts/gen_proto.py --check
-	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 
 lint:
 	$(PY) -m ruff check --fix .

@@ -15,6 +15,15 @@ from support import ROOT, TESTS
 from support.peers import close_started, started_count
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with a ``slow`` test (the long multi-process runs) first, each file's tests in
+    their order: ``make test`` hands whole files to its workers (pytest-xdist,
+    ``--dist loadfile``), so the long files start at once and the many short ones fill in
+    around them instead of one long file running alone at the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
+
+
 @pytest.fixture(autouse=True)
 def _close_started_peers() -> Iterator[None]:
     """In-process peers a test started through ``support.peers`` are closed after it, passed

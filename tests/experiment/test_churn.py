@@ -147,6 +147,7 @@ def fault_run(tmp_path_factory):
 # --------------------------------------------------------------------- the swarm scenarios
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_fault_scenario_ends_within_2x_of_no_fault_consensus(no_fault, fault_run) -> None:
     print(
@@ -166,6 +167,7 @@ def test_restarted_peer_exchanges_within_two_heartbeats_of_its_server_start(faul
     assert 0 < seconds <= 2 * HEARTBEAT_S
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_short_churn_run_has_no_global_stall_and_ends_together(no_fault, tmp_path) -> None:
     swarm = LocalSwarm(tmp_path / "churn", PEERS, CONFIG)

@@ -35,6 +35,7 @@ def test_missing_hivemind_venv_is_a_spec_error(monkeypatch: pytest.MonkeyPatch) 
         parse_spec({"baselines": {"run": ["ddp", "hivemind"]}})
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAVE_HIVEMIND, reason="no .venv-hivemind: scripts/setup.sh --hivemind")
 def test_hivemind_baseline_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "run"

@@ -19,6 +19,7 @@ SPEC = ROOT / "scripts" / "experiments" / "digits-small.toml"
 RELATIVE_CONSENSUS_BOUND = 4e-3
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(280)
 def test_local_experiment_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "run"

@@ -136,6 +136,7 @@ def run_cli(out: Path, *sets: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(280)
 def test_netns_experiment_three_peers_over_shaped_links(tmp_path: Path) -> None:
     out = tmp_path / "run"

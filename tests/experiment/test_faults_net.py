@@ -171,6 +171,7 @@ def final_params(swarm: LocalSwarm) -> list[torch.Tensor]:
     return [torch.load(f, weights_only=True) for f in files]
 
 
+@pytest.mark.slow
 def test_partition_then_heal_returns_to_consensus(netswarm) -> None:
     lab, swarm = netswarm([0, 0, 1, 1])
     swarm.start()
@@ -209,6 +210,7 @@ def test_partition_then_heal_returns_to_consensus(netswarm) -> None:
     assert relative < 1e-3, relative
 
 
+@pytest.mark.slow
 def test_slow_and_flapping_peers_block_no_one_and_memory_stays_bounded(netswarm) -> None:
     lab, swarm = netswarm([0, 0, 0, 0])
     swarm.start()

@@ -144,6 +144,7 @@ def test_missing_neighbour_does_not_block_forever() -> None:
 SWARM_STEPS = 300
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_four_peer_swarm_ef_gradient_matches_centralized(tmp_path: Path) -> None:
     overrides = {

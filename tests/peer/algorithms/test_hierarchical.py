@@ -54,6 +54,7 @@ def test_site_context_from_torchrun_env() -> None:
     assert SiteContext(0, 4, 0).run_dir(Path("run")) == Path("run")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_sites_of_two_ranks_converge_identical_within_site(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

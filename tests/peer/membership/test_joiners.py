@@ -302,6 +302,7 @@ def download_of(swarm: LocalSwarm, i: int) -> tuple[str, int, float, float]:
     return match[2], int(match[3]), end - float(match[4]), end
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_joiners_at_once_both_join_without_overloading_a_donor(tmp_path: Path) -> None:
     """Two donors training, each serving one download at a time at RATE; two joiners

@@ -125,6 +125,7 @@ def test_state_dict_round_trip_with_adam_and_scheduler() -> None:
 HF_EXAMPLE = EXAMPLE.with_name("hf_gpt2.py")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_transformers_gpt2_trains_as_two_peers(tmp_path: Path) -> None:
     """examples/hf_gpt2.py as a real pair: a Hugging Face GPT-2 (tied embeddings) under

@@ -495,6 +495,7 @@ def has_finite_value(body: dict) -> bool:
     return False
 
 
+@pytest.mark.slow
 @needs_prometheus
 @pytest.mark.timeout(400)
 def test_every_dashboard_query_returns_data_and_byte_counters_match(scraped_swarm) -> None:
@@ -809,6 +810,7 @@ def test_targets_from_status_files(tmp_path) -> None:
         cfg.targets_from_status([tmp_path / "missing"])
 
 
+@pytest.mark.slow
 @needs_prometheus
 @pytest.mark.timeout(120)
 def test_file_sd_targets_follow_the_swarm_without_a_restart(tmp_path) -> None:

@@ -24,6 +24,7 @@ from gossipgrad.peer.tasks import (
 from gossipgrad.peer.tasks.charlm import BLOCK_CHARS, VALID_EVERY
 from gossipgrad.peer.tasks.data import (
     FASHION_MNIST_FILES,
+    load_digits,
     load_fashion_mnist,
     load_shakespeare,
     parse_idx,
@@ -177,6 +178,27 @@ def test_balanced_groups_cover_every_group_once() -> None:
 
 
 # --- digits ---------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_digits_are_sklearns_arrays_read_without_importing_sklearn() -> None:
+    from sklearn.datasets import load_digits as sklearn_load_digits
+
+    x, y = load_digits()
+    bunch = sklearn_load_digits()
+    assert x.dtype == np.float32 and y.dtype == np.int64
+    assert np.array_equal(x, bunch.data.astype(np.float32))
+    assert np.array_equal(y, bunch.target)
+    # A peer process pays ~2 s of CPU for importing scikit-learn; the digits task must not.
+    probe = (
+        "import sys\n"
+        "from gossipgrad.peer.tasks import TaskContext, build_task\n"
+        "build_task('digits', TaskContext(num_peers=2, seed=0))\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy')))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=50)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]", run.stdout
 
 
 @pytest.mark.timeout(60)
