@@ -1,8 +1,8 @@
 # The two commands the README opens with, plus the checks CI runs.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# pytest-xdist workers (one per core by default); whole files go to one worker (their
-# module fixtures are set up once).
+# pytest-xdist workers: one per core, at most 4 (a peer process holds ~0.5 GB, and the long
+# tests run swarms of 4-8 of them); whole files go to one worker (module fixtures set up once).
 TEST_WORKERS ?= auto
 
 .PHONY: swarm test lint proto bench setup
@@ -18,7 +18,7 @@ test:
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) scripts/gen_proto.py --check
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 
 lint:
 	$(PY) -m ruff check --fix .
