@@ -20,8 +20,10 @@ parameter/gradient buffers in place, with no host copies.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +91,24 @@ def init_site(device: torch.device) -> None:
     """Join the site's process group (torchrun's env://): NCCL on GPUs, gloo on CPU."""
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        atexit.register(_let_collective_threads_settle)
+
+
+#: How long a process that used the site's group gives its collective threads at exit.
+EXIT_SETTLE_S = 0.05
+
+
+def _let_collective_threads_settle() -> None:
+    """At interpreter exit, before finalization: release the GIL for a moment.
+
+    gloo's worker thread drops its reference to a finished collective (and so to the Python
+    tensors it used) just after the caller's ``wait`` returns, and needs the GIL to do so. A
+    process that exits right after a collective (a rank that catches SiteLeaderFailed and
+    returns) would otherwise finalize while that thread waits for the GIL; the thread is then
+    unwound through C++ and the process aborts ("terminate called without an active
+    exception", exit status -6) instead of exiting with its own status.
+    """
+    time.sleep(EXIT_SETTLE_S)
 
 
 def close_site() -> None:
