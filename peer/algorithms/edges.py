@@ -127,6 +127,8 @@ class Edge:
     restarts: int = 0  # sessions ended (the next opening is then a RESYNC, never an INIT)
     dropped: int = 0  # a follower: the latest of the leader's sessions it dropped
     peer_final: int | None = None  # j finished: it opens no exchange beyond this one
+    early_final: tuple[int, int] | None = None  # a follower: (epoch, seq) of a FINAL that came
+    # before the opening of its session (it overtook the push of that opening)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -271,6 +273,9 @@ class Edge:
                 return Verdict.NEED_RESYNC
             self.epoch = update.epoch  # the leader opened a new session: follow it
             self._zero()
+            if self.early_final is not None and self.early_final[0] == self.epoch:
+                self.peer_final = self.early_final[1]
+            self.early_final = None
         if update.seq <= self.received or (self.held is not None and update.seq == self.held.seq):
             return Verdict.DUPLICATE  # a retry of one we have: acknowledged again
         opening = update.kind is not Kind.DELTA
@@ -286,9 +291,16 @@ class Edge:
         return None
 
     def note_final(self, epoch: int, seq: int) -> None:
-        """j finished at exchange ``seq`` of session ``epoch`` (ignored for another session)."""
+        """j finished at exchange ``seq`` of session ``epoch`` (ignored for an older session).
+
+        A follower may hear it before the opening of that session: the leader's FINAL and its
+        last update travel as separate pushes. The notice is then kept and takes effect when
+        the follower joins the session, or it would wait for exchanges the leader never opens.
+        """
         if epoch == self.epoch != 0:
             self.peer_final = seq
+        elif not self.leader and epoch > self.epoch:
+            self.early_final = (epoch, seq)
 
     def will_complete(self) -> bool:
         """The open exchange can still complete: j has not said it finished before it."""

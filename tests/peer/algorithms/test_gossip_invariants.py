@@ -296,6 +296,60 @@ def test_an_exchange_left_open_at_the_end_is_never_mixed_at_one_end() -> None:
     assert_average_kept(peers, m0, d0)
 
 
+def test_a_final_notice_that_overtakes_its_sessions_opening_still_ends_the_wait() -> None:
+    """The leader's FINAL and the opening of a new session are separate pushes. When the
+    FINAL lands first, at a follower still in the old session, the follower must still learn
+    that the leader opens no exchange beyond it, instead of waiting out its whole finish
+    timeout (three round timeouts lost at the end of a run, at random)."""
+    p0 = start_peer("p0", [], 100, {**GOSSIP, "gossip.round_timeout": 1.0})
+    p1 = start_peer("p1", [p0.address], 101, {**GOSSIP, "gossip.round_timeout": 3.0})
+    peers = [p0, p1]
+    wait_until_met(peers)
+    run_rounds(peers, 3)
+    quiesce(peers)
+    m0, d0 = mean(peers), distance(peers)
+    old = p1.algorithm.edges["p0"].epoch
+    final_seen = threading.Event()
+    handle = p1.algorithm.handle_update
+
+    def final_first(header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
+        if header.kind == pb.FINAL:
+            reply = handle(header, payload)
+            final_seen.set()
+            return reply
+        if header.kind == pb.RESYNC:
+            final_seen.wait(10.0)  # the new session's opening waits until the FINAL landed
+        return handle(header, payload)
+
+    p1.algorithm.handle_update = final_first
+    p0.algorithm.forget("p1")  # p0 ends the session: its next round opens a new one
+
+    def leader() -> None:
+        p0.algorithm.step_round()  # the opening is held back at p1: the round times out
+        p0.algorithm.finish()  # FINAL at exchange 1, then waits for p1's update 1
+
+    thread = threading.Thread(target=leader)
+    thread.start()
+    try:
+        assert final_seen.wait(10.0), "p0 sent no FINAL"
+        edge = p1.algorithm.edges["p0"]
+        deadline = time.monotonic() + 10.0
+        while edge.epoch == old or not edge.received:
+            assert time.monotonic() < deadline, "p0's new session never reached p1"
+            time.sleep(0.01)
+        p1.algorithm.step_round()  # exchange 1, mixed at both ends
+        p1.algorithm.step_round()  # opens exchange 2, which p0 will never answer
+        t0 = time.monotonic()
+        p1.algorithm.finish()
+        took = time.monotonic() - t0
+    finally:
+        thread.join(30.0)
+    assert took < 3.0, f"p1 waited {took:.1f}s for an exchange p0 said it never opens"
+    quiesce(peers)
+    assert mixed(p0, "p1") == mixed(p1, "p0") == 1
+    assert_average_kept(peers, m0, d0)
+
+
 def sent_total(peer: Peer) -> float:
     return sum(
         s.value
