@@ -261,8 +261,12 @@ class Edge:
         """
         if update.epoch == 0:  # a follower's hello: it has no session with us
             if self.leader:
-                if update.dropped >= self.epoch:
-                    self.restart()  # it dropped our session: open a new one
+                # It dropped our session, or it took part in it (we applied its updates) and
+                # lost it: a restarted process, which remembers no session. Either way open a
+                # new one now. (A hello naming an older session while our opening is on its
+                # way changes nothing: its updates come after that push, never before.)
+                if update.dropped >= self.epoch or self.received > 0:
+                    self.restart()
                 self.requested = True
             return Verdict.NEED_RESYNC
         if update.epoch != self.epoch:

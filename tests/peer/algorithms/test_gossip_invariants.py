@@ -141,6 +141,34 @@ def test_a_follower_that_pruned_the_edge_gets_a_new_session() -> None:
     assert assert_mirrors_exact(peers) == 2
 
 
+def test_a_restarted_follower_gets_a_new_session_before_membership_sees_the_restart() -> None:
+    """A restarted follower process has no session and remembers none: its hello names no
+    dropped session. The leader, whose session with it had taken the follower's updates and
+    waits in an open exchange, must open a new session at once, instead of waiting in the old
+    one until a heartbeat shows the follower's new incarnation (the first exchange of a
+    restarted peer waited for that)."""
+    peers = start_peers(2, {**GOSSIP, "gossip.round_timeout": 1.0})
+    p0, p1 = peers  # p0 leads the edge
+    rounds_until(peers, lambda: min(mixed(p0, "p1"), mixed(p1, "p0")) >= 2, 30.0, end=False)
+    quiesce(peers)
+    p0.algorithm.step_round()  # p0 opens the next exchange alone; p1 takes its update
+    quiesce(peers)
+    edge = p0.algorithm.edges["p1"]
+    old = edge.epoch
+    assert edge.outstanding() and edge.received > 0
+    # p1 "restarts": no session, nothing remembered of it. (What p1 held unmixed is lost, as
+    # in a real restart, so the swarm's average is not the law here; symmetry is.)
+    p1.algorithm.edges.pop("p0")
+
+    def mixing_again() -> bool:
+        return p0.algorithm.edges["p1"].epoch != old and min(mixed(p0, "p1"), mixed(p1, "p0")) >= 3
+
+    rounds_until(peers, mixing_again, 20.0)  # the old code never got there
+    quiesce(peers)
+    assert_symmetric(peers)
+    assert assert_mirrors_exact(peers) == 2
+
+
 class FailingSender:
     """Fails the 3rd and 4th DELTA pushes to p1 before they reach it, with a gRPC status."""
 
