@@ -126,9 +126,9 @@ class Edge:
     requested: bool = False  # the follower asked for a session: open one even off-schedule
     restarts: int = 0  # sessions ended (the next opening is then a RESYNC, never an INIT)
     dropped: int = 0  # a follower: the latest of the leader's sessions it dropped
-    peer_final: int | None = None  # j finished: it opens no exchange beyond this one
-    early_final: tuple[int, int] | None = None  # a follower: (epoch, seq) of a FINAL that came
-    # before the opening of its session (it overtook the push of that opening)
+    # j finished: (its session, the last exchange it opened). Keyed by session, so a notice
+    # that overtook the opening of its session applies once the follower joins it.
+    final: tuple[int, int] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -148,7 +148,6 @@ class Edge:
         self.restarts += 1
 
     def _zero(self) -> None:
-        self.peer_final = None
         self.sent = self.acked = self.received = self.mixed = 0
         self.unacked = None
         self.held = None
@@ -277,9 +276,6 @@ class Edge:
                 return Verdict.NEED_RESYNC
             self.epoch = update.epoch  # the leader opened a new session: follow it
             self._zero()
-            if self.early_final is not None and self.early_final[0] == self.epoch:
-                self.peer_final = self.early_final[1]
-            self.early_final = None
         if update.seq <= self.received or (self.held is not None and update.seq == self.held.seq):
             return Verdict.DUPLICATE  # a retry of one we have: acknowledged again
         opening = update.kind is not Kind.DELTA
@@ -301,10 +297,15 @@ class Edge:
         last update travel as separate pushes. The notice is then kept and takes effect when
         the follower joins the session, or it would wait for exchanges the leader never opens.
         """
-        if epoch == self.epoch != 0:
-            self.peer_final = seq
-        elif not self.leader and epoch > self.epoch:
-            self.early_final = (epoch, seq)
+        if epoch >= self.epoch:
+            self.final = (epoch, seq)
+
+    @property
+    def peer_final(self) -> int | None:
+        """The last exchange j opens in this session, if it said it finished."""
+        if self.final is not None and self.final[0] == self.epoch != 0:
+            return self.final[1]
+        return None
 
     def will_complete(self) -> bool:
         """The open exchange can still complete: j has not said it finished before it."""
@@ -316,7 +317,7 @@ class Edge:
             self.restart()
             return Verdict.NEED_RESYNC
         if self.peer_final is not None and update.seq > self.peer_final:
-            self.peer_final = None  # j is running rounds again (a FINAL may overtake updates)
+            self.final = None  # j is running rounds again (a FINAL may overtake updates)
         self.received = update.seq
         self.peer_weight = update.weight
         return Verdict.ACCEPTED
