@@ -56,7 +56,7 @@ class Life:
     how: str  # start, restart or join
     spawned: float  # unix time
     ended: float | None = None
-    end: str | None = None  # sigkill, sigterm (the signal sent), exit
+    end: str | None = None  # sigkill, sigterm (the signal sent), exit, after-finish
     exit_code: int | None = None
     start_step: int | None = None  # the step it started training from (status.json)
     last_step: int = 0
@@ -309,6 +309,23 @@ class ChurnDriver:
             f.write(json.dumps(asdict(event)) + "\n")
         log.info("round %d: %s peer%d (%d live)", swarm_round, kind, i, event.live_after)
 
+    def _stop_late_lives(self) -> None:
+        """Once the swarm has finished, stop the lives that never got to train.
+
+        A join or restart applied just before the last peers finish would find no donor
+        and wait ``peer.start_timeout`` for one (minutes) before giving up; the run is over
+        for it either way. Lives that train, or trained, are left to finish by themselves.
+        """
+        if not self.finishing:
+            return
+        live = self.live()
+        if not live or any(self.current[i].start_step is not None for i in live):
+            return
+        for i in live:
+            log.info("peer%d never trained and the swarm has finished: stopped", i)
+            self.swarm.terminate(i, timeout=None)
+            self._end(i, "after-finish")
+
     # ------------------------------------------------------------------ the run
 
     def run(self, timeout: float) -> ChurnTrace:
@@ -322,6 +339,7 @@ class ChurnDriver:
         deadline = time.monotonic() + timeout
         while self.live() and time.monotonic() < deadline:
             self._maybe_event(self._sample())
+            self._stop_late_lives()
             time.sleep(self.poll_s)
         self._sample()
         self.trace.ended = time.time()

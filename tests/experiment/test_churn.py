@@ -200,6 +200,29 @@ def test_short_churn_run_has_no_global_stall_and_ends_together(no_fault, tmp_pat
     assert fig.relative_consensus_distance <= CONSENSUS_FACTOR * no_fault
 
 
+@pytest.mark.timeout(300)
+def test_a_join_after_the_swarm_finished_is_stopped_instead_of_waiting_for_donors(
+    tmp_path,
+) -> None:
+    # A joiner spawned as the last peers finish finds no donor and would hunt for one for
+    # peer.start_timeout (here 600 s) before it gave up; the driver stops it at the end.
+    swarm = LocalSwarm(
+        tmp_path / "late", 1, {**BASE, "train.steps": "20", "peer.start_timeout": "600"}
+    )
+    try:
+        swarm.start()
+        assert swarm.wait(120), "peer0 did not finish"
+        gone = swarm.address(0)
+        assert gone is not None
+        swarm.spawn(1, bootstrap=gone, extra={"peer.expected_peers": "1"})
+        trace = ChurnDriver(swarm, None, steps=20).run(timeout=120)
+        joiner = next(life for life in trace.lives if life.peer == 1)
+        assert joiner.end == "after-finish" and joiner.start_step is None
+        assert swarm.procs[1].wait(timeout=60) is not None
+    finally:
+        swarm.stop(timeout=30)
+
+
 # --------------------------------------------------------------------- the schedule
 
 
