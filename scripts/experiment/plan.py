@@ -58,7 +58,7 @@ def relay_lines(network: NetworkSection, n: int) -> list[str]:
 def baseline_lines(spec: Spec, cfg: PeerConfig, host: str) -> list[str]:
     """One line per baseline the spec runs: how it trains and where rank 0 listens."""
     b, n = spec.baselines, spec.experiment.peers
-    outer = b.diloco_settings(cfg.gossip.local_steps)
+    outer = b.diloco_settings(cfg.gossip)
     lines = []
     for name in b.run:
         how, extra = "torch DDP", ""

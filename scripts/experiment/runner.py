@@ -228,7 +228,7 @@ class Experiment:
         run = BaselineRun(
             name, self.n, train, self.out / "baselines" / name, self._placement(),
             b.powersgd_rank, b.powersgd_start_iter,
-            b.diloco_settings(self.cfg.gossip.local_steps),
+            b.diloco_settings(self.cfg.gossip),
         )  # fmt: skip
         before = self.lab.counters() if self.lab else {}
         ok = False

@@ -26,6 +26,7 @@ from gossipgrad.peer.config.base import split_list_strings
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 if TYPE_CHECKING:
+    from gossipgrad.peer.config import GossipSection
     from gossipgrad.experiment.diloco import OuterSettings
 
 if sys.version_info >= (3, 11):
@@ -231,11 +232,13 @@ class BaselinesSection(_Model):
     diloco_local_steps: int = Field(0, ge=0)
     """DiLoCo's H, inner optimizer steps between outer steps; 0: gossip.local_steps, the
     swarm's own H (DiLoCo at the same H as the swarm)."""
-    diloco_outer_lr: float = Field(0.7, gt=0)
-    """Learning rate of DiLoCo's outer Nesterov SGD (the paper's 0.7)."""
-    diloco_outer_momentum: float = Field(0.9, ge=0, lt=1)
-    """Momentum of DiLoCo's outer SGD (the paper's 0.9); 0: plain SGD on the mean
-    pseudo-gradient (with lr 1 and H 1: parameter averaging after every step)."""
+    diloco_outer_lr: float | None = Field(None, gt=0)
+    """Learning rate of DiLoCo's outer SGD; empty: gossip.outer_lr, the swarm's own (the
+    paper's is 0.7)."""
+    diloco_outer_momentum: float | None = Field(None, ge=0, lt=1)
+    """Momentum of DiLoCo's outer SGD (Nesterov when > 0); empty: gossip.outer_momentum, the
+    swarm's own (the paper's is 0.9); 0: plain SGD on the mean pseudo-gradient (with lr 1 and
+    H 1: parameter averaging after every step)."""
     steps: int = Field(0, ge=0)
     """Steps of every baseline rank; 0: train.steps, the same sample budget as each peer.
     Another value turns the comparison into a race to an accuracy (report time_to_target),
@@ -252,15 +255,17 @@ class BaselinesSection(_Model):
             hivemind_python()  # fails now, with the setup command, not after the swarm ran
         return v
 
-    def diloco_settings(self, swarm_local_steps: int) -> OuterSettings:
-        """The DiLoCo baselines' outer loop; H is the swarm's ``swarm_local_steps`` unless
-        ``diloco_local_steps`` sets it."""
+    def diloco_settings(self, gossip: GossipSection) -> OuterSettings:
+        """The DiLoCo baselines' outer loop: the swarm's H, outer lr and momentum (``gossip``)
+        where ``diloco_local_steps``, ``diloco_outer_lr``, ``diloco_outer_momentum`` are not
+        set, so that by default the baseline differs from the swarm by its all-reduce only."""
         from gossipgrad.experiment.diloco import OuterSettings
 
+        lr, momentum = self.diloco_outer_lr, self.diloco_outer_momentum
         return OuterSettings(
-            local_steps=self.diloco_local_steps or swarm_local_steps,
-            outer_lr=self.diloco_outer_lr,
-            outer_momentum=self.diloco_outer_momentum,
+            local_steps=self.diloco_local_steps or gossip.local_steps,
+            outer_lr=gossip.outer_lr if lr is None else lr,
+            outer_momentum=gossip.outer_momentum if momentum is None else momentum,
         )
 
 

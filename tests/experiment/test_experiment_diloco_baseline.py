@@ -54,6 +54,8 @@ eval_every = 8
 [gossip]
 codec = "topk:0.05+int8"
 local_steps = {H}
+outer_lr = 0.7       # the baselines take the swarm's outer step (here DiLoCo's own)
+outer_momentum = 0.9
 
 [membership]
 heartbeat_interval = 0.2
@@ -88,11 +90,15 @@ def test_chunks_cover_the_vector_in_whole_blocks(numel: int, world: int, block: 
 
 @pytest.mark.timeout(30)
 def test_settings_come_from_the_spec_and_reach_the_rank_command(tmp_path: Path) -> None:
-    spec = parse_spec({"gossip": {"local_steps": 5}, "baselines": {"run": ["diloco-int8"]}})
-    outer = spec.baselines.diloco_settings(spec.peer_config().gossip.local_steps)
+    # By default the baseline takes the swarm's H and outer step; each can be set apart.
+    gossip = {"local_steps": 5, "outer_lr": 0.7, "outer_momentum": 0.9}
+    spec = parse_spec({"gossip": gossip, "baselines": {"run": ["diloco-int8"]}})
+    outer = spec.baselines.diloco_settings(spec.peer_config().gossip)
     assert (outer.local_steps, outer.outer_lr, outer.outer_momentum) == (5, 0.7, 0.9)
-    spec = parse_spec({"baselines": {"diloco_local_steps": 3, "diloco_outer_momentum": 0.0}})
-    assert spec.baselines.diloco_settings(5).local_steps == 3
+    own = {"diloco_local_steps": 3, "diloco_outer_lr": 0.5, "diloco_outer_momentum": 0.0}
+    spec = parse_spec({"gossip": gossip, "baselines": own})
+    apart = spec.baselines.diloco_settings(spec.peer_config().gossip)
+    assert (apart.local_steps, apart.outer_lr, apart.outer_momentum) == (3, 0.5, 0.0)
     cmd = " ".join(rank_command("diloco-int8", 1, 2, tmp_path, RankPlacement(), diloco=outer))
     assert "--algorithm diloco --pseudo-gradient-dtype int8 --local-steps 5" in cmd
     assert "--outer-lr 0.7 --outer-momentum 0.9" in cmd

@@ -25,7 +25,6 @@ BASE = {
     "train.eval_every": "0",
     "gossip.algorithm": "diloco",
     "gossip.local_steps": "10",
-    "gossip.outer_momentum": "0.5",
     "gossip.codec": "topk:0.1+int8",
     "gossip.topology": "ring",
     "metrics.enabled": "false",
@@ -69,7 +68,8 @@ def test_diloco_swarm_trains_a_transformer_near_centralized(tmp_path: Path) -> N
         f"{control['relative_consensus_distance']:.2e} alone"
     )
     # Within 2 % of one model trained on all the data with the same samples and optimizer
-    # (measured: +1.0 %); each peer alone on its shard misses it (measured: +2.4 to +3.6 %).
+    # (measured with the default outer step, lr 1 without momentum: +1.6 %); each peer alone
+    # on its shard misses it (measured: +2.3 to +3.8 %).
     for loss in losses:
         assert loss < 1.02 * central
     assert min(alone) > 1.02 * central
