@@ -9,15 +9,20 @@ two peers)::
     python = "/opt/venv/bin/python"   # interpreter with gossipgrad installed
     data = "/srv/gossipgrad-data"     # GOSSIPGRAD_DATA on that host (task data cache)
     workdir = "/srv/gossipgrad-runs"  # where run directories go on that host
+    ssh_port = 2222                   # sshd's port (default: ssh's own, or its config)
+    identity = "keys/site-a"          # private key for ssh -i (relative: next to this file)
 
-The runner starts ``ssh HOST 'cd WORKDIR && GOSSIPGRAD_DATA=DATA exec PYTHON -m
+The runner starts ``ssh HOST 'mkdir -p RUN && cd WORKDIR && GOSSIPGRAD_DATA=DATA exec PYTHON -m
 gossipgrad.peer ...'`` per peer (ssh without a tty: stopping the local ssh client closes the
 session, and the peer gets SIGHUP -- the runner first sends SIGTERM through ``ssh HOST kill``),
-then copies each peer's status.json, summary.json and params.pt back with scp.
+then copies each peer's status.json, summary.json, params.pt (and buffers.pt) back with
+``ssh HOST cat`` (no scp: it needs the host's sftp subsystem, and its quoting of remote paths
+differs between its protocols).
 """
 
 from __future__ import annotations
 
+import logging
 import shlex
 import subprocess
 from pathlib import Path, PurePosixPath
@@ -28,7 +33,11 @@ from gossipgrad.experiment.spec import SpecError, tomllib
 from gossipgrad.peer.records import PeerStatus
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+log = logging.getLogger(__name__)
+
 FETCHED = ("status.json", "summary.json", "params.pt", "buffers.pt")
+OPTIONAL = {"buffers.pt"}
+"""Fetched files a finished peer may not have (a model without buffers)."""
 
 
 class Host(BaseModel):
@@ -43,10 +52,23 @@ class Host(BaseModel):
     workdir: str = "gossipgrad-runs"
     port: int = Field(0, ge=0, le=65535)
     """Gossip port to bind (0: the peer picks one and reports it in status.json)."""
+    ssh_port: int = Field(0, ge=0, le=65535)
+    """Port of the host's sshd (0: ssh's default, or what its config says)."""
+    identity: str = ""
+    """Private key file for ``ssh -i`` (relative: next to the inventory)."""
 
     @property
     def listen_host(self) -> str:
         return self.listen or self.address.split("@")[-1]
+
+    def ssh(self, options: list[str], remote: str) -> list[str]:
+        """argv that runs the shell command ``remote`` on this host."""
+        argv = ["ssh", *options]
+        if self.ssh_port:
+            argv += ["-p", str(self.ssh_port)]
+        if self.identity:
+            argv += ["-i", self.identity]
+        return [*argv, self.address, remote]
 
 
 class Inventory(BaseModel):
@@ -56,6 +78,11 @@ class Inventory(BaseModel):
 
 
 def load_inventory(path: Path) -> Inventory:
+    """Read and validate an inventory; a relative ``identity`` resolves next to it.
+
+    Raises:
+        SpecError: naming the bad key.
+    """
     try:
         raw = tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -63,15 +90,28 @@ def load_inventory(path: Path) -> Inventory:
     except tomllib.TOMLDecodeError as err:
         raise SpecError(f"ssh.inventory: {path}: invalid TOML: {err}") from None
     try:
-        return Inventory.model_validate(raw)
+        inv = Inventory.model_validate(raw)
     except ValidationError as err:
         first = err.errors()[0]
         key = ".".join(str(p) for p in first["loc"])
         raise SpecError(f"ssh.inventory {path}: {key}: {first['msg']}") from None
+    hosts = []
+    for k, host in enumerate(inv.hosts):
+        if host.identity:
+            key_file = Path(path).parent / Path(host.identity).expanduser()
+            if not key_file.is_file():
+                raise SpecError(f"ssh.inventory {path}: hosts.{k}.identity: no file {key_file}")
+            host = host.model_copy(update={"identity": str(key_file)})
+        hosts.append(host)
+    return Inventory(hosts=hosts)
 
 
 def remote_run_dir(host: Host, run: str, i: int) -> str:
     return str(PurePosixPath(host.workdir) / run / f"peer{i}")
+
+
+def _remote_file(host: Host, run: str, i: int, name: str) -> str:
+    return shlex.quote(str(PurePosixPath(remote_run_dir(host, run, i)) / name))
 
 
 def peer_command(
@@ -92,7 +132,7 @@ def peer_command(
         f"mkdir -p {shlex.quote(run_dir)} && cd {shlex.quote(host.workdir)} && "
         f"{env}OMP_NUM_THREADS=1 exec {shlex.join(argv)}"
     )
-    return ["ssh", *ssh_options, host.address, remote]
+    return host.ssh(ssh_options, remote)
 
 
 # Run by the host's python: the pid from peer i's status.json, read with the same record.
@@ -106,25 +146,12 @@ def stop_command(host: Host, i: int, run: str, ssh_options: list[str]) -> list[s
     """argv that sends SIGTERM to peer i on ``host`` (pid from its status.json)."""
     status = str(PurePosixPath(remote_run_dir(host, run, i)) / "status.json")
     read_pid = shlex.join([host.python, "-c", READ_PID, status])
-    remote = f'pid=$({read_pid}) && kill -TERM "$pid"'
-    return ["ssh", *ssh_options, host.address, remote]
+    return host.ssh(ssh_options, f'pid=$({read_pid}) && kill -TERM "$pid"')
 
 
-def fetch_commands(
-    host: Host, i: int, run: str, local_dir: Path, ssh_options: list[str]
-) -> list[list[str]]:
-    """scp argv lists that copy peer i's result files into ``local_dir``."""
-    src = remote_run_dir(host, run, i)
-    return [
-        [
-            "scp",
-            "-q",
-            *ssh_options,
-            f"{host.address}:{shlex.quote(f'{src}/{name}')}",
-            str(local_dir / name),
-        ]
-        for name in FETCHED
-    ]
+def fetch_command(host: Host, i: int, run: str, name: str, ssh_options: list[str]) -> list[str]:
+    """argv that writes peer i's result file ``name`` to stdout."""
+    return host.ssh(ssh_options, f"cat -- {_remote_file(host, run, i, name)}")
 
 
 class SshSwarm:
@@ -212,7 +239,24 @@ class SshSwarm:
     def fetch(self) -> None:
         """Copy status.json, summary.json, params.pt and (if any) buffers.pt of every peer back."""
         for i in range(self.n):
-            for cmd in fetch_commands(
-                self.hosts[i], i, self.run, self.peer_dir(i), self.ssh_options
-            ):
-                subprocess.run(cmd, capture_output=True, timeout=120, check=False)
+            for name in FETCHED:
+                self._fetch(i, name)
+
+    def _fetch(self, i: int, name: str) -> None:
+        dest = self.peer_dir(i) / name
+        part = dest.with_name(f"{name}.part")
+        cmd = fetch_command(self.hosts[i], i, self.run, name, self.ssh_options)
+        try:
+            with open(part, "wb") as f:
+                done = subprocess.run(cmd, stdout=f, stderr=subprocess.PIPE, timeout=120)
+            ok, why = done.returncode == 0, done.stderr.decode(errors="replace").strip()
+        except subprocess.TimeoutExpired:
+            ok, why = False, "timed out"
+        if ok:
+            part.replace(dest)
+            return
+        part.unlink(missing_ok=True)
+        if name not in OPTIONAL:
+            log.warning(
+                "peer%d: could not fetch %s from %s: %s", i, name, self.hosts[i].address, why
+            )
