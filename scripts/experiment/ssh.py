@@ -12,19 +12,25 @@ two peers)::
     ssh_port = 2222                   # sshd's port (default: ssh's own, or its config)
     identity = "keys/site-a"          # private key for ssh -i (relative: next to this file)
 
-The runner starts ``ssh HOST 'mkdir -p RUN && cd WORKDIR && GOSSIPGRAD_DATA=DATA exec PYTHON -m
-gossipgrad.peer ...'`` per peer (ssh without a tty: stopping the local ssh client closes the
-session, and the peer gets SIGHUP -- the runner first sends SIGTERM through ``ssh HOST kill``),
-then copies each peer's status.json, summary.json, params.pt (and buffers.pt) back with
+The runner starts ``ssh HOST 'mkdir -p RUN && cd WORKDIR && echo $$ > RUN/pid &&
+GOSSIPGRAD_DATA=DATA exec PYTHON -m gossipgrad.peer ...'`` per peer: the pid file names the
+peer process from the moment its shell runs, before the peer has written a status.json.
+Without a tty, ending an ssh client does not end what it started, so the runner stops a peer
+with ``ssh HOST kill -TERM <pid>`` (``-KILL`` if it has not left by the deadline). The ssh
+clients run in sessions of their own: a Ctrl-C at the runner's terminal reaches the runner,
+which stops the peers, and not the clients, whose end would cut the peers loose. After the
+run each peer's status.json, summary.json, params.pt (and buffers.pt) are copied back with
 ``ssh HOST cat`` (no scp: it needs the host's sftp subsystem, and its quoting of remote paths
 differs between its protocols).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shlex
 import subprocess
+import time
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -128,25 +134,22 @@ def peer_command(
     for key, value in opts.items():
         argv += [f"--{key}", value]
     env = f"GOSSIPGRAD_DATA={shlex.quote(host.data)} " if host.data else ""
+    # exec keeps the shell's pid ($$): the pid file names the peer process.
     remote = (
         f"mkdir -p {shlex.quote(run_dir)} && cd {shlex.quote(host.workdir)} && "
+        f"echo $$ > {_remote_file(host, run, i, 'pid')} && "
         f"{env}OMP_NUM_THREADS=1 exec {shlex.join(argv)}"
     )
     return host.ssh(ssh_options, remote)
 
 
-# Run by the host's python: the pid from peer i's status.json, read with the same record.
-READ_PID = (
-    "import sys; from gossipgrad.peer.records import PeerStatus, read_record; "
-    "print(read_record(sys.argv[1], PeerStatus).pid)"
-)
-
-
-def stop_command(host: Host, i: int, run: str, ssh_options: list[str]) -> list[str]:
-    """argv that sends SIGTERM to peer i on ``host`` (pid from its status.json)."""
-    status = str(PurePosixPath(remote_run_dir(host, run, i)) / "status.json")
-    read_pid = shlex.join([host.python, "-c", READ_PID, status])
-    return host.ssh(ssh_options, f'pid=$({read_pid}) && kill -TERM "$pid"')
+def stop_command(
+    host: Host, i: int, run: str, ssh_options: list[str], sig: str = "TERM"
+) -> list[str]:
+    """argv that sends ``sig`` to peer i on ``host`` (the pid in its run dir's pid file);
+    it fails while there is no pid file yet."""
+    pid_file = _remote_file(host, run, i, "pid")
+    return host.ssh(ssh_options, f'pid=$(cat {pid_file}) && kill -{sig} "$pid"')
 
 
 def fetch_command(host: Host, i: int, run: str, name: str, ssh_options: list[str]) -> list[str]:
@@ -207,9 +210,12 @@ class SshSwarm:
             log_file = open(self.out / f"peer{i}.log", "w")  # noqa: SIM115 - closed in stop()
             self.logs.append(log_file)
             cmd = self.command(i, self.bootstrap() if i else None)
+            # A session of its own: a Ctrl-C at the runner's terminal must not end the client
+            # (that would leave the peer running, unreachable); the runner stops the peer.
             self.procs[i] = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT
-            )
+                cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
 
     def statuses(self) -> list[PeerStatus]:
         """Placeholders: remote status files are fetched only after the run."""
@@ -221,17 +227,34 @@ class SshSwarm:
     def failed(self) -> list[int]:
         return [i for i, p in self.procs.items() if p.poll() not in (None, 0)]
 
+    def _signal(self, i: int, sig: str) -> bool:
+        """Send ``sig`` to remote peer i; False if that failed (no pid file yet, host down)."""
+        cmd = stop_command(self.hosts[i], i, self.run, self.ssh_options, sig)
+        try:
+            return subprocess.run(cmd, capture_output=True, timeout=30, check=False).returncode == 0
+        except subprocess.TimeoutExpired:
+            return False
+
     def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM each remote peer still running (it checkpoints), then end the ssh clients."""
+        """SIGTERM each remote peer whose ssh session is open (it checkpoints and leaves) and
+        wait for the sessions to end; SIGKILL the peers still running at the deadline, then
+        end the ssh clients. A peer whose shell has not written its pid file yet is signalled
+        once it has."""
+        deadline = time.monotonic() + timeout
+        todo = {i for i, p in self.procs.items() if p.poll() is None}
+        while todo and time.monotonic() < deadline:
+            todo = {i for i in todo if self.procs[i].poll() is None and not self._signal(i, "TERM")}
+            if todo:
+                time.sleep(0.2)
         for i, p in self.procs.items():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
             if p.poll() is None:
-                subprocess.run(
-                    stop_command(self.hosts[i], i, self.run, self.ssh_options),
-                    capture_output=True,
-                    timeout=30,
-                    check=False,
+                log.warning(
+                    "peer%d on %s did not leave in %.0fs: killed", i, self.hosts[i].address, timeout
                 )
-        reap(self.procs.values(), timeout)
+                self._signal(i, "KILL")
+        reap(self.procs.values(), 10.0)
         for f in self.logs:
             f.close()
         self.logs.clear()

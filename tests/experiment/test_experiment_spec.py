@@ -26,7 +26,7 @@ from gossipgrad.experiment.spec import (
     rate_bits,
     time_seconds,
 )
-from gossipgrad.peer.records import PeerStatus, write_record
+from gossipgrad.peer.records import PeerStatus
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import ROOT
@@ -187,8 +187,10 @@ def test_ssh_commands(tmp_path: Path) -> None:
     assert second[3] == "site-b.example"
     assert opts[opts.index("--peer.bootstrap") + 1] == "10.1.0.5:7070"
     assert opts[opts.index("--peer.listen") + 1] == "site-b.example:0"
+    assert "echo $$ > /srv/runs/run1/peer0/pid &&" in first[4]
     stop = ssh.stop_command(inv.hosts[0], 0, "run1", [])
     assert stop[1] == "alice@site-a.example" and "kill -TERM" in stop[2]
+    assert "kill -KILL" in ssh.stop_command(inv.hosts[0], 0, "run1", [], "KILL")[2]
     fetch = ssh.fetch_command(inv.hosts[0], 0, "run1", "status.json", [])
     assert fetch == ["ssh", "alice@site-a.example", "cat -- /srv/runs/run1/peer0/status.json"]
     no_port = inv_path.read_text().replace("port = 7070", "")
@@ -226,16 +228,17 @@ def test_ssh_port_and_identity_per_host(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_ssh_stop_command_signals_the_pid_in_status_json(tmp_path: Path) -> None:
-    """The remote half of ``stop_command``, run by a local shell: it reads the pid with the
-    status record and sends SIGTERM to exactly that process."""
+def test_ssh_stop_command_signals_the_pid_in_the_pid_file(tmp_path: Path) -> None:
+    """The remote half of ``stop_command``, run by a local shell: it reads the pid file the
+    peer's shell wrote and sends SIGTERM to exactly that process; with no pid file it fails."""
     host = ssh.Host(address="h", workdir=str(tmp_path / "w d"), python=sys.executable)
     run_dir = Path(ssh.remote_run_dir(host, "r", 0))
     run_dir.mkdir(parents=True)
+    remote = ssh.stop_command(host, 0, "r", [])[-1]
+    assert subprocess.run(["bash", "-c", remote], capture_output=True).returncode != 0
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        write_record(run_dir / "status.json", PeerStatus(id="peer0", pid=victim.pid))
-        remote = ssh.stop_command(host, 0, "r", [])[-1]
+        (run_dir / "pid").write_text(f"{victim.pid}\n")
         subprocess.run(["bash", "-c", remote], check=True, timeout=30)
         assert victim.wait(timeout=10) == -signal.SIGTERM
     finally:

@@ -1,6 +1,6 @@
 """End to end, ssh mode: ``gossipgrad-experiment`` starts two peers through a real sshd on
 127.0.0.1 (a throwaway server with its own host and user keys), collects their results, and
-leaves no remote process behind."""
+leaves no remote process behind: after a clean run, after a failed one, and after Ctrl-C."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import psutil
 import pytest
 from gossipgrad.experiment.report import load_report
 from gossipgrad.peer.records import PeerStatus, read_record
+from support.experiment import processes_mentioning
 
 SBIN = "/usr/sbin:/usr/local/sbin:/sbin"
 # Multi-process runs of about a minute in all: the file is scheduled early (tests/conftest.py).
@@ -210,8 +211,19 @@ def _finish(proc: subprocess.Popen, timeout: float) -> int:
         raise
 
 
-def _assert_nothing_left(sshd: Sshd, pids: list[int]) -> None:
-    """No peer pid runs and no session is open on the server (shortly after the runner)."""
+def _remote_statuses(tmp: Path) -> dict[int, PeerStatus]:
+    """The status.json each remote peer has written so far, read where it runs."""
+    out = {}
+    for path in (tmp / "remote runs").glob("*/peer*/status.json"):
+        status = read_record(path, PeerStatus)
+        if status is not None:
+            out[int(path.parent.name[4:])] = status
+    return out
+
+
+def _assert_nothing_left(tmp: Path, sshd: Sshd, pids: list[int]) -> None:
+    """No peer pid runs, no session is open on the server, and no process names the remote
+    run directory (a peer that never wrote a pid file) -- shortly after the runner exits."""
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and (sshd.sessions() or any(map(_alive, pids))):
         time.sleep(0.1)
@@ -219,6 +231,9 @@ def _assert_nothing_left(sshd: Sshd, pids: list[int]) -> None:
     sshd.watch(left)
     assert left == [], "remote peers left running"
     assert sshd.sessions() == [], "ssh sessions left open"
+    strays = processes_mentioning(str(tmp / "remote runs"))
+    sshd.watch(strays)
+    assert strays == [], "processes of the run left running"
 
 
 def _log(tmp: Path) -> str:
@@ -245,4 +260,69 @@ def test_ssh_run_collects_results_and_leaves_nothing(tmp_path: Path, sshd: Sshd)
         assert status is not None and status.pid and status.step == 30
         pids.append(status.pid)
     assert report.swarm.consensus_distance is not None
-    _assert_nothing_left(sshd, pids)
+    _assert_nothing_left(tmp_path, sshd, pids)
+
+
+@pytest.mark.timeout(60)
+def test_ssh_failed_run_stops_every_remote_peer(tmp_path: Path, sshd: Sshd) -> None:
+    """peer1's host has no such interpreter (its ssh exits 127 at once); peer0 waits for it
+    until experiment.timeout, when the runner stops it over ssh. A peer waiting for
+    peer.expected_peers does not leave on SIGTERM, so this also takes the runner's SIGKILL
+    at the end of its 20 s grace."""
+    spec = _write_spec(tmp_path, sshd, steps=100_000, timeout=6, no_python=1)
+    out = tmp_path / "out"
+    rc = _finish(_runner(spec, out), timeout=45)
+    assert rc == 1, _log(tmp_path)
+    report = load_report(out)
+    assert not report.ok and not report.swarm.ok
+    assert [p.ok for p in report.swarm.peers] == [False, False]
+    status = read_record(out / "swarm" / "peer0" / "status.json", PeerStatus)
+    assert status is not None and status.pid, "peer0's status.json is fetched after a failure"
+    _assert_nothing_left(tmp_path, sshd, [status.pid])
+
+
+@pytest.mark.timeout(60)
+def test_ssh_ctrl_c_stops_every_remote_peer(tmp_path: Path, sshd: Sshd) -> None:
+    """Ctrl-C (SIGINT to the runner's process group, as a terminal sends it) while both
+    peers train: the runner stops them over ssh and exits 130."""
+    spec = _write_spec(tmp_path, sshd, steps=100_000, timeout=120)
+    proc = _runner(spec, tmp_path / "out")
+    try:
+        deadline = time.monotonic() + 40
+        while True:
+            statuses = _remote_statuses(tmp_path)
+            if len(statuses) == 2 and all(s.pid and s.step >= 1 for s in statuses.values()):
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, _log(tmp_path)
+            time.sleep(0.2)
+        pids = [s.pid for s in statuses.values() if s.pid]
+        sshd.watch(pids)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert _finish(proc, timeout=40) == 130, _log(tmp_path)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    _assert_nothing_left(tmp_path, sshd, pids)
+
+
+@pytest.mark.timeout(60)
+def test_ssh_ctrl_c_at_start_stops_every_remote_peer(tmp_path: Path, sshd: Sshd) -> None:
+    """Ctrl-C as soon as the ssh clients run, before any peer has written its status.json
+    (or its shell its pid file): every peer that was started is stopped all the same."""
+    spec = _write_spec(tmp_path, sshd, steps=100_000, timeout=120)
+    out = tmp_path / "out"
+    proc = _runner(spec, out)
+    try:
+        deadline = time.monotonic() + 30
+        while not (out / "swarm" / "peer1.log").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, _log(tmp_path)
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert _finish(proc, timeout=40) == 130, _log(tmp_path)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    pid_files = list((tmp_path / "remote runs").glob("*/peer*/pid"))
+    _assert_nothing_left(tmp_path, sshd, [int(f.read_text()) for f in pid_files])
