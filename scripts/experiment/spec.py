@@ -273,9 +273,11 @@ class SshSection(_Model):
     """ssh mode: where the inventory is (relative paths: next to the spec)."""
 
     inventory: Path | None = None
-    """TOML inventory: [[hosts]] address, python, data, workdir (docs/experiments.md)."""
+    """TOML inventory: [[hosts]] address, python, data, workdir, ssh_port, identity
+    (docs/experiments.md)."""
     options: list[str] = Field(default_factory=lambda: ["-o", "BatchMode=yes"])
-    """Extra ssh options."""
+    """Options of every ssh command the runner runs (each host's ssh_port and identity
+    follow them)."""
 
 
 class Spec(_Model):

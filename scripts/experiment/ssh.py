@@ -9,17 +9,28 @@ two peers)::
     python = "/opt/venv/bin/python"   # interpreter with gossipgrad installed
     data = "/srv/gossipgrad-data"     # GOSSIPGRAD_DATA on that host (task data cache)
     workdir = "/srv/gossipgrad-runs"  # where run directories go on that host
+    ssh_port = 2222                   # sshd's port (default: ssh's own, or its config)
+    identity = "keys/site-a"          # private key for ssh -i (relative: next to this file)
 
-The runner starts ``ssh HOST 'cd WORKDIR && GOSSIPGRAD_DATA=DATA exec PYTHON -m
-gossipgrad.peer ...'`` per peer (ssh without a tty: stopping the local ssh client closes the
-session, and the peer gets SIGHUP -- the runner first sends SIGTERM through ``ssh HOST kill``),
-then copies each peer's status.json, summary.json and params.pt back with scp.
+The runner starts ``ssh HOST 'mkdir -p RUN && cd WORKDIR && echo $$ > RUN/pid &&
+GOSSIPGRAD_DATA=DATA exec PYTHON -m gossipgrad.peer ...'`` per peer: the pid file names the
+peer process from the moment its shell runs, before the peer has written a status.json.
+Without a tty, ending an ssh client does not end what it started, so the runner stops a peer
+with ``ssh HOST kill -TERM <pid>`` (``-KILL`` if it has not left by the deadline). The ssh
+clients run in sessions of their own: a Ctrl-C at the runner's terminal reaches the runner,
+which stops the peers, and not the clients, whose end would cut the peers loose. After the
+run each peer's status.json, summary.json, params.pt (and buffers.pt) are copied back with
+``ssh HOST cat`` (no scp: it needs the host's sftp subsystem, and its quoting of remote paths
+differs between its protocols).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import shlex
 import subprocess
+import time
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -28,7 +39,11 @@ from gossipgrad.experiment.spec import SpecError, tomllib
 from gossipgrad.peer.records import PeerStatus
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+log = logging.getLogger(__name__)
+
 FETCHED = ("status.json", "summary.json", "params.pt", "buffers.pt")
+OPTIONAL = {"buffers.pt"}
+"""Fetched files a finished peer may not have (a model without buffers)."""
 
 
 class Host(BaseModel):
@@ -43,10 +58,23 @@ class Host(BaseModel):
     workdir: str = "gossipgrad-runs"
     port: int = Field(0, ge=0, le=65535)
     """Gossip port to bind (0: the peer picks one and reports it in status.json)."""
+    ssh_port: int = Field(0, ge=0, le=65535)
+    """Port of the host's sshd (0: ssh's default, or what its config says)."""
+    identity: str = ""
+    """Private key file for ``ssh -i`` (relative: next to the inventory)."""
 
     @property
     def listen_host(self) -> str:
         return self.listen or self.address.split("@")[-1]
+
+    def ssh(self, options: list[str], remote: str) -> list[str]:
+        """argv that runs the shell command ``remote`` on this host."""
+        argv = ["ssh", *options]
+        if self.ssh_port:
+            argv += ["-p", str(self.ssh_port)]
+        if self.identity:
+            argv += ["-i", self.identity]
+        return [*argv, self.address, remote]
 
 
 class Inventory(BaseModel):
@@ -56,6 +84,11 @@ class Inventory(BaseModel):
 
 
 def load_inventory(path: Path) -> Inventory:
+    """Read and validate an inventory; a relative ``identity`` resolves next to it.
+
+    Raises:
+        SpecError: naming the bad key.
+    """
     try:
         raw = tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -63,15 +96,28 @@ def load_inventory(path: Path) -> Inventory:
     except tomllib.TOMLDecodeError as err:
         raise SpecError(f"ssh.inventory: {path}: invalid TOML: {err}") from None
     try:
-        return Inventory.model_validate(raw)
+        inv = Inventory.model_validate(raw)
     except ValidationError as err:
         first = err.errors()[0]
         key = ".".join(str(p) for p in first["loc"])
         raise SpecError(f"ssh.inventory {path}: {key}: {first['msg']}") from None
+    hosts = []
+    for k, host in enumerate(inv.hosts):
+        if host.identity:
+            key_file = Path(path).parent / Path(host.identity).expanduser()
+            if not key_file.is_file():
+                raise SpecError(f"ssh.inventory {path}: hosts.{k}.identity: no file {key_file}")
+            host = host.model_copy(update={"identity": str(key_file)})
+        hosts.append(host)
+    return Inventory(hosts=hosts)
 
 
 def remote_run_dir(host: Host, run: str, i: int) -> str:
     return str(PurePosixPath(host.workdir) / run / f"peer{i}")
+
+
+def _remote_file(host: Host, run: str, i: int, name: str) -> str:
+    return shlex.quote(str(PurePosixPath(remote_run_dir(host, run, i)) / name))
 
 
 def peer_command(
@@ -88,43 +134,27 @@ def peer_command(
     for key, value in opts.items():
         argv += [f"--{key}", value]
     env = f"GOSSIPGRAD_DATA={shlex.quote(host.data)} " if host.data else ""
+    # exec keeps the shell's pid ($$): the pid file names the peer process.
     remote = (
         f"mkdir -p {shlex.quote(run_dir)} && cd {shlex.quote(host.workdir)} && "
+        f"echo $$ > {_remote_file(host, run, i, 'pid')} && "
         f"{env}OMP_NUM_THREADS=1 exec {shlex.join(argv)}"
     )
-    return ["ssh", *ssh_options, host.address, remote]
+    return host.ssh(ssh_options, remote)
 
 
-# Run by the host's python: the pid from peer i's status.json, read with the same record.
-READ_PID = (
-    "import sys; from gossipgrad.peer.records import PeerStatus, read_record; "
-    "print(read_record(sys.argv[1], PeerStatus).pid)"
-)
+def stop_command(
+    host: Host, i: int, run: str, ssh_options: list[str], sig: str = "TERM"
+) -> list[str]:
+    """argv that sends ``sig`` to peer i on ``host`` (the pid in its run dir's pid file);
+    it fails while there is no pid file yet."""
+    pid_file = _remote_file(host, run, i, "pid")
+    return host.ssh(ssh_options, f'pid=$(cat {pid_file}) && kill -{sig} "$pid"')
 
 
-def stop_command(host: Host, i: int, run: str, ssh_options: list[str]) -> list[str]:
-    """argv that sends SIGTERM to peer i on ``host`` (pid from its status.json)."""
-    status = str(PurePosixPath(remote_run_dir(host, run, i)) / "status.json")
-    read_pid = shlex.join([host.python, "-c", READ_PID, status])
-    remote = f'pid=$({read_pid}) && kill -TERM "$pid"'
-    return ["ssh", *ssh_options, host.address, remote]
-
-
-def fetch_commands(
-    host: Host, i: int, run: str, local_dir: Path, ssh_options: list[str]
-) -> list[list[str]]:
-    """scp argv lists that copy peer i's result files into ``local_dir``."""
-    src = remote_run_dir(host, run, i)
-    return [
-        [
-            "scp",
-            "-q",
-            *ssh_options,
-            f"{host.address}:{shlex.quote(f'{src}/{name}')}",
-            str(local_dir / name),
-        ]
-        for name in FETCHED
-    ]
+def fetch_command(host: Host, i: int, run: str, name: str, ssh_options: list[str]) -> list[str]:
+    """argv that writes peer i's result file ``name`` to stdout."""
+    return host.ssh(ssh_options, f"cat -- {_remote_file(host, run, i, name)}")
 
 
 class SshSwarm:
@@ -180,9 +210,12 @@ class SshSwarm:
             log_file = open(self.out / f"peer{i}.log", "w")  # noqa: SIM115 - closed in stop()
             self.logs.append(log_file)
             cmd = self.command(i, self.bootstrap() if i else None)
+            # A session of its own: a Ctrl-C at the runner's terminal must not end the client
+            # (that would leave the peer running, unreachable); the runner stops the peer.
             self.procs[i] = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT
-            )
+                cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
 
     def statuses(self) -> list[PeerStatus]:
         """Placeholders: remote status files are fetched only after the run."""
@@ -194,17 +227,34 @@ class SshSwarm:
     def failed(self) -> list[int]:
         return [i for i, p in self.procs.items() if p.poll() not in (None, 0)]
 
+    def _signal(self, i: int, sig: str) -> bool:
+        """Send ``sig`` to remote peer i; False if that failed (no pid file yet, host down)."""
+        cmd = stop_command(self.hosts[i], i, self.run, self.ssh_options, sig)
+        try:
+            return subprocess.run(cmd, capture_output=True, timeout=30, check=False).returncode == 0
+        except subprocess.TimeoutExpired:
+            return False
+
     def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM each remote peer still running (it checkpoints), then end the ssh clients."""
+        """SIGTERM each remote peer whose ssh session is open (it checkpoints and leaves) and
+        wait for the sessions to end; SIGKILL the peers still running at the deadline, then
+        end the ssh clients. A peer whose shell has not written its pid file yet is signalled
+        once it has."""
+        deadline = time.monotonic() + timeout
+        todo = {i for i, p in self.procs.items() if p.poll() is None}
+        while todo and time.monotonic() < deadline:
+            todo = {i for i in todo if self.procs[i].poll() is None and not self._signal(i, "TERM")}
+            if todo:
+                time.sleep(0.2)
         for i, p in self.procs.items():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
             if p.poll() is None:
-                subprocess.run(
-                    stop_command(self.hosts[i], i, self.run, self.ssh_options),
-                    capture_output=True,
-                    timeout=30,
-                    check=False,
+                log.warning(
+                    "peer%d on %s did not leave in %.0fs: killed", i, self.hosts[i].address, timeout
                 )
-        reap(self.procs.values(), timeout)
+                self._signal(i, "KILL")
+        reap(self.procs.values(), 10.0)
         for f in self.logs:
             f.close()
         self.logs.clear()
@@ -212,7 +262,24 @@ class SshSwarm:
     def fetch(self) -> None:
         """Copy status.json, summary.json, params.pt and (if any) buffers.pt of every peer back."""
         for i in range(self.n):
-            for cmd in fetch_commands(
-                self.hosts[i], i, self.run, self.peer_dir(i), self.ssh_options
-            ):
-                subprocess.run(cmd, capture_output=True, timeout=120, check=False)
+            for name in FETCHED:
+                self._fetch(i, name)
+
+    def _fetch(self, i: int, name: str) -> None:
+        dest = self.peer_dir(i) / name
+        part = dest.with_name(f"{name}.part")
+        cmd = fetch_command(self.hosts[i], i, self.run, name, self.ssh_options)
+        try:
+            with open(part, "wb") as f:
+                done = subprocess.run(cmd, stdout=f, stderr=subprocess.PIPE, timeout=120)
+            ok, why = done.returncode == 0, done.stderr.decode(errors="replace").strip()
+        except subprocess.TimeoutExpired:
+            ok, why = False, "timed out"
+        if ok:
+            part.replace(dest)
+            return
+        part.unlink(missing_ok=True)
+        if name not in OPTIONAL:
+            log.warning(
+                "peer%d: could not fetch %s from %s: %s", i, name, self.hosts[i].address, why
+            )

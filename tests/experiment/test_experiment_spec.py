@@ -26,7 +26,7 @@ from gossipgrad.experiment.spec import (
     rate_bits,
     time_seconds,
 )
-from gossipgrad.peer.records import PeerStatus, write_record
+from gossipgrad.peer.records import PeerStatus
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import ROOT
@@ -187,28 +187,58 @@ def test_ssh_commands(tmp_path: Path) -> None:
     assert second[3] == "site-b.example"
     assert opts[opts.index("--peer.bootstrap") + 1] == "10.1.0.5:7070"
     assert opts[opts.index("--peer.listen") + 1] == "site-b.example:0"
+    assert "echo $$ > /srv/runs/run1/peer0/pid &&" in first[4]
     stop = ssh.stop_command(inv.hosts[0], 0, "run1", [])
     assert stop[1] == "alice@site-a.example" and "kill -TERM" in stop[2]
-    fetch = ssh.fetch_commands(inv.hosts[0], 0, "run1", tmp_path, [])
-    assert [c[-1] for c in fetch] == [str(tmp_path / n) for n in ssh.FETCHED]
-    assert fetch[0][2] == "alice@site-a.example:/srv/runs/run1/peer0/status.json"
+    assert "kill -KILL" in ssh.stop_command(inv.hosts[0], 0, "run1", [], "KILL")[2]
+    fetch = ssh.fetch_command(inv.hosts[0], 0, "run1", "status.json", [])
+    assert fetch == ["ssh", "alice@site-a.example", "cat -- /srv/runs/run1/peer0/status.json"]
     no_port = inv_path.read_text().replace("port = 7070", "")
     inv_path.write_text(no_port)
     with pytest.raises(ValueError, match=r"hosts\.0\.port"):
         ssh.SshSwarm(tmp_path, 2, {}, ssh.load_inventory(inv_path), "r", [])
 
 
+@pytest.mark.timeout(30)
+def test_ssh_port_and_identity_per_host(tmp_path: Path) -> None:
+    """An inventory host's ssh_port and identity (relative: next to the inventory) go into
+    every ssh command for that host; a missing key file is an error naming the key."""
+    (tmp_path / "keys").mkdir()
+    (tmp_path / "keys" / "a").write_text("key")
+    inv_path = tmp_path / "hosts.toml"
+    inv_path.write_text(
+        '[[hosts]]\naddress = "a"\nport = 7070\nssh_port = 2222\nidentity = "keys/a"\n'
+        '[[hosts]]\naddress = "b"\n'
+    )
+    inv = ssh.load_inventory(inv_path)
+    key = str(tmp_path / "keys" / "a")
+    swarm = ssh.SshSwarm(tmp_path / "swarm", 2, {}, inv, "r", ["-o", "BatchMode=yes"])
+    assert swarm.command(0, None)[:7] == ["ssh", "-o", "BatchMode=yes", "-p", "2222", "-i", key]
+    assert ssh.stop_command(inv.hosts[0], 0, "r", [])[:6] == ["ssh", "-p", "2222", "-i", key, "a"]
+    assert ssh.fetch_command(inv.hosts[0], 0, "r", "params.pt", [])[1:6] == [
+        "-p", "2222", "-i", key, "a"
+    ]  # fmt: skip
+    assert swarm.command(1, "x")[:4] == ["ssh", "-o", "BatchMode=yes", "b"]
+    inv_path.write_text('[[hosts]]\naddress = "a"\nidentity = "keys/missing"\n')
+    with pytest.raises(SpecError, match=r"hosts\.0\.identity"):
+        ssh.load_inventory(inv_path)
+    inv_path.write_text('[[hosts]]\naddress = "a"\nssh_port = 70000\n')
+    with pytest.raises(SpecError, match=r"hosts\.0\.ssh_port"):
+        ssh.load_inventory(inv_path)
+
+
 @pytest.mark.timeout(60)
-def test_ssh_stop_command_signals_the_pid_in_status_json(tmp_path: Path) -> None:
-    """The remote half of ``stop_command``, run by a local shell: it reads the pid with the
-    status record and sends SIGTERM to exactly that process."""
+def test_ssh_stop_command_signals_the_pid_in_the_pid_file(tmp_path: Path) -> None:
+    """The remote half of ``stop_command``, run by a local shell: it reads the pid file the
+    peer's shell wrote and sends SIGTERM to exactly that process; with no pid file it fails."""
     host = ssh.Host(address="h", workdir=str(tmp_path / "w d"), python=sys.executable)
     run_dir = Path(ssh.remote_run_dir(host, "r", 0))
     run_dir.mkdir(parents=True)
+    remote = ssh.stop_command(host, 0, "r", [])[-1]
+    assert subprocess.run(["bash", "-c", remote], capture_output=True).returncode != 0
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        write_record(run_dir / "status.json", PeerStatus(id="peer0", pid=victim.pid))
-        remote = ssh.stop_command(host, 0, "r", [])[-1]
+        (run_dir / "pid").write_text(f"{victim.pid}\n")
         subprocess.run(["bash", "-c", remote], check=True, timeout=30)
         assert victim.wait(timeout=10) == -signal.SIGTERM
     finally:
