@@ -271,10 +271,13 @@ class Membership(PeerTable):
         self._thread = threading.Thread(target=loop, name="membership", daemon=True)
         self._thread.start()
 
-    def wait_for(self, count: int, timeout: float) -> bool:
-        """Block until `count` peers (self included) are present, or timeout."""
+    def wait_for(self, count: int, timeout: float, stop: threading.Event | None = None) -> bool:
+        """Block until `count` peers (self included) are present, or timeout, or ``stop``
+        is set (a SIGTERM while waiting)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not self._stop.is_set():
+            if stop is not None and stop.is_set():
+                break
             if len(self.present_ids()) >= count:
                 return True
             time.sleep(0.05)

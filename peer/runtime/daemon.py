@@ -196,8 +196,10 @@ class Daemon:
         # for expected_peers would leave its neighbours waiting for it (up to start_timeout,
         # forever short of a peer that stays down).
         if cfg.peer.expected_peers > 1 and not resumed:
-            ok = gopt.wait_for_peers(cfg.peer.expected_peers, cfg.peer.start_timeout)
-            if not ok:
+            ok = gopt.wait_for_peers(
+                cfg.peer.expected_peers, cfg.peer.start_timeout, stop=self.stop_requested
+            )
+            if not ok and not self.stop_requested.is_set():
                 log.warning(
                     "only %d of %d peers after %.0fs; training anyway",
                     len(peer.membership.present_ids()),
@@ -208,7 +210,9 @@ class Daemon:
         # whose checkpoint the swarm has left join_after_steps or more behind (resumed, it
         # would lag the others to the end and train its last steps alone).
         bootstrap = peer.membership is not None and peer.membership.bootstrap
-        if bootstrap and self._joined(gopt, resumed, started):
+        if self.stop_requested.is_set():  # a SIGTERM while waiting: leave without a state
+            log.info("asked to stop before training: leaving")
+        elif bootstrap and self._joined(gopt, resumed, started):
             self._write_status(joined_at_step=gopt.local_step)
         if site is not None:
             gopt.sync_site()  # all ranks take the leader's state (resumed or joined)
@@ -219,7 +223,11 @@ class Daemon:
         checkpoint when no donor is that far ahead or none serves)."""
         membership = gopt.peer.membership
         if not resumed:
-            find_swarm(membership, self.cfg.peer.start_timeout, started=started)
+            find_swarm(
+                membership, self.cfg.peer.start_timeout, started=started, stop=self.stop_requested
+            )
+            if self.stop_requested.is_set():
+                return False
             return gopt.join_from_swarm()
         membership.beat_once()
         try:

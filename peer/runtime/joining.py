@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -87,7 +88,12 @@ class Backoff:
         return True
 
 
-def find_swarm(membership: Membership, timeout: float, started: float | None = None) -> None:
+def find_swarm(
+    membership: Membership,
+    timeout: float,
+    started: float | None = None,
+    stop: threading.Event | None = None,
+) -> None:
     """Heartbeat the bootstrap addresses until some peer answers, with backoff.
 
     Args:
@@ -96,6 +102,7 @@ def find_swarm(membership: Membership, timeout: float, started: float | None = N
         timeout: seconds from ``started`` after which to give up.
         started: monotonic time the bound counts from (default: now), e.g. the start of a
             wait for ``peer.expected_peers`` that came first.
+        stop: set when the peer is asked to stop (SIGTERM): return at once, found or not.
 
     Raises:
         JoinError: ``no bootstrap peer answered: A, B (after Ns)``.
@@ -107,6 +114,8 @@ def find_swarm(membership: Membership, timeout: float, started: float | None = N
     backoff = Backoff()
     rounds = 0
     while len(membership.present_ids()) < 2:
+        if stop is not None and stop.is_set():
+            return
         rounds += 1
         membership.beat_once()
         if len(membership.present_ids()) < 2 and not backoff.sleep(deadline):

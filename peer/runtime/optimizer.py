@@ -116,9 +116,12 @@ class GossipOptimizer:
         """Join the swarm: serve gRPC, start membership (idempotent)."""
         self.peer.start()
 
-    def wait_for_peers(self, count: int, timeout: float) -> bool:
-        """Block until `count` peers (self included) are known or the timeout passes."""
-        return self.peer.membership.wait_for(count, timeout)
+    def wait_for_peers(
+        self, count: int, timeout: float, stop: threading.Event | None = None
+    ) -> bool:
+        """Block until `count` peers (self included) are known, the timeout passes or
+        ``stop`` is set."""
+        return self.peer.membership.wait_for(count, timeout, stop)
 
     # ------------------------------------------------------------------ optimizer interface
 

@@ -39,7 +39,11 @@ class PeerResult(_Open):
     """One peer in the report: its summary.json's figures plus what the runner sampled."""
 
     id: str = Field(description="The peer's id.")
-    ok: bool = Field(False, description="It wrote a summary and exited cleanly.")
+    ok: bool = Field(
+        False,
+        description="It exited cleanly with a summary and was not stopped early (a peer the "
+        "runner stopped at experiment.timeout is not ok).",
+    )
     final: dict[str, float] | None = Field(None, description="Final evaluation (None: failed).")
     final_seconds: float | None = Field(None, description="Training seconds at ``final``.")
     metric: str | None = Field(None, description="The task's headline metric.")

@@ -26,8 +26,8 @@ from gossipgrad.peer.config.base import split_list_strings
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 if TYPE_CHECKING:
-    from gossipgrad.peer.config import GossipSection
     from gossipgrad.experiment.diloco import OuterSettings
+    from gossipgrad.peer.config import GossipSection
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -18,9 +18,8 @@ def peer_result(
 ) -> PeerResult:
     """Peer i's entry: its summary.json (when it wrote one) plus the sampled history."""
     summary = read_record(run_dir / "summary.json", PeerSummary)
-    entry = PeerResult(
-        id=f"peer{i}", ok=ok and summary is not None, history=history, neighbours=edges
-    )
+    finished = summary is not None and not summary.stopped_early
+    entry = PeerResult(id=f"peer{i}", ok=ok and finished, history=history, neighbours=edges)
     if summary is None:
         return entry
     fields = set(PeerResult.model_fields) - {"ok", "history", "neighbours"}

@@ -285,6 +285,50 @@ def test_a_daemon_with_only_dead_bootstrap_addresses_exits_with_one_line_error(
     assert not (tmp_path / "peer" / "summary.json").exists()
 
 
+def wait_for_status(path: Path, state: str, timeout: float) -> PeerStatus:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = read_record(path, PeerStatus)
+        if status is not None and status.state == state:
+            return status
+        time.sleep(0.1)
+    raise AssertionError(f"no status {state!r} in {path} within {timeout}s")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("waiting", ["expected_peers", "bootstrap"])
+def test_a_sigterm_while_the_daemon_waits_to_start_ends_it_at_once(
+    tmp_path: Path, waiting: str
+) -> None:
+    # Waiting for peer.expected_peers, or hunting a bootstrap address that does not answer,
+    # lasts up to peer.start_timeout (here 600 s); a SIGTERM must end it like any other.
+    with dead_addresses(1) as dead:
+        cmd = [sys.executable, "-m", "gossipgrad.peer", "--peer.start_timeout", "600"]
+        cmd += ["--peer.run_dir", str(tmp_path / "peer"), "--train.task", "digits"]
+        cmd += ["--train.threads", "1", "--metrics.enabled", "false"]
+        if waiting == "expected_peers":
+            cmd += ["--peer.expected_peers", "3"]
+        else:
+            cmd += ["--peer.bootstrap", dead[0]]
+        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for_status(tmp_path / "peer" / "status.json", "starting", 60)
+            time.sleep(1.0)  # inside the wait
+            signalled = time.monotonic()
+            proc.terminate()
+            code = proc.wait(timeout=60)
+            took = time.monotonic() - signalled
+            stderr = proc.stderr.read()
+        finally:
+            proc.kill()
+            proc.wait()
+    assert code == 0, stderr
+    assert took < 30, f"the daemon took {took:.0f}s to leave after SIGTERM"
+    assert "Traceback" not in stderr
+    status = read_record(tmp_path / "peer" / "status.json", PeerStatus)
+    assert status is not None and status.step == 0  # it never trained
+
+
 JOINERS = (2, 3)
 RATE = 50_000  # bytes/s each donor serves state at: a digits state (~212 kB) takes ~4 s
 
