@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -336,9 +337,14 @@ class SiteOptimizer:
     def _object_device(self) -> torch.device | None:
         return self.flat.device if self.flat.device.type == "cuda" else None
 
-    def wait_for_peers(self, count: int, timeout: float) -> bool:
-        """Leader: wait for `count` sites; other ranks have nothing to wait for."""
-        return self.gopt.wait_for_peers(count, timeout) if self.gopt is not None else True
+    def wait_for_peers(
+        self, count: int, timeout: float, stop: threading.Event | None = None
+    ) -> bool:
+        """Leader: wait for `count` sites (or until ``stop`` is set); other ranks have
+        nothing to wait for."""
+        if self.gopt is None:
+            return True
+        return self.gopt.wait_for_peers(count, timeout, stop)
 
     def join_from_swarm(
         self,

@@ -194,7 +194,9 @@ def test_every_codec_keeps_anchors_together(codec: str, overlap: bool) -> None:
 
 
 def test_checkpoint_resumes_outer_state_and_a_joiner_takes_no_residual() -> None:
-    opts = start_diloco(2, topology="ring", codec="topk:0.1+int8", local_steps=2)
+    opts = start_diloco(
+        2, topology="ring", codec="topk:0.1+int8", local_steps=2, outer_momentum=0.9
+    )
     try:
         gen = torch.Generator().manual_seed(3)
         numel = opts[0].flat.numel
