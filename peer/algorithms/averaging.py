@@ -211,9 +211,24 @@ class CompressedAverage:
         self.step += 1
         return ticket
 
-    def collect(self, ticket: Ticket, wait: bool = True) -> tuple[torch.Tensor, AverageStats]:
+    def own_share(self, ticket: Ticket) -> torch.Tensor:
+        """This peer's part of the average of a started exchange, w_ii · decode(c_i) (a
+        buffer reused by the next call)."""
+        weights = self.nb.weights_at(ticket.round, ticket.ids)
+        w_self = 1.0 - sum(weights.get(p, 0.0) for p in ticket.neighbors)
+        return self._avg.copy_(self.mine).mul_(w_self)
+
+    def collect(
+        self, ticket: Ticket, wait: bool = True, own: bool = True
+    ) -> tuple[torch.Tensor, AverageStats]:
         """Step 3: the neighbourhood's average (a buffer reused by the next call); without
-        ``wait``, over the vectors that have arrived (none is waited for or marked lagging)."""
+        ``wait``, over the vectors that have arrived (none is waited for or marked lagging).
+
+        The own vector averaged in is the last one ``start`` compressed, which need not be
+        the ticket's (diloco's eager overlap mixes this phase's own vector with the
+        neighbours' of the phase before). ``own=False``: the neighbours' part alone, with
+        their weights as they are (the own share was applied before), not renormalised.
+        """
         neighbors = ticket.neighbors
 
         def missing() -> list[str]:
@@ -224,7 +239,7 @@ class CompressedAverage:
             waited = self.nb.wait(missing, self.round_timeout, f"exchange {ticket.step}")
         weights = self.nb.weights_at(ticket.round, ticket.ids)
         w_self = 1.0 - sum(weights.get(p, 0.0) for p in neighbors)
-        avg = self._avg.copy_(self.mine).mul_(w_self)
+        avg = self._avg.copy_(self.mine).mul_(w_self) if own else self._avg.zero_()
         total, averaged = w_self, []
         with self._lock:
             for peer in neighbors:
@@ -234,7 +249,7 @@ class CompressedAverage:
                     avg.add_(queue.popleft(), alpha=w)
                     total += w
                     averaged.append(peer)
-        if total > 0:
+        if own and total > 0:
             avg.div_(total)
         stats = AverageStats(
             step=ticket.step,

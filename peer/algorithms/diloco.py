@@ -14,11 +14,15 @@ leaves the peer). At the end of phase r:
    differ from peer to peer, and the anchors would otherwise drift apart.
 5. θ_i = a_i: the next phase starts from the anchor.
 
-With ``gossip.overlap`` the exchange of phase r runs while phase r + 1 computes (one-phase
-delayed application, as Streaming / Eager DiLoCo do): at the end of phase r the peer sends Δ_r,
-applies Δ̄_{r−1} (which arrived during phase r) to the anchor, and continues from
-θ = a − Δ_r, the new anchor plus its own not yet averaged progress. A WAN round trip then
-hides behind a phase of compute.
+With ``gossip.overlap`` the exchange of phase r runs while phase r + 1 computes (eager
+updates, Kale et al. 2025, "Eager Updates for Overlapped Communication and Computation in
+DiLoCo"): at the end of phase r the peer sends Δ_r and takes its outer step on
+w_ii Q(Δ_r) + Σ_j w_ij Q(Δ_{r−1}^j), its own vector of this phase and the neighbours' of the
+phase before (arrived during phase r), so every vector is applied once, with its weight; the
+next phase starts from the anchor. A WAN round trip then hides behind a phase of compute.
+(Continuing from a − Δ_r, the own progress at full weight until its average arrives, ended
+at 2.46, these eager updates at 1.96, against 1.76 without overlap on the char transformer,
+4 peers, H = 10.)
 """
 
 from __future__ import annotations
@@ -81,33 +85,28 @@ class DiLoCo(GossipAlgorithm):
 
     # ------------------------------------------------------------------ the outer round
 
-    def _apply(self, ticket: Ticket) -> RoundStats:
-        """Steps 2-4 for a started exchange: average, outer step, anchors' CHOCO round."""
-        avg, self.last_exchange = self.average.collect(ticket)
-        with torch.no_grad(), self.state_lock:
-            outer_step(self.anchor, avg, self.momentum, self.outer)
-        return self.anchors.step_round()
-
     def _outer_round(self, overlap: bool) -> RoundStats:
-        """The end of a phase: steps 1-5, or with ``overlap`` the delayed variant."""
+        """The end of a phase: steps 1-5, or with ``overlap`` the eager variant (module
+        docstring): this phase's own pseudo-gradient and the neighbours' of the phase
+        before, whose exchange ran while this phase computed."""
         with torch.no_grad(), self.state_lock:
             torch.sub(self.start, self.flat.data, out=self._delta)
-        stats = None
-        if overlap:
-            previous, self._pending = self._pending, None
-            if previous is not None:
-                stats = self._apply(previous)
-            self._pending = self.average.start(self._delta, self._phase)
+        ticket = self.average.start(self._delta, self._phase)
+        if not overlap:
+            step, self.last_exchange = self.average.collect(ticket)
         else:
-            stats = self._apply(self.average.start(self._delta, self._phase))
+            previous, self._pending = self._pending, ticket
+            if previous is None:  # the first phase: no neighbour's vector yet
+                step = self.average.own_share(ticket)
+            else:
+                step, self.last_exchange = self.average.collect(previous)
+        with torch.no_grad(), self.state_lock:
+            outer_step(self.anchor, step, self.momentum, self.outer)
+        stats = self.anchors.step_round()
         with torch.no_grad(), self.state_lock:
             self.flat.data.copy_(self.anchor)
-            if overlap:
-                self.flat.data.sub_(self._delta)  # own progress, not averaged yet
-            self.start.copy_(self.flat.data)
+            self.start.copy_(self.anchor)
         self._phase += 1
-        if stats is None:  # the first overlapped phase: nothing to apply yet
-            stats = RoundStats(round=self._phase - 1, neighbors=[], mixed=[], pushed=[])
         return stats
 
     # ------------------------------------------------------------------ interface
@@ -127,16 +126,19 @@ class DiLoCo(GossipAlgorithm):
         return stats
 
     def finish(self) -> None:
-        """Apply the exchange still in flight (overlap), then any partial last phase, so the
-        parameters end on the anchor with every peer's progress averaged in."""
+        """Apply the neighbours' part still in flight (overlap), then any partial last phase,
+        so the parameters end on the anchor with every peer's progress averaged in."""
         if self._pending is not None:
             ticket, self._pending = self._pending, None
+            rest, self.last_exchange = self.average.collect(ticket, own=False)
             with torch.no_grad(), self.state_lock:
                 self._delta.copy_(self.flat.data).sub_(self.start)  # since the phase began
-            self._apply(ticket)
-            with torch.no_grad(), self.state_lock:
+                # The own share went into the last outer step: the rest is added as it is,
+                # without a momentum step of its own.
+                self.anchor.sub_(rest, alpha=self.outer.lr)
                 self.flat.data.copy_(self.anchor).add_(self._delta)
                 self.start.copy_(self.anchor)
+            self.anchors.step_round()
         with torch.no_grad(), self.state_lock:
             partial = not torch.equal(self.start, self.flat.data)
         if partial:

@@ -193,6 +193,31 @@ def test_every_codec_keeps_anchors_together(codec: str, overlap: bool) -> None:
         close(opts)
 
 
+def test_overlap_starts_each_phase_from_the_anchor_and_applies_every_vector_once() -> None:
+    # Eager overlap: the outer step takes this phase's own pseudo-gradient and the neighbour's
+    # of the phase before, so the next phase starts from the anchor (not from the anchor
+    # minus the own progress), and over the run the anchors' sum moves by the sum of all
+    # pseudo-gradients, each once (the anchors' CHOCO moves on an edge cancel in the sum).
+    opts = start_diloco(
+        2, topology="full", codec="none", anchor_codec="none", local_steps=1, overlap=True
+    )
+    try:
+        gen = torch.Generator().manual_seed(5)
+        numel = opts[0].flat.numel
+        total = torch.zeros(numel)
+        for _ in range(5):
+            targets = [o.flat.data + 0.05 * torch.randn(numel, generator=gen) for o in opts]
+            total += sum(o.flat.data - t for o, t in zip(opts, targets, strict=True))
+            step_all(opts, targets)
+            for o in opts:
+                assert torch.equal(o.flat.data, o.algorithm.anchor)
+        finish_all(opts)
+        moved = sum(opts[0].flat.initial - o.algorithm.anchor for o in opts)
+        assert torch.allclose(moved, total, atol=1e-5), float((moved - total).norm())
+    finally:
+        close(opts)
+
+
 def test_checkpoint_resumes_outer_state_and_a_joiner_takes_no_residual() -> None:
     opts = start_diloco(
         2, topology="ring", codec="topk:0.1+int8", local_steps=2, outer_momentum=0.9
