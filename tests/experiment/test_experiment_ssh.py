@@ -280,13 +280,30 @@ def test_ssh_failed_run_stops_every_remote_peer(tmp_path: Path, sshd: Sshd) -> N
     _assert_nothing_left(tmp_path, sshd, [status.pid])
 
 
+@contextlib.contextmanager
+def _running(spec: Path, out: Path) -> Iterator[subprocess.Popen]:
+    """The runner on ``spec``, SIGKILLed (its whole group) if still running at the end."""
+    proc = _runner(spec, out)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _ctrl_c(proc: subprocess.Popen, tmp_path: Path) -> None:
+    """SIGINT to the runner's process group, as a terminal's Ctrl-C: it exits 130."""
+    os.killpg(proc.pid, signal.SIGINT)
+    assert _finish(proc, timeout=40) == 130, _log(tmp_path)
+
+
 @pytest.mark.timeout(60)
 def test_ssh_ctrl_c_stops_every_remote_peer(tmp_path: Path, sshd: Sshd) -> None:
     """Ctrl-C (SIGINT to the runner's process group, as a terminal sends it) while both
     peers train: the runner stops them over ssh and exits 130."""
     spec = _write_spec(tmp_path, sshd, steps=100_000, timeout=120)
-    proc = _runner(spec, tmp_path / "out")
-    try:
+    with _running(spec, tmp_path / "out") as proc:
         deadline = time.monotonic() + 40
         while True:
             statuses = _remote_statuses(tmp_path)
@@ -296,12 +313,7 @@ def test_ssh_ctrl_c_stops_every_remote_peer(tmp_path: Path, sshd: Sshd) -> None:
             time.sleep(0.2)
         pids = [s.pid for s in statuses.values() if s.pid]
         sshd.watch(pids)
-        os.killpg(proc.pid, signal.SIGINT)
-        assert _finish(proc, timeout=40) == 130, _log(tmp_path)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _ctrl_c(proc, tmp_path)
     _assert_nothing_left(tmp_path, sshd, pids)
 
 
@@ -311,17 +323,11 @@ def test_ssh_ctrl_c_at_start_stops_every_remote_peer(tmp_path: Path, sshd: Sshd)
     (or its shell its pid file): every peer that was started is stopped all the same."""
     spec = _write_spec(tmp_path, sshd, steps=100_000, timeout=120)
     out = tmp_path / "out"
-    proc = _runner(spec, out)
-    try:
+    with _running(spec, out) as proc:
         deadline = time.monotonic() + 30
         while not (out / "swarm" / "peer1.log").exists():
             assert proc.poll() is None and time.monotonic() < deadline, _log(tmp_path)
             time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGINT)
-        assert _finish(proc, timeout=40) == 130, _log(tmp_path)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _ctrl_c(proc, tmp_path)
     pid_files = list((tmp_path / "remote runs").glob("*/peer*/pid"))
     _assert_nothing_left(tmp_path, sshd, [int(f.read_text()) for f in pid_files])
