@@ -26,7 +26,6 @@ differs between its protocols).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import shlex
 import subprocess
@@ -143,13 +142,22 @@ def peer_command(
     return host.ssh(ssh_options, remote)
 
 
+#: Exit statuses of :func:`stop_command`'s remote half (0: signalled; ssh itself: 255).
+NO_PID_FILE, PEER_GONE = 3, 4
+
+
 def stop_command(
     host: Host, i: int, run: str, ssh_options: list[str], sig: str = "TERM"
 ) -> list[str]:
-    """argv that sends ``sig`` to peer i on ``host`` (the pid in its run dir's pid file);
-    it fails while there is no pid file yet."""
+    """argv that sends ``sig`` to peer i on ``host`` (the pid in its run dir's pid file;
+    ``sig`` 0 only asks whether it runs). Exits 0 when signalled, ``NO_PID_FILE`` while its
+    shell has not written the pid file, ``PEER_GONE`` when that process no longer runs."""
     pid_file = _remote_file(host, run, i, "pid")
-    return host.ssh(ssh_options, f'pid=$(cat {pid_file}) && kill -{sig} "$pid"')
+    return host.ssh(
+        ssh_options,
+        f"pid=$(cat {pid_file} 2>/dev/null) || exit {NO_PID_FILE}; "
+        f'kill -{sig} "$pid" 2>/dev/null || exit {PEER_GONE}',
+    )
 
 
 def fetch_command(host: Host, i: int, run: str, name: str, ssh_options: list[str]) -> list[str]:
@@ -227,33 +235,42 @@ class SshSwarm:
     def failed(self) -> list[int]:
         return [i for i, p in self.procs.items() if p.poll() not in (None, 0)]
 
-    def _signal(self, i: int, sig: str) -> bool:
-        """Send ``sig`` to remote peer i; False if that failed (no pid file yet, host down)."""
+    def _signal(self, i: int, sig: str) -> int:
+        """Send ``sig`` to remote peer i; :func:`stop_command`'s exit status (255: ssh
+        failed or timed out)."""
         cmd = stop_command(self.hosts[i], i, self.run, self.ssh_options, sig)
         try:
-            return subprocess.run(cmd, capture_output=True, timeout=30, check=False).returncode == 0
+            return subprocess.run(cmd, capture_output=True, timeout=30, check=False).returncode
         except subprocess.TimeoutExpired:
-            return False
+            return 255
 
     def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM each remote peer whose ssh session is open (it checkpoints and leaves) and
-        wait for the sessions to end; SIGKILL the peers still running at the deadline, then
-        end the ssh clients. A peer whose shell has not written its pid file yet is signalled
-        once it has."""
+        """SIGTERM every remote peer (it checkpoints and leaves), wait until none runs, SIGKILL
+        those still running at the deadline, then end the ssh clients.
+
+        Peers are followed by their pid on the host, not by their ssh client: a client whose
+        connection dropped ends while its peer runs on, and that peer must be stopped too. A
+        peer whose shell has not written its pid file yet is signalled once it has (unless
+        its client has ended: then its shell is gone, or never started)."""
         deadline = time.monotonic() + timeout
-        todo = {i for i, p in self.procs.items() if p.poll() is None}
+        todo = set(self.procs)
         while todo and time.monotonic() < deadline:
-            todo = {i for i in todo if self.procs[i].poll() is None and not self._signal(i, "TERM")}
+            for i in sorted(todo):
+                rc = self._signal(i, "TERM")
+                if rc in (0, PEER_GONE) or (rc == NO_PID_FILE and self.procs[i].poll() is not None):
+                    todo.discard(i)
             if todo:
                 time.sleep(0.2)
-        for i, p in self.procs.items():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            if p.poll() is None:
-                log.warning(
-                    "peer%d on %s did not leave in %.0fs: killed", i, self.hosts[i].address, timeout
-                )
-                self._signal(i, "KILL")
+        running = set(self.procs) - todo
+        while running and time.monotonic() < deadline:
+            running = {i for i in running if self._signal(i, "0") == 0}
+            if running:
+                time.sleep(0.5)
+        for i in sorted(running | todo):
+            log.warning(
+                "peer%d on %s did not leave in %.0fs: killed", i, self.hosts[i].address, timeout
+            )
+            self._signal(i, "KILL")
         reap(self.procs.values(), 10.0)
         for f in self.logs:
             f.close()

@@ -230,17 +230,25 @@ def test_ssh_port_and_identity_per_host(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_ssh_stop_command_signals_the_pid_in_the_pid_file(tmp_path: Path) -> None:
     """The remote half of ``stop_command``, run by a local shell: it reads the pid file the
-    peer's shell wrote and sends SIGTERM to exactly that process; with no pid file it fails."""
+    peer's shell wrote and sends SIGTERM to exactly that process; it tells a missing pid file
+    and a process that no longer runs apart (the runner retries the one, is done with the
+    other)."""
     host = ssh.Host(address="h", workdir=str(tmp_path / "w d"), python=sys.executable)
     run_dir = Path(ssh.remote_run_dir(host, "r", 0))
     run_dir.mkdir(parents=True)
-    remote = ssh.stop_command(host, 0, "r", [])[-1]
-    assert subprocess.run(["bash", "-c", remote], capture_output=True).returncode != 0
+
+    def remote(sig: str = "TERM") -> int:
+        cmd = ssh.stop_command(host, 0, "r", [], sig)[-1]
+        return subprocess.run(["bash", "-c", cmd], capture_output=True, timeout=30).returncode
+
+    assert remote() == ssh.NO_PID_FILE
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         (run_dir / "pid").write_text(f"{victim.pid}\n")
-        subprocess.run(["bash", "-c", remote], check=True, timeout=30)
+        assert remote("0") == 0  # it runs
+        assert remote() == 0
         assert victim.wait(timeout=10) == -signal.SIGTERM
+        assert remote() == remote("0") == ssh.PEER_GONE
     finally:
         victim.kill()
         victim.wait()

@@ -298,21 +298,50 @@ def _ctrl_c(proc: subprocess.Popen, tmp_path: Path) -> None:
     assert _finish(proc, timeout=40) == 130, _log(tmp_path)
 
 
+def _training(proc: subprocess.Popen, tmp: Path) -> list[int]:
+    """Wait until both remote peers train; their pids."""
+    deadline = time.monotonic() + 40
+    while True:
+        statuses = _remote_statuses(tmp)
+        if len(statuses) == 2 and all(s.pid and s.step >= 1 for s in statuses.values()):
+            return [s.pid for s in statuses.values() if s.pid]
+        assert proc.poll() is None and time.monotonic() < deadline, _log(tmp)
+        time.sleep(0.2)
+
+
 @pytest.mark.timeout(60)
 def test_ssh_ctrl_c_stops_every_remote_peer(tmp_path: Path, sshd: Sshd) -> None:
     """Ctrl-C (SIGINT to the runner's process group, as a terminal sends it) while both
     peers train: the runner stops them over ssh and exits 130."""
     spec = _write_spec(tmp_path, sshd, steps=100_000, timeout=120)
     with _running(spec, tmp_path / "out") as proc:
-        deadline = time.monotonic() + 40
-        while True:
-            statuses = _remote_statuses(tmp_path)
-            if len(statuses) == 2 and all(s.pid and s.step >= 1 for s in statuses.values()):
-                break
-            assert proc.poll() is None and time.monotonic() < deadline, _log(tmp_path)
-            time.sleep(0.2)
-        pids = [s.pid for s in statuses.values() if s.pid]
+        pids = _training(proc, tmp_path)
         sshd.watch(pids)
+        _ctrl_c(proc, tmp_path)
+    _assert_nothing_left(tmp_path, sshd, pids)
+
+
+@pytest.mark.timeout(60)
+def test_ssh_a_peer_whose_connection_dropped_is_stopped_all_the_same(
+    tmp_path: Path, sshd: Sshd
+) -> None:
+    """peer1's ssh client dies while peer1 trains (a dropped connection: without a tty the
+    remote peer runs on); Ctrl-C must still stop it, found by its pid, not by its client."""
+    spec = _write_spec(tmp_path, sshd, steps=100_000, timeout=120)
+    with _running(spec, tmp_path / "out") as proc:
+        pids = _training(proc, tmp_path)
+        sshd.watch(pids)
+        [client] = [
+            c for c in psutil.Process(proc.pid).children()
+            if "--peer.id peer1" in " ".join(c.cmdline())
+        ]  # fmt: skip
+        client.kill()  # the runner's child: a zombie until the runner polls it
+        deadline = time.monotonic() + 10
+        while _alive(client.pid):
+            assert time.monotonic() < deadline, "the ssh client did not die"
+            time.sleep(0.1)
+        time.sleep(1.0)
+        assert all(map(_alive, pids)), "both peers still train after the client's end"
         _ctrl_c(proc, tmp_path)
     _assert_nothing_left(tmp_path, sshd, pids)
 
