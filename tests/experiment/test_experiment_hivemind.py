@@ -62,7 +62,10 @@ def test_hivemind_baseline_end_to_end(tmp_path: Path) -> None:
     # most of them averaged gradients across both ranks.
     assert all(b >= 30 for b in extra["local_batches"])
     assert all(r > 15 for r in extra["grad_averaging_rounds"])
-    assert [e["step"] for e in hm.evals] == [10, 20]
+    # One evaluation each time the epoch passes a multiple of eval_every: an epoch can move
+    # by more than one (a rank that fell behind catches up), so at the first epoch past it.
+    first, second = (e["step"] for e in hm.evals)
+    assert 10 <= first < 20 <= second < 30
     secs = [e["seconds"] for e in hm.evals]
     assert 0 < secs[0] < secs[1] < (hm.final_seconds or 0) <= (hm.wall_seconds or 0)
     # Bytes from the p2p daemons' sockets: what one rank sends, the other receives.
