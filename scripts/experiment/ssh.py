@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import shlex
+import signal
 import subprocess
 import time
 from pathlib import Path, PurePosixPath
@@ -142,6 +143,15 @@ def peer_command(
     return host.ssh(ssh_options, remote)
 
 
+#: Signals that stop a run; held while an ssh client is spawned (``SshSwarm.start``).
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
+def _unblock_stop_signals() -> None:
+    """In the child before exec: the client must not inherit the runner's held signals."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
 #: Exit statuses of :func:`stop_command`'s remote half (0: signalled; ssh itself: 255).
 NO_PID_FILE, PEER_GONE = 3, 4
 
@@ -220,10 +230,16 @@ class SshSwarm:
             cmd = self.command(i, self.bootstrap() if i else None)
             # A session of its own: a Ctrl-C at the runner's terminal must not end the client
             # (that would leave the peer running, unreachable); the runner stops the peer.
-            self.procs[i] = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
+            # The stop signals wait while the client is spawned and recorded: a Ctrl-C
+            # between the fork and the assignment left a peer the runner did not know.
+            old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+            try:
+                self.procs[i] = subprocess.Popen(
+                    cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                    start_new_session=True, preexec_fn=_unblock_stop_signals,
+                )  # fmt: skip
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
     def statuses(self) -> list[PeerStatus]:
         """Placeholders: remote status files are fetched only after the run."""
