@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -203,6 +203,29 @@ class LocalSwarm:
         for log_file in self.logs:
             log_file.close()
         self.logs.clear()
+
+
+#: Signals that stop a run.
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM/SIGHUP (a signal that arrives meanwhile is delivered afterwards):
+    while cleaning up, so a second Ctrl-C cannot cut the cleanup short, and while a child is
+    spawned and recorded, so a Ctrl-C between the fork and the assignment cannot leave a
+    child nobody knows. A child spawned inside must unblock them (``preexec_fn=``
+    :func:`unblock_stop_signals`) or it inherits them held."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def unblock_stop_signals() -> None:
+    """In a child before exec: do not inherit the stop signals held by the parent."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def _descendants(procs: Iterable[subprocess.Popen]) -> list[psutil.Process]:

@@ -12,18 +12,16 @@ process is stopped and every namespace removed before ``run()`` returns or raise
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import signal
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from gossipgrad.experiment import netns, plan, ssh
 from gossipgrad.experiment.baselines import BaselineRun, RankPlacement
-from gossipgrad.experiment.launch import LocalSwarm
+from gossipgrad.experiment.launch import LocalSwarm, signals_deferred
 from gossipgrad.experiment.link_swarm import SwarmRelays
 from gossipgrad.experiment.live import LiveView, Progress
 from gossipgrad.experiment.records import BaselineResult, Report, SwarmResult
@@ -36,18 +34,6 @@ from gossipgrad.peer.records import PeerStatus, read_record
 from rich.console import Console
 
 log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def signals_deferred() -> Iterator[None]:
-    """Hold SIGINT/SIGTERM/SIGHUP while cleaning up, so a second Ctrl-C cannot cut the
-    cleanup short; a signal that arrived meanwhile is delivered afterwards."""
-    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _delta(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]]) -> dict[str, int]:

@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import logging
 import shlex
-import signal
 import subprocess
 import time
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from gossipgrad.experiment.launch import reap
+from gossipgrad.experiment.launch import reap, signals_deferred, unblock_stop_signals
 from gossipgrad.experiment.spec import SpecError, tomllib
 from gossipgrad.peer.records import PeerStatus
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -143,15 +142,6 @@ def peer_command(
     return host.ssh(ssh_options, remote)
 
 
-#: Signals that stop a run; held while an ssh client is spawned (``SshSwarm.start``).
-STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-
-
-def _unblock_stop_signals() -> None:
-    """In the child before exec: the client must not inherit the runner's held signals."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-
-
 #: Exit statuses of :func:`stop_command`'s remote half (0: signalled; ssh itself: 255).
 NO_PID_FILE, PEER_GONE = 3, 4
 
@@ -232,14 +222,11 @@ class SshSwarm:
             # (that would leave the peer running, unreachable); the runner stops the peer.
             # The stop signals wait while the client is spawned and recorded: a Ctrl-C
             # between the fork and the assignment left a peer the runner did not know.
-            old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-            try:
+            with signals_deferred():
                 self.procs[i] = subprocess.Popen(
                     cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                    start_new_session=True, preexec_fn=_unblock_stop_signals,
+                    start_new_session=True, preexec_fn=unblock_stop_signals,
                 )  # fmt: skip
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
     def statuses(self) -> list[PeerStatus]:
         """Placeholders: remote status files are fetched only after the run."""
