@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import logging
 import math
@@ -173,21 +174,40 @@ def group_members() -> list[int]:
     return out
 
 
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def adopt_orphans() -> None:
+    """Make this rank the subreaper of its descendants (Linux): a p2p daemon whose DHT process
+    dies first is reparented to the rank, which reaps it, instead of to init, which may leave
+    it a zombie for as long as it likes (a container's init may never reap it)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def reap() -> None:
+    """Collect every child that has ended (and, as subreaper, every adopted orphan)."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+
+
 def end_children(grace: float = 3.0) -> None:
     """SIGTERM, then SIGKILL, the rest of this rank's process group: hivemind's DHT and
-    averager processes and their p2p daemons, which would outlive the rank otherwise. By
-    group, not by parent, so that a daemon whose parent died first is not missed."""
+    averager processes and their p2p daemons, which would outlive the rank otherwise; then
+    reap them, so none is left even as a zombie. By group, not by parent, so that a daemon
+    whose parent died first is not missed."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in group_members():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
         deadline = time.monotonic() + grace
         while group_members() and time.monotonic() < deadline:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(-1, os.WNOHANG)  # reap our own children as they go
+            reap()
             time.sleep(0.05)
         if not group_members():
-            return
+            break
+    reap()
 
 
 def wait_for(paths: list[Path], what: str, timeout: float = RENDEZVOUS_TIMEOUT_S) -> None:
@@ -375,6 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
     rank_pid = os.getpid()
+    adopt_orphans()
 
     def terminated(signum: int, frame: Any) -> None:
         if os.getpid() == rank_pid:  # forked hivemind processes inherit this handler
