@@ -2,7 +2,7 @@
 
 ``python subreaper.py REPORT -- CMD...`` runs CMD; every process below it whose parent dies
 before it is reparented to this one (Linux ``PR_SET_CHILD_SUBREAPER``) instead of to init. Once
-CMD ends, REPORT gets JSON: ``adopted``, every such process (``"name (state): command
+CMD ends, REPORT gets JSON: ``adopted``, every such process (``"name (status): command
 line"``, running or a zombie), and ``running``, those still running after a grace of
 ``GRACE_S``, which are then killed; all are reaped. A command that ends its own processes
 leaves both lists empty, whatever the host's init does with zombies. The exit status is
@@ -20,32 +20,31 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 PR_SET_CHILD_SUBREAPER = 36
 GRACE_S = 5.0
 
 
 def adopted() -> dict[int, str]:
-    """This process's children other than the command: pid → "name (state): command line"."""
-    me, out = os.getpid(), {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            head, _, rest = (entry / "stat").read_text().rpartition(")")
-        except OSError:
-            continue
-        state, ppid = rest.split()[:2]
-        if int(ppid) == me:
-            argv = ""
-            with contextlib.suppress(OSError):
-                argv = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-            out[int(entry.name)] = f"{head.split('(', 1)[1]} ({state}): {argv}"
+    """This process's children (the command is reaped already): pid → "name (status): command
+    line", running or a zombie."""
+    out = {}
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):  # ended and reaped meanwhile
+            info = child.as_dict(["name", "status", "cmdline"])
+            out[child.pid] = f"{info['name']} ({info['status']}): {' '.join(info['cmdline'] or ())}"
     return out
 
 
-def running() -> dict[int, str]:
-    """The adopted processes that have not ended (zombies are dead: they only await a wait)."""
-    return {pid: what for pid, what in adopted().items() if " (Z): " not in what}
+def running() -> list[int]:
+    """The adopted processes that have not ended (a zombie has: it only awaits a wait)."""
+    alive = []
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if child.status() != psutil.STATUS_ZOMBIE:
+                alive.append(child.pid)
+    return alive
 
 
 def reap() -> None:
@@ -67,9 +66,10 @@ def main() -> int:
     while running() and time.monotonic() < deadline:
         reap()
         time.sleep(0.02)
-    left = running()
+    left = {pid: what for pid, what in adopted().items() if pid in running()}
     for pid in left:
-        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     while adopted() and time.monotonic() < deadline + 10:
         reap()
         time.sleep(0.02)
