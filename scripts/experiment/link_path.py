@@ -23,7 +23,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from gossipgrad.experiment.spec import LinkProfile, rate_bits, time_seconds
+from gossipgrad.experiment.spec import LinkProfile, NetworkSection, rate_bits, time_seconds
 
 MSS_BYTES = 1448
 MAX_CHUNK_BYTES = 64 * 1024
@@ -105,6 +105,8 @@ class PathStats:
     release_error_seconds: float = 0.0
     """Sum over writes of |time written - release time|: the emulator's own timing error."""
     max_late_seconds: float = 0.0
+    queue_drops: int = 0
+    """Packets dropped because the path's queue was full (``link_tun`` only)."""
 
 
 class LinkPath:
@@ -155,12 +157,25 @@ class LinkPath:
 
     def release(self, t: float, nbytes: int, previous: float) -> float:
         """When a chunk read at ``t`` reaches the other end (after ``previous``, the release
-        of the chunk before it on the same connection).
+        of the chunk before it on the same connection); a lost chunk arrives a retransmission
+        timeout later, as TCP would deliver it.
 
         Raises:
             LinkReset: the link resets the connection instead.
         """
         packets = max(1, math.ceil(nbytes / MSS_BYTES))
+        at = self._cross(t, nbytes, packets, drop_lost=False)
+        assert at is not None
+        return max(at, previous)
+
+    def deliver(self, t: float, nbytes: int, previous: float) -> float | None:
+        """When one IP packet offered at ``t`` leaves the path (after ``previous``, so the
+        path stays FIFO), or None if it is lost: dropped, as netem drops it, and TCP's own
+        retransmission does the rest (``link_tun``)."""
+        at = self._cross(t, nbytes, 1, drop_lost=True)
+        return None if at is None else max(at, previous)
+
+    def _cross(self, t: float, nbytes: int, packets: int, drop_lost: bool) -> float | None:
         for s in self.stages:
             if s.reset and self.rng.random() < 1.0 - (1.0 - s.reset) ** packets:
                 self.stats.resets += 1
@@ -169,7 +184,47 @@ class LinkPath:
             t += max(0.0, s.delay + (self.rng.gauss(0.0, s.jitter) if s.jitter else 0.0))
             if s.loss and self.rng.random() < 1.0 - (1.0 - s.loss) ** packets:
                 self.stats.lost_chunks += 1
+                if drop_lost:
+                    return None
                 t += self.loss_delay
         self.stats.bytes += nbytes
         self.stats.chunks += 1
-        return max(t, previous)
+        return t
+
+
+def _uplinks(
+    network: NetworkSection, n: int
+) -> tuple[dict[tuple[int, int], LinkProfile], dict[tuple[int, int], Serializer]]:
+    """Site i's uplink towards j: its profile, or the pair's ``[[network.links]]`` entry merged
+    over it with a transmitter of its own; else the site's one transmitter."""
+    up: dict[tuple[int, int], Serializer] = {}
+    uplink: dict[tuple[int, int], LinkProfile] = {}
+    for i in range(n):
+        default = Serializer(bytes_per_s(network.site(i)))
+        for j in range(n):
+            pair = network.pair(i, j) if i != j else None
+            uplink[i, j] = network.site(i).merged(pair) if pair else network.site(i)
+            up[i, j] = Serializer(bytes_per_s(uplink[i, j])) if pair else default
+    return uplink, up
+
+
+def swarm_paths(network: NetworkSection, n: int, seed: int) -> dict[tuple[int, int], LinkPath]:
+    """The path of every directed site pair i->j of a ``[network]`` section, shaped as netns
+    mode's qdiscs would: site i's uplink (its profile, or the ``[[network.links]]`` entry of
+    {i, j} merged over it, with its own transmitter like an HTB class), then site j's downlink
+    (its profile; one transmitter for all traffic into j). Path i->j draws from its own
+    seeded stream."""
+    rto = time_seconds(network.rto)
+    down = {j: Serializer(bytes_per_s(network.site(j))) for j in range(n)}
+    uplink, up = _uplinks(network, n)
+    paths: dict[tuple[int, int], LinkPath] = {}
+    for i in range(n):
+        for j in range(n):
+            if i == j:
+                continue
+            stages = [
+                Stage.from_profile(uplink[i, j], up[i, j]),
+                Stage.from_profile(network.site(j), down[j]),
+            ]
+            paths[i, j] = LinkPath(stages, seed=seed * 1_000_003 + i * 1009 + j, rto=rto)
+    return paths

@@ -7,9 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 from gossipgrad.experiment.link_emulator import LinkEmulator
-from gossipgrad.experiment.link_path import LinkPath, Serializer, Stage, bytes_per_s
+from gossipgrad.experiment.link_path import swarm_paths
 from gossipgrad.experiment.link_relay import Relay
-from gossipgrad.experiment.spec import LinkProfile, NetworkSection, time_seconds
+from gossipgrad.experiment.spec import NetworkSection
 
 # Loopback addresses of the sites in local mode: site i listens on 127.1.0.(i + 1).
 SITE_HOST = "127.1.0.{}"
@@ -20,29 +20,11 @@ def site_host(i: int) -> str:
     return SITE_HOST.format(i + 1)
 
 
-def _uplinks(
-    network: NetworkSection, n: int
-) -> tuple[dict[tuple[int, int], LinkProfile], dict[tuple[int, int], Serializer]]:
-    """Site i's uplink towards j: its profile, or the pair's ``[[network.links]]`` entry merged
-    over it with a transmitter of its own; else the site's one transmitter."""
-    up: dict[tuple[int, int], Serializer] = {}
-    uplink: dict[tuple[int, int], LinkProfile] = {}
-    for i in range(n):
-        default = Serializer(bytes_per_s(network.site(i)))
-        for j in range(n):
-            pair = network.pair(i, j) if i != j else None
-            uplink[i, j] = network.site(i).merged(pair) if pair else network.site(i)
-            up[i, j] = Serializer(bytes_per_s(uplink[i, j])) if pair else default
-    return uplink, up
-
-
 class SwarmRelays:
     """One relay per directed site pair i->j of a local swarm, shaped as netns mode would.
 
-    Path i->j: site i's uplink (its profile, or the ``[[network.links]]`` entry of {i, j}
-    merged over it, with its own transmitter like an HTB class), then site j's downlink (its
-    profile; one transmitter for all traffic into j). A relay i->j carries i's connections to
-    j: i's bytes on path i->j, j's replies on path j->i, sharing transmitters with relay j->i.
+    The paths are ``swarm_paths``'s. A relay i->j carries i's connections to j: i's bytes on
+    path i->j, j's replies on path j->i, sharing transmitters with relay j->i.
 
     Args:
         network: the spec's [network] section.
@@ -57,19 +39,7 @@ class SwarmRelays:
         self.network = network
         self.n = n
         self.emulator = LinkEmulator()
-        rto = time_seconds(network.rto)
-        down = {j: Serializer(bytes_per_s(network.site(j))) for j in range(n)}
-        uplink, up = _uplinks(network, n)
-        self.paths: dict[tuple[int, int], LinkPath] = {}
-        for i in range(n):
-            for j in range(n):
-                if i == j:
-                    continue
-                stages = [
-                    Stage.from_profile(uplink[i, j], up[i, j]),
-                    Stage.from_profile(network.site(j), down[j]),
-                ]
-                self.paths[i, j] = LinkPath(stages, seed=seed * 1_000_003 + i * 1009 + j, rto=rto)
+        self.paths = swarm_paths(network, n, seed)
         self.relay: dict[tuple[int, int], Relay] = {}
         for (i, j), path in self.paths.items():
             relay = Relay(f"{i}->{j}", _bind(upstream, j), path, self.paths[j, i])

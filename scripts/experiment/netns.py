@@ -13,8 +13,12 @@ namespaces created here; no host interface is touched. A site's upload is shaped
 caps the rate, a netem leaf adds delay, jitter and loss. Per-link (pair) profiles get their own
 HTB class on the sender's ``eth0``, selected by a u32 filter on the destination address.
 
-netem is a kernel module (sch_netem) that some kernels lack; rate shaping (HTB) works without
-it, and a spec asking for delay, jitter or loss then fails before anything starts.
+netem is a kernel module (sch_netem) that some kernels lack. Where it is missing and the spec
+asks for delay, jitter or loss (``network.emulator = "auto"``), or where the spec says
+``emulator = "tun"``, each site's ``eth0`` is instead a TUN device and a user-space switch in
+the runner (``link_tun``) carries every packet between sites with the same rate, delay,
+jitter and loss; there is then no hub bridge and no qdisc. Either way every program in a
+site's namespace -- peers and baselines alike -- crosses the same emulated links.
 
 ``NetnsLab`` removes every namespace it made in ``down()`` (also called on Ctrl-C, SIGTERM and
 crashes by the runner), first killing what still runs inside them; ``cleanup_stale()`` removes
@@ -34,6 +38,8 @@ import signal
 import subprocess
 from collections.abc import Sequence
 
+from gossipgrad.experiment.link_path import swarm_paths
+from gossipgrad.experiment.link_tun import TunError, TunSwitch, open_tun, subnet_sites
 from gossipgrad.experiment.spec import LinkProfile, NetworkSection
 
 log = logging.getLogger(__name__)
@@ -174,16 +180,22 @@ class NetnsLab:
         n: number of sites.
         network: link profiles (defaults: unshaped).
         prefix: namespace name prefix (default: ``gg{pid}x{random}-``, unique per run).
+        seed: seeds the TUN switch's jitter and loss draws (netem draws its own).
     """
 
-    def __init__(self, n: int, network: NetworkSection | None = None, prefix: str = "") -> None:
+    def __init__(
+        self, n: int, network: NetworkSection | None = None, prefix: str = "", seed: int = 0
+    ) -> None:
         if not 1 <= n <= MAX_SITES:
             raise ValueError(f"netns mode supports 1..{MAX_SITES} sites, got {n}")
         self.n = n
         self.network = network or NetworkSection()
         self.prefix = prefix or f"{ROOT_PREFIX}{os.getpid()}x{secrets.token_hex(2)}-"
+        self.seed = seed
         self.hub = f"{self.prefix}hub"
         self.created: list[str] = []
+        self.switch: TunSwitch | None = None
+        """The user-space switch when the links are TUN devices (else None: tc shapes)."""
 
     def ns(self, i: int) -> str:
         return f"{self.prefix}p{i}"
@@ -217,13 +229,46 @@ class NetnsLab:
         self._add_ns(self.hub)
         _run(["ip", "-n", self.hub, "link", "add", "br0", "type", "bridge"])
         _run(["ip", "-n", self.hub, "link", "set", "br0", "up"])
-        if self.network.needs_netem() and not netem_supported(self.hub, "br0"):
+        if self._uses_tun():
+            self._up_tun()
+        else:
+            self._up_veth()
+        log.info("netns lab up: %d sites, prefix %s", self.n, self.prefix)
+
+    def _uses_tun(self) -> bool:
+        """TUN links when asked for, or when delay/jitter/loss need netem and it is missing."""
+        emulator = self.network.emulator
+        if emulator == "tun":
+            return True
+        if not self.network.needs_netem() or netem_supported(self.hub, "br0"):
+            return False
+        if emulator == "netem":
             raise NetnsError(
-                "network: delay, jitter and loss need the netem qdisc (kernel module "
-                "sch_netem), which this kernel lacks; keep only 'rate' (HTB), run the spec "
-                "in experiment.mode = 'local' (user-space relay emulator), or use a kernel "
-                "with CONFIG_NET_SCH_NETEM"
+                "network.emulator = 'netem': delay, jitter and loss need the netem qdisc "
+                "(kernel module sch_netem), which this kernel lacks; use emulator = 'auto' "
+                "or 'tun' (a user-space switch over TUN devices) instead"
             )
+        log.info("no netem qdisc in this kernel: links are TUN devices and a user-space switch")
+        return True
+
+    def _up_tun(self) -> None:
+        fds: list[int] = []
+        try:
+            for i in range(self.n):
+                self._add_ns(self.ns(i))
+                fds.append(open_tun(self.ns(i), "eth0"))
+        except TunError as err:
+            for fd in fds:
+                os.close(fd)
+            raise NetnsError(f"TUN links: {err}") from err
+        paths = swarm_paths(self.network, self.n, self.seed)
+        self.switch = TunSwitch(fds, paths, subnet_sites(SUBNET, self.n)).start()
+        for i in range(self.n):
+            ns = self.ns(i)
+            _run(["ip", "-n", ns, "addr", "add", f"{self.address(i)}/{PREFIX_LEN}", "dev", "eth0"])
+            _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+
+    def _up_veth(self) -> None:
         for i in range(self.n):
             ns = self.ns(i)
             self._add_ns(ns)
@@ -244,10 +289,12 @@ class NetnsLab:
                 _run(["ip", "netns", "exec", self.ns(i), *cmd])
             for cmd in shaping_commands(f"v{i}", site):
                 _run(["ip", "netns", "exec", self.hub, *cmd])
-        log.info("netns lab up: %d sites, prefix %s", self.n, self.prefix)
 
     def down(self) -> None:
         """Kill what runs inside our namespaces and delete them (idempotent)."""
+        if self.switch is not None:
+            self.switch.close()
+            self.switch = None
         for ns in reversed(self.created):
             delete_namespace(ns)
         left = [ns for ns in list_namespaces() if ns.startswith(self.prefix)]

@@ -23,6 +23,9 @@ def experiment_line(spec: Spec, cfg: PeerConfig) -> str:
 def netns_lines(lab: NetnsLab, network: NetworkSection, n: int) -> list[str]:
     """Each site's namespace, address and shaping, then each per-pair link override."""
     lines = []
+    if network.emulator == "tun" or (network.needs_netem() and network.emulator == "auto"):
+        how = "TUN links" if network.emulator == "tun" else "netem, or TUN links without it"
+        lines.append(f"links: {how} (delay, jitter, loss); TUN links: a user-space switch")
     for i in range(n):
         site = network.site(i)
         lines.append(

@@ -96,7 +96,9 @@ class SwarmResult(_Open):
         None, description="The same over ‖x̄‖² (scale-free)."
     )
     link_emulator: dict[str, Any] | None = Field(
-        None, description="Local mode over relays: the emulator's CPU seconds, bytes, paths."
+        None,
+        description="The user-space link emulator of this phase (relays in local mode, the "
+        "TUN switch in netns mode): its CPU seconds, bytes, paths.",
     )
     link_bytes: dict[str, float] = Field(
         default_factory=dict,
@@ -153,6 +155,9 @@ class BaselineResult(_Open):
     )
     link_bytes: dict[str, float] = Field(
         default_factory=dict, description="Bytes per rank (local) or per site up/down (netns)."
+    )
+    link_emulator: dict[str, Any] | None = Field(
+        None, description="netns mode over TUN links: the switch's CPU seconds, bytes, paths."
     )
     network: str | None = Field(
         None, description="Set when the baseline did not run over the swarm's emulated links."

@@ -23,6 +23,7 @@ from gossipgrad.experiment import netns, plan, ssh
 from gossipgrad.experiment.baselines import BaselineRun, RankPlacement
 from gossipgrad.experiment.launch import LocalSwarm, signals_deferred
 from gossipgrad.experiment.link_swarm import SwarmRelays
+from gossipgrad.experiment.link_tun import report_since
 from gossipgrad.experiment.live import LiveView, Progress
 from gossipgrad.experiment.records import BaselineResult, Report, SwarmResult
 from gossipgrad.experiment.report import write_outputs
@@ -168,6 +169,7 @@ class Experiment:
         swarm = self.make_swarm()
         sampler = SwarmSampler(self.n, scrape=self.spec.experiment.mode == "local")
         before = self.lab.counters() if self.lab else {}
+        switch_before = self._switch_report()
         t0 = time.monotonic()
         ok = False
         relays = self._start_relays(swarm)
@@ -187,7 +189,14 @@ class Experiment:
         result = swarm_result(swarm, self.n, sampler, link_bytes, ok, elapsed)
         if relays is not None:
             result.link_emulator = relays.report()
+        elif switch_before is not None:
+            result.link_emulator = report_since(self._switch_report() or {}, switch_before)
         return result
+
+    def _switch_report(self) -> dict[str, Any] | None:
+        """The netns lab's TUN switch counters so far (None: tc shapes, or local mode)."""
+        switch = self.lab.switch if self.lab else None
+        return switch.report() if switch is not None else None
 
     def _start_relays(self, swarm: LocalSwarm | ssh.SshSwarm) -> SwarmRelays | None:
         """Local mode with a shaped [network]: one relay per directed site pair; peer j's
@@ -217,6 +226,7 @@ class Experiment:
             b.diloco_settings(self.cfg.gossip),
         )  # fmt: skip
         before = self.lab.counters() if self.lab else {}
+        switch_before = self._switch_report()
         ok = False
         try:
             run.start()
@@ -228,6 +238,8 @@ class Experiment:
         result.ok = result.ok and ok
         if self.lab:
             result.link_bytes = _delta(self.lab.counters(), before)
+            if switch_before is not None:
+                result.link_emulator = report_since(self._switch_report() or {}, switch_before)
         else:
             if self.spec.network.uses_relay(self.spec.experiment.mode):
                 # gloo's ranks dial each other on ports published at run time: not relayed.
@@ -257,7 +269,8 @@ class Experiment:
         try:
             if self.spec.experiment.mode == "netns":
                 netns.cleanup_stale()
-                self.lab = netns.NetnsLab(self.n, self.spec.network).up()
+                seed = self.spec.experiment.seed
+                self.lab = netns.NetnsLab(self.n, self.spec.network, seed=seed).up()
                 report.namespaces = self.lab.prefix
             with LiveView(self.console, self.live) as view:
                 report.swarm = self.run_swarm(view)

@@ -89,12 +89,12 @@ class LinkProfile(_Model):
     rate: str | None = None
     """Bandwidth cap, e.g. '100mbit' (None: unshaped)."""
     delay: str | None = None
-    """One-way added latency, e.g. '20ms' (needs the kernel's netem qdisc)."""
+    """One-way added latency, e.g. '20ms' (netem, the TUN switch or the relays)."""
     jitter: str | None = None
-    """Delay variation, e.g. '5ms' (netem; needs delay)."""
+    """Delay variation, e.g. '5ms' (normally distributed; needs delay)."""
     loss: float = Field(0.0, ge=0.0, le=100.0)
-    """Random packet loss in percent (netem; the relay emulator turns it into the
-    retransmission delays TCP would see)."""
+    """Random packet loss in percent (netem and the TUN switch drop packets; the relay
+    emulator turns it into the retransmission delays TCP would see)."""
     reset: float = Field(0.0, ge=0.0, le=100.0)
     """Relay emulator only: chance in percent, per packet's worth of bytes, that the link
     resets the TCP connection."""
@@ -150,9 +150,11 @@ class NetworkSection(LinkProfile):
     """Emulated WAN: the default profile of every site's access link, plus per-site and
     per-link overrides, and which emulator applies them."""
 
-    emulator: Literal["auto", "netem", "relay"] = "auto"
+    emulator: Literal["auto", "netem", "relay", "tun"] = "auto"
     """relay: user-space TCP relays (local mode; gossipgrad.experiment.links); netem: tc
-    qdiscs (netns mode); auto: relay in local mode, tc in netns mode."""
+    qdiscs (netns mode); tun: TUN devices and a user-space packet switch (netns mode,
+    gossipgrad.experiment.link_tun); auto: relay in local mode; in netns mode tc, or tun
+    where delay, jitter or loss need netem and the kernel lacks it."""
     rto: str = "200ms"
     """Relay emulator: least extra delay of a lost chunk (its retransmission timeout is
     max(rto, RTT + 4 x jitter), RFC 6298 with Linux's 200 ms minimum)."""
@@ -304,15 +306,15 @@ class Spec(_Model):
         mode, net = self.experiment.mode, self.network
         if mode == "ssh" and net.shaped():
             raise ValueError("network: ssh mode runs over real links; drop [network] shaping")
-        if mode == "local" and net.shaped() and net.emulator == "netem":
+        if mode == "local" and net.shaped() and net.emulator in ("netem", "tun"):
             raise ValueError(
-                "network.emulator: netem needs experiment.mode = 'netns'; local mode "
+                f"network.emulator: {net.emulator} needs experiment.mode = 'netns'; local mode "
                 "emulates links with the relay (emulator = 'relay' or 'auto')"
             )
         if mode == "netns" and net.emulator == "relay":
             raise ValueError(
                 "network.emulator: the relay emulator runs in local mode only; netns mode "
-                "shapes with tc (emulator = 'auto' or 'netem')"
+                "shapes with tc or TUN devices (emulator = 'auto', 'netem' or 'tun')"
             )
         if mode == "netns" and net.resets():
             raise ValueError("network.reset: needs the relay emulator (experiment.mode = 'local')")

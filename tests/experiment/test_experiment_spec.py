@@ -57,6 +57,7 @@ def test_shipped_specs_validate(path: Path) -> None:
         ({"experiment": {"mode": "netns"}, "network": {"rate": "10mb"}}, "network.rate"),
         ({"experiment": {"mode": "netns"}, "network": {"jitter": "1ms"}}, "jitter needs a delay"),
         ({"network": {"rate": "10mbit", "emulator": "netem"}}, "netem needs experiment.mode"),
+        ({"network": {"delay": "10ms", "emulator": "tun"}}, "tun needs experiment.mode"),
         ({"experiment": {"mode": "netns"}, "network": {"emulator": "relay"}}, "local mode only"),
         ({"experiment": {"mode": "netns"}, "network": {"reset": 1.0}}, "network.reset"),
         (
