@@ -17,8 +17,9 @@ netem is a kernel module (sch_netem) that some kernels lack. Where it is missing
 asks for delay, jitter or loss (``network.emulator = "auto"``), or where the spec says
 ``emulator = "tun"``, each site's ``eth0`` is instead a TUN device and a user-space switch in
 the runner (``link_tun``) carries every packet between sites with the same rate, delay,
-jitter and loss; there is then no hub bridge and no qdisc. Either way every program in a
-site's namespace -- peers and baselines alike -- crosses the same emulated links.
+jitter and loss; no veth joins a site to the hub's bridge then, and no qdisc is set. Either
+way every program in a site's namespace -- peers and baselines alike -- crosses the same
+emulated links.
 
 ``NetnsLab`` removes every namespace it made in ``down()`` (also called on Ctrl-C, SIGTERM and
 crashes by the runner), first killing what still runs inside them; ``cleanup_stale()`` removes
