@@ -3,12 +3,14 @@
 A round (every ``gossip.local_steps`` steps) opens one exchange per edge, q = Q(x_i − x̂_{i->j})
 with x̂_{i->j} += q pushed in the background (or the session's INIT / dense RESYNC opening),
 and mixes each completed exchange once: x_i += γ Σ_j w_ij (x̂_{j->i} − x̂_{i->j}). With
-``max_staleness`` 0 it waits for this round's exchanges, with 1 for last round's (so compute
-overlaps communication); either wait is bounded by ``round_timeout``. An update that was not
-acknowledged is pushed again, the same bytes, and nothing is mixed before it landed; what the
-codec drops stays in x_i − x̂_{i->j} (the error feedback; ``gossip.error_feedback = false``:
-Q(x_i − b), DCD-PSGD, Tang et al. 2018). The rules that keep both ends identical and the
-mixing symmetric are peer/algorithms/edges.py's; this class also keeps diloco's anchors together.
+``max_staleness`` 0 it waits for this round's exchanges, with k >= 1 only for those opened
+k rounds ago (so compute overlaps communication, and an edge slower than a round mixes every
+few rounds instead of pacing the peer); every wait is bounded by ``round_timeout``. An update
+that was not acknowledged is pushed again, the same bytes, and nothing is mixed before it
+landed; what the codec drops stays in x_i − x̂_{i->j} (the error feedback;
+``gossip.error_feedback = false``: Q(x_i − b), DCD-PSGD, Tang et al. 2018). The rules that
+keep both ends identical and the mixing symmetric are peer/algorithms/edges.py's; this class
+also keeps diloco's anchors together.
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ class ChocoGossip(GossipAlgorithm):
         self.edges = EdgeTable(x, neighbourhood.me)
         self._round = 0
         self._direction = torch.zeros_like(x)
+        # Per peer: (session, seq, round) of the latest exchange opened (max_staleness).
+        self._opened: dict[str, tuple[int, int, int]] = {}
 
     @property
     def round(self) -> int:
@@ -100,6 +104,8 @@ class ChocoGossip(GossipAlgorithm):
 
     def prune(self, present: set[str]) -> None:
         self.edges.prune(present)
+        for peer in set(self._opened) - present:
+            del self._opened[peer]
 
     # ------------------------------------------------------------------ sending
 
@@ -184,6 +190,7 @@ class ChocoGossip(GossipAlgorithm):
                 turn[peer] = edge.epoch
                 with self.state_lock:
                     update = self._encode(peer, edge, weight)
+                self._opened[peer] = (edge.epoch, edge.sent, self._round)
             else:
                 return ""
             edge.claim()
@@ -284,6 +291,8 @@ class ChocoGossip(GossipAlgorithm):
             {p: self.edge(p) for p in [*neighbors, *owed]},
             self.nb.weights_at(self._round, ids),
             self.settings.max_staleness,
+            self._round,
+            self._opened,
         )
 
         def progress() -> None:

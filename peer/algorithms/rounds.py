@@ -15,21 +15,25 @@ class OpenRound:
     Args:
         edges: the edges the round serves (this round's neighbours and those owed an answer).
         weights: this round's proposed mixing weight per neighbour.
-        max_staleness: 0: done once this round's exchange with the edge is mixed; 1: once the
-            exchange opened before the round is mixed and this round's is open.
+        max_staleness: 0: done once this round's exchange with the edge is mixed; k >= 1:
+            once no exchange opened k or more rounds ago is still unmixed, and the edge has
+            one in flight (opened this round if the previous one is mixed). An edge carries
+            one exchange at a time, so one whose round trip is longer than a round mixes
+            every few rounds instead of pacing the peer, up to k rounds behind.
+        round: this round's label.
+        opened: per peer, (session, seq, round) of the latest exchange opened on the edge
+            (kept by the algorithm across rounds).
     """
 
     edges: dict[str, Edge]
     weights: dict[str, float]
     max_staleness: int
+    round: int = 0
+    opened: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     turn: dict[str, int] = field(default_factory=dict)  # per peer: the session opened in
     pushed: set[str] = field(default_factory=set)
     mixes: dict[str, int] = field(default_factory=dict)
     distance: float = float("nan")  # the consensus distance of the latest mix
-    start: dict[str, tuple[int, int]] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.start = {p: (e.epoch, e.sent) for p, e in self.edges.items()}
 
     def record_mixed(self, peers: list[str], distance: float) -> None:
         for p in peers:
@@ -46,8 +50,10 @@ class OpenRound:
             return False
         if self.max_staleness == 0:
             return self.mixes.get(peer, 0) > 0
-        epoch, sent = self.start[peer]
-        return (e.epoch != epoch or e.mixed >= sent) and self.turn.get(peer) == e.epoch
+        if e.sent > e.mixed:  # an exchange in flight: fine while younger than max_staleness
+            epoch, seq, at = self.opened.get(peer, (0, 0, 0))
+            return (epoch, seq) == (e.epoch, e.sent) and at > self.round - self.max_staleness
+        return self.turn.get(peer) == e.epoch
 
     def unfinished(self) -> list[str]:
         """The edges the round still waits for."""

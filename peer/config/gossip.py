@@ -105,7 +105,10 @@ class GossipSection(Section):
     overlap: bool = Field(
         False,
         description="diloco: exchange a phase's pseudo-gradient while the next phase "
-        "computes, applying it one phase late (hides a WAN round trip behind compute).",
+        "computes, applying it one phase late (hides a WAN round trip behind compute). "
+        "Across a WAN set max_staleness = 2 with it, so the anchors' gossip does not wait "
+        "on its neighbours every phase (digits, 8 sites, 100 ms RTT: steps as fast as on "
+        "ideal links with 2, 0.76 of their speed with 1; BENCHMARKS.md).",
     )
     consensus_every: int = Field(
         1,
@@ -143,11 +146,14 @@ class GossipSection(Section):
     max_staleness: int = Field(
         1,
         ge=0,
-        le=1,
+        le=64,
         description="0: each round waits for the exchanges it opens (lock-step). 1: an "
         "exchange opened in one round is waited for and mixed in the next, so compute "
-        "overlaps communication. Both ends of an edge mix the same copies either way; "
-        "waiting is bounded by round_timeout.",
+        "overlaps communication. k > 1: a round waits only for exchanges opened k rounds "
+        "before; an edge carries one exchange at a time, so a link whose round trip is "
+        "longer than a round mixes every few rounds (at most k apart) instead of pacing "
+        "the peers at its ends: for WAN links slower than a training step. Both ends of an "
+        "edge mix the same copies either way; waiting is bounded by round_timeout.",
     )
     round_timeout: float = Field(
         10.0, gt=0, description="Seconds to wait for a lagging neighbour before suspecting it."

@@ -8,6 +8,7 @@ average is preserved (one-sided mixing moves it).
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -446,3 +447,53 @@ def test_a_peer_whose_neighbours_are_only_suspect_waits_rather_than_trains_alone
         assert time.monotonic() - t0 < 1.0
     finally:
         p0.close()
+
+
+@pytest.mark.parametrize("staleness", [1, 4])
+def test_a_slow_link_mixes_every_few_rounds_at_most_max_staleness_apart(staleness: int) -> None:
+    """A link whose round trip is longer than a round (every p0 -> p1 update lands 0.25 s
+    late; a round computes 0.02 s): with max_staleness 1 each round waits for it, so the
+    link paces both ends; with k > 1 the rounds go on and the edge mixes every few rounds,
+    never more than k apart. Either way both ends mix the same copies and the average is
+    kept."""
+    peers = start_peers(2, {**GOSSIP, "gossip.max_staleness": staleness})
+    p0, p1 = peers
+    rounds_until(peers, lambda: min(mixed(p0, "p1"), mixed(p1, "p0")) >= 2, 30.0, end=False)
+    handle = p1.algorithm.handle_update
+
+    def slow_link(header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
+        if header.sender == "p0":
+            time.sleep(0.25)
+        return handle(header, payload)
+
+    p1.algorithm.handle_update = slow_link
+    m0, d0 = mean(peers), distance(peers)
+    before = mixed(p0, "p1")
+    rounds, mixing_rounds = 12, {"p0": [], "p1": []}
+
+    def work(p: Peer, other: str) -> None:
+        for _ in range(rounds):
+            time.sleep(0.02)  # the round's compute
+            stats = p.algorithm.step_round()
+            if other in stats.mixed:
+                mixing_rounds[p.id].append(stats.round)
+        p.algorithm.finish()
+
+    threads = [threading.Thread(target=work, args=(p, q)) for p, q in [(p0, "p1"), (p1, "p0")]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60.0)
+    quiesce(peers)
+    exchanges = mixed(p0, "p1") - before
+    if staleness == 1:
+        assert exchanges >= rounds, f"{exchanges} exchanges in {rounds} rounds: one each"
+    else:
+        # One exchange in flight at a time; a round waits only for one k rounds old.
+        assert rounds // staleness - 1 <= exchanges <= rounds // 2, exchanges
+        for who, at in mixing_rounds.items():
+            gaps = [b - a for a, b in itertools.pairwise(at)]
+            assert at and max(gaps, default=0) <= staleness, (who, at)
+    assert mixed(p0, "p1") == mixed(p1, "p0")
+    assert assert_mirrors_exact(peers) == 2
+    assert_average_kept(peers, m0, d0)
