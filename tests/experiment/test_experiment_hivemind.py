@@ -73,9 +73,12 @@ def test_hivemind_baseline_end_to_end(tmp_path: Path) -> None:
     assert 10 <= first < 20 <= second < 30
     secs = [e["seconds"] for e in hm.evals]
     assert 0 < secs[0] < secs[1] < (hm.final_seconds or 0) <= (hm.wall_seconds or 0)
-    # Bytes from the p2p daemons' sockets: what one rank sends, the other receives.
+    # Bytes from the p2p daemons' sockets: what one rank sends, the other receives, up to
+    # the sampling (`ss` every second; each rank reads its last sample at its own moment, and
+    # a connection's bytes after its last sample are not seen): 5.4% apart in one loaded CI
+    # run.
     r0, r1 = hm.ranks
     assert r0 is not None and r1 is not None
     assert (r0.sent_bytes or 0) > 0
-    assert r0.sent_bytes == pytest.approx(r1.received_bytes, rel=0.05)
+    assert r0.sent_bytes == pytest.approx(r1.received_bytes, rel=0.10)
     assert (hm.mean_sent_bytes or 0) > 0
