@@ -85,8 +85,6 @@ class ChocoGossip(GossipAlgorithm):
         self.edges = EdgeTable(x, neighbourhood.me)
         self._round = 0
         self._direction = torch.zeros_like(x)
-        # Per peer: (session, seq, round) of the latest exchange opened (max_staleness).
-        self._opened: dict[str, tuple[int, int, int]] = {}
 
     @property
     def round(self) -> int:
@@ -104,8 +102,6 @@ class ChocoGossip(GossipAlgorithm):
 
     def prune(self, present: set[str]) -> None:
         self.edges.prune(present)
-        for peer in set(self._opened) - present:
-            del self._opened[peer]
 
     # ------------------------------------------------------------------ sending
 
@@ -128,7 +124,7 @@ class ChocoGossip(GossipAlgorithm):
             edge_epoch=edge.epoch,
             weight=weight,
         )
-        edge.record_sent((header, payload), weight)
+        edge.record_sent((header, payload), weight, self._round)
         return header, payload
 
     def _hello(self, peer: str, edge: Edge) -> tuple[pb.UpdateHeader, bytes]:
@@ -190,7 +186,6 @@ class ChocoGossip(GossipAlgorithm):
                 turn[peer] = edge.epoch
                 with self.state_lock:
                     update = self._encode(peer, edge, weight)
-                self._opened[peer] = (edge.epoch, edge.sent, self._round)
             else:
                 return ""
             edge.claim()
@@ -292,7 +287,6 @@ class ChocoGossip(GossipAlgorithm):
             self.nb.weights_at(self._round, ids),
             self.settings.max_staleness,
             self._round,
-            self._opened,
         )
 
         def progress() -> None:

@@ -113,6 +113,7 @@ class Edge:
     acked: int = 0  # of those, confirmed by j
     unacked: Any = None  # the last update (header, payload) until it is acknowledged
     proposed: float = 0.0  # our weight proposal for exchange `sent`
+    opened_round: int = 0  # the gossip round that opened exchange `sent` (max_staleness)
     last_sent: torch.Tensor | None = None  # error feedback off: x at the last send
     busy: bool = False  # a push is in flight
     timeouts: int = 0  # pushes in a row that ran past their deadline (each doubles the next)
@@ -170,11 +171,13 @@ class Edge:
             self.epoch != 0 and not self.busy and self.unacked is None and self.sent == self.mixed
         )
 
-    def record_sent(self, update: Any, weight: float) -> int:
-        """Update ``sent + 1`` was folded into ``public``; keep it until acknowledged."""
+    def record_sent(self, update: Any, weight: float, round: int) -> int:
+        """Update ``sent + 1`` was folded into ``public`` in gossip round ``round``; keep it
+        until acknowledged."""
         self.sent += 1
         self.unacked = update
         self.proposed = weight
+        self.opened_round = round
         self.requested = False
         return self.sent
 

@@ -21,15 +21,12 @@ class OpenRound:
             one exchange at a time, so one whose round trip is longer than a round mixes
             every few rounds instead of pacing the peer, up to k rounds behind.
         round: this round's label.
-        opened: per peer, (session, seq, round) of the latest exchange opened on the edge
-            (kept by the algorithm across rounds).
     """
 
     edges: dict[str, Edge]
     weights: dict[str, float]
     max_staleness: int
     round: int = 0
-    opened: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     turn: dict[str, int] = field(default_factory=dict)  # per peer: the session opened in
     pushed: set[str] = field(default_factory=set)
     mixes: dict[str, int] = field(default_factory=dict)
@@ -51,8 +48,7 @@ class OpenRound:
         if self.max_staleness == 0:
             return self.mixes.get(peer, 0) > 0
         if e.sent > e.mixed:  # an exchange in flight: fine while younger than max_staleness
-            epoch, seq, at = self.opened.get(peer, (0, 0, 0))
-            return (epoch, seq) == (e.epoch, e.sent) and at > self.round - self.max_staleness
+            return e.opened_round > self.round - self.max_staleness
         return self.turn.get(peer) == e.epoch
 
     def unfinished(self) -> list[str]:
