@@ -84,6 +84,7 @@ def mean_model_metric(report: Report, run_dir: Path) -> float | None:
         partition=str(train.get("partition", "iid")),
         alpha=float(train.get("alpha", 0.5)),
         batch_size=report.batch_size,
+        eval_samples=int(train.get("eval_samples", 0)) or None,
         device=torch.device("cpu"),
     )
     task = build_task(report.task, ctx)

@@ -101,6 +101,7 @@ def task_context(
         partition=cfg.partition,
         alpha=cfg.alpha,
         batch_size=cfg.batch_size,
+        eval_samples=cfg.eval_samples or None,
         device=device if device is not None else torch.device("cpu"),
     )
 

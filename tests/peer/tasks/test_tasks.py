@@ -541,3 +541,24 @@ def test_task_listing_cli(tmp_path: Path) -> None:
     )
     assert bad.returncode == 1
     assert "shakespeare" in bad.stdout and "fetch_data.sh" in bad.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("eval_samples", "expected"), [(0, 360), (7, 7)])
+def test_train_eval_samples_sets_how_many_held_out_samples_an_evaluation_reads(
+    eval_samples: int, expected: int
+) -> None:
+    """``train.eval_samples`` reaches the task: the model sees exactly that many held-out
+    inputs per evaluation; 0 keeps the task's default (all 360 of digits' test images)."""
+    from gossipgrad.peer.config import TrainSection
+    from gossipgrad.peer.tasks.training import task_context
+
+    cfg = TrainSection(task="digits", eval_samples=eval_samples)
+    task = build_task(cfg.task, task_context(cfg, 0, 1))
+    seen: list[int] = []
+    handle = task.model.register_forward_hook(lambda _m, args, _out: seen.append(len(args[0])))
+    try:
+        task.evaluate(task.model)
+    finally:
+        handle.remove()
+    assert sum(seen) == expected
