@@ -74,20 +74,14 @@ def mean_model_metric(report: Report, run_dir: Path) -> float | None:
     if not files:
         return None
     import torch
-    from gossipgrad.peer.tasks import TaskContext, build_task
+    from gossipgrad.peer.config import TrainSection
+    from gossipgrad.peer.tasks import build_task
+    from gossipgrad.peer.tasks.training import task_context
 
-    train = report.spec["peer_raw"]["train"]
-    ctx = TaskContext(
-        peer_index=0,
-        num_peers=report.peers,
-        seed=report.seed,
-        partition=str(train.get("partition", "iid")),
-        alpha=float(train.get("alpha", 0.5)),
-        batch_size=report.batch_size,
-        eval_samples=int(train.get("eval_samples", 0)) or None,
-        device=torch.device("cpu"),
-    )
-    task = build_task(report.task, ctx)
+    # The spec's [train] table as the peers ran it (the runner sets the seed from the
+    # experiment's), mapped to the task's context the way the daemon and baselines map it.
+    train = TrainSection.model_validate({**report.spec["peer_raw"]["train"], "seed": report.seed})
+    task = build_task(report.task, task_context(train, 0, report.peers))
     mean = torch.stack([torch.load(f, map_location="cpu") for f in files]).mean(0)
     params = [p for p in task.model.parameters() if p.requires_grad]
     torch.nn.utils.vector_to_parameters(mean, params)

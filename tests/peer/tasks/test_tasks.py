@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gossipgrad.peer.config import TrainSection
 from gossipgrad.peer.flat import FloatBuffers
 from gossipgrad.peer.membership import metropolis_hastings_weights, topology_from_name
 from gossipgrad.peer.tasks import (
@@ -31,6 +32,7 @@ from gossipgrad.peer.tasks.data import (
     read_idx,
 )
 from gossipgrad.peer.tasks.sharding import balanced_groups, dirichlet_partition, iid_partition
+from gossipgrad.peer.tasks.training import task_context
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -550,9 +552,6 @@ def test_train_eval_samples_sets_how_many_held_out_samples_an_evaluation_reads(
 ) -> None:
     """``train.eval_samples`` reaches the task: the model sees exactly that many held-out
     inputs per evaluation; 0 keeps the task's default (all 360 of digits' test images)."""
-    from gossipgrad.peer.config import TrainSection
-    from gossipgrad.peer.tasks.training import task_context
-
     cfg = TrainSection(task="digits", eval_samples=eval_samples)
     task = build_task(cfg.task, task_context(cfg, 0, 1))
     seen: list[int] = []
