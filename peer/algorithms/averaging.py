@@ -239,16 +239,22 @@ class CompressedAverage:
             waited = self.nb.wait(missing, self.round_timeout, f"exchange {ticket.step}")
         weights = self.nb.weights_at(ticket.round, ticket.ids)
         w_self = 1.0 - sum(weights.get(p, 0.0) for p in neighbors)
-        avg = self._avg.copy_(self.mine).mul_(w_self) if own else self._avg.zero_()
-        total, averaged = w_self, []
         with self._lock:
-            for peer in neighbors:
-                queue = self._inbox.get(peer)
-                if queue:
-                    w = weights.get(peer, 0.0)
-                    avg.add_(queue.popleft(), alpha=w)
-                    total += w
-                    averaged.append(peer)
+            terms = {
+                p: (q.popleft(), weights.get(p, 0.0))
+                for p in neighbors
+                if (q := self._inbox.get(p))
+            }
+        averaged = list(terms)
+        if own:
+            terms[self.nb.me] = (self.mine, w_self)
+        # One summation order (by peer id) at every peer: where the weights agree (a complete
+        # graph), every peer computes the bit-identical average, and exact peers stay equal.
+        avg, total = self._avg.zero_(), 0.0
+        for peer in sorted(terms):
+            vec, w = terms[peer]
+            avg.add_(vec, alpha=w)
+            total += w
         if own and total > 0:
             avg.div_(total)
         stats = AverageStats(
