@@ -4,6 +4,7 @@ Every config key is also an option, ``--section.key VALUE``, and ``--set section
 (repeatable) sets any key the way the other gossipgrad tools do (see ``--help`` or
 docs/config.md). A bad key or value is a one-line error before anything starts.
 
+``--standby PATH`` makes a warm spare (:mod:`gossipgrad.peer.runtime.standby`).
 ``gossipgrad-peer certs ID...`` creates the swarm CA and peer certificates instead
 (:mod:`gossipgrad.peer.certs_cli`); ``--insecure`` allows plaintext on non-loopback addresses.
 """
@@ -79,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
         'A,B or a TOML array ["A", "B"]; applied after the --section.key options)',
     )
     parser.add_argument(
+        "--standby",
+        type=Path,
+        metavar="PATH",
+        help="warm spare: do the start-up work now (seconds of CPU), write PATH.ready, wait "
+        "until PATH exists, then start with its KEY=VALUE lines applied as --set items "
+        "(for restarts and failover; create PATH atomically)",
+    )
+    parser.add_argument(
         "--config-reference",
         action="store_true",
         help="print the config reference (markdown) and exit",
@@ -150,6 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     from gossipgrad.peer.runtime.daemon import Daemon  # heavy imports after the config is valid
     from gossipgrad.peer.runtime.joining import JoinError
 
+    if args.standby is not None:
+        from gossipgrad.peer.runtime.standby import wait_for_trigger
+
+        args.set_items += wait_for_trigger(args.standby)
+        try:
+            cfg = load_config(args.config, {**overrides, **overrides_from_args(args)})
+        except ConfigError as err:
+            print(f"gossipgrad-peer: config error (from {args.standby}): {err}", file=sys.stderr)
+            return 2
     try:
         summary = Daemon(cfg).run()
     except (ValueError, FileNotFoundError, JoinError) as err:

@@ -17,6 +17,10 @@ Printed for each run, over its steady window (every first peer training -> the f
 * per restarted or joined peer: seconds from its gRPC server start to its first mixed
   exchange, its rounds by then, and how many rounds behind the swarm's median it started.
 
+With ``--spares K``, K warm spares (``gossipgrad-peer --standby``) are started and warm before
+the run with churn, and the first K restarts and joins take one: what peers on machines of
+their own see, where a process's start-up (about 3 s of CPU: torch) does not slow the others.
+
     python scripts/bench_churn.py --peers 16 --every-rounds 10 --steps 300 --out runs/churn
 """
 
@@ -51,7 +55,7 @@ def run_once(
     out: Path, args: argparse.Namespace, overrides: dict[str, str], churn: bool
 ) -> ChurnFigures:
     """One run of the swarm, with or without churn; its figures."""
-    swarm = LocalSwarm(out, args.peers, overrides)
+    swarm = LocalSwarm(out, args.peers, overrides, spares=args.spares if churn else 0)
     schedule = (
         ChurnSchedule(
             every_rounds=args.every_rounds,
@@ -107,11 +111,14 @@ def report(steady: ChurnFigures, churned: ChurnFigures) -> str:
     a, b = steady.relative_consensus_distance, churned.relative_consensus_distance
     if a and b:
         lines.append(f"consensus distance ratio churn / no churn {b / a:.2f}")
-    lines.append("restarts and joins: peer how start_step lag_rounds first_exchange_s rounds")
+    lines.append(
+        "restarts and joins: peer how start_step lag_rounds first_exchange_s rounds [spare]"
+    )
     for life in churned.new_lives:
         lines.append(
             f"  peer{life.peer} {life.how} {life.start_step} {_fmt(life.lag_rounds, '.1f')} "
             f"{_fmt(life.first_exchange_s, '.2f')} {life.first_exchange_rounds}"
+            + (" spare" if life.spare else "")
         )
     return "\n".join(lines)
 
@@ -137,6 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", type=Path, default=Path("runs/churn"), help="output directory")
     p.add_argument("--only-churn", action="store_true", help="skip the run without churn")
+    p.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        help="warm spare processes (gossipgrad-peer --standby) started and warm before the "
+        "run with churn; restarts and joins take one while any is left, so a process's "
+        "start-up (seconds of CPU) is not charged to the swarm's shared cores",
+    )
     return p
 
 

@@ -64,6 +64,8 @@ class Life:
     # scrape whose round had mixed a neighbour's copy, and its rounds by then.
     first_exchange: float | None = None
     first_exchange_rounds: int | None = None
+    log: str = ""  # its log file (a warm spare's own, else the peer's, shared by its lives)
+    spare: bool = False  # a warm spare took this life (gossipgrad-peer --standby)
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,8 @@ class ChurnDriver:
     def _adopt(self, i: int, how: str) -> None:
         proc = self.swarm.procs[i]
         life = Life(peer=i, pid=proc.pid, how=how, spawned=time.time())
+        life.log = str(self.swarm.log_path.get(i, ""))
+        life.spare = proc.pid in self.swarm.spare_pids
         self.trace.lives.append(life)
         self.current[i] = life
 

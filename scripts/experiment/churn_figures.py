@@ -42,6 +42,7 @@ class NewLife:
     lag_rounds: float | None  # swarm median step minus its start step, in rounds
     first_exchange_s: float | None  # from its gRPC server start
     first_exchange_rounds: int | None
+    spare: bool = False  # a warm spare took it
 
 
 @dataclass(frozen=True)
@@ -157,15 +158,16 @@ def _lag_rounds(trace: ChurnTrace, pid: int, lives: dict[int, list[StatusSample]
 def new_lives(trace: ChurnTrace, out: Path) -> list[NewLife]:
     """The figures of every restarted and joined life."""
     lives = _by_life(trace)
-    starts = {i: server_starts(out / f"peer{i}.log") for i in {x.peer for x in trace.lives}}
-    count: dict[int, int] = {}
+    logs = [Path(x.log) if x.log else out / f"peer{x.peer}.log" for x in trace.lives]
+    starts = {log: server_starts(log) for log in set(logs)}
+    count: dict[Path, int] = {}  # a log's lives so far: the k-th life is its k-th start
     result = []
-    for life in trace.lives:
-        k = count.get(life.peer, 0)
-        count[life.peer] = k + 1
+    for life, log in zip(trace.lives, logs, strict=True):
+        k = count.get(log, 0)
+        count[log] = k + 1
         if life.how == "start":
             continue
-        started = starts[life.peer][k] if k < len(starts[life.peer]) else None
+        started = starts[log][k] if k < len(starts[log]) else None
         first = (
             life.first_exchange - started
             if life.first_exchange is not None and started is not None
@@ -179,6 +181,7 @@ def new_lives(trace: ChurnTrace, out: Path) -> list[NewLife]:
                 lag_rounds=_lag_rounds(trace, life.pid, lives),
                 first_exchange_s=first,
                 first_exchange_rounds=life.first_exchange_rounds,
+                spare=life.spare,
             )
         )
     return result

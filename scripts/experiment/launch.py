@@ -21,6 +21,7 @@ from typing import IO
 
 import psutil
 from gossipgrad.peer.records import PeerStatus, read_record
+from gossipgrad.peer.runtime.standby import ready_path
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,10 @@ class LocalSwarm:
         peer_overrides: optional ``i -> {key: value}`` applied to peer i after
             ``overrides`` and the bootstrap address, e.g. its own ``peer.listen`` address
             (or ``peer.bootstrap = ""`` for a peer meant to start a swarm of its own).
+        spares: warm spare processes (``gossipgrad-peer --standby``, see
+            :mod:`gossipgrad.peer.runtime.standby`) that ``start()`` brings up, warm, before
+            the first peer; a later ``spawn`` takes one while any is left instead of starting
+            a process, as a site whose process start-up does not share the swarm's cores.
     """
 
     def __init__(
@@ -53,9 +58,12 @@ class LocalSwarm:
         *,
         command_prefix: Callable[[int], list[str]] | None = None,
         peer_overrides: Callable[[int], dict[str, str]] | None = None,
+        spares: int = 0,
     ) -> None:
         if n < 1:
             raise ValueError(f"need at least one peer, got {n}")
+        if spares and command_prefix is not None:
+            raise ValueError("warm spares run on this host only (no command_prefix)")
         self.out = Path(out)
         self.n = n
         self.overrides = overrides
@@ -64,16 +72,20 @@ class LocalSwarm:
         self.peer_overrides = peer_overrides
         self.procs: dict[int, subprocess.Popen] = {}
         self.logs: list[IO[str]] = []
+        self.log_path: dict[int, Path] = {}  # peer -> the log of its current process
         self.bootstrap: str | None = None
+        self.spares = spares
+        self._idle_spares: list[tuple[Path, subprocess.Popen]] = []  # (trigger, process)
+        self.spare_pids: set[int] = set()  # every spare process started
 
     def peer_dir(self, i: int) -> Path:
         return self.out / f"peer{i}"
 
-    def command(
+    def options(
         self, i: int, bootstrap: str | None, extra: dict[str, str] | None = None
-    ) -> list[str]:
-        """The command line of peer i (also written to DIR/commands.sh); ``extra``: keys
-        applied last, for this start only."""
+    ) -> dict[str, str]:
+        """Every config key peer i starts with; ``extra``: keys applied last, for this start
+        only."""
         opts = {
             "peer.id": f"peer{i}",
             "peer.run_dir": str(self.peer_dir(i)),
@@ -89,31 +101,95 @@ class LocalSwarm:
         if self.peer_overrides is not None:
             opts.update(self.peer_overrides(i))
         opts.update(extra or {})
-        cmd = [*(self.command_prefix(i) if self.command_prefix else []), sys.executable]
-        cmd += ["-m", "gossipgrad.peer"]
+        return opts
+
+    def command(
+        self, i: int, bootstrap: str | None, extra: dict[str, str] | None = None
+    ) -> list[str]:
+        """The command line of peer i (also written to DIR/commands.sh)."""
+        prefix = self.command_prefix(i) if self.command_prefix else []
+        return self._argv(prefix, self.options(i, bootstrap, extra))
+
+    def _argv(self, prefix: list[str], opts: dict[str, str]) -> list[str]:
+        cmd = [*prefix, sys.executable, "-m", "gossipgrad.peer"]
         if self.config is not None:
             cmd += ["--config", str(self.config)]
         for k, v in opts.items():
             cmd += [f"--{k}", v]
         return cmd
 
+    def _spare_options(self) -> dict[str, str]:
+        """The keys every spare starts with (a peer's own keys come in its trigger)."""
+        return {"train.threads": "1", **self.overrides}
+
+    def _popen(self, cmd: list[str], log_path: Path) -> subprocess.Popen:
+        with open(self.out / "commands.sh", "a") as f:
+            f.write(" ".join(cmd) + " &\n")
+        log_file = open(log_path, "a")  # noqa: SIM115 - closed in stop()
+        self.logs.append(log_file)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+
+    def _start_spares(self, timeout: float = ADDRESS_TIMEOUT_S * 10) -> None:
+        """Start ``spares`` standby processes and wait until every one is warm."""
+        spares_dir = self.out / "spares"
+        spares_dir.mkdir(exist_ok=True)
+        for k in range(self.spares):
+            trigger = spares_dir / f"spare{k}.go"
+            for stale in (trigger, ready_path(trigger)):
+                stale.unlink(missing_ok=True)
+            argv = [*self._argv([], self._spare_options()), "--standby", str(trigger)]
+            proc = self._popen(argv, spares_dir / f"spare{k}.log")
+            self._idle_spares.append((trigger, proc))
+            self.spare_pids.add(proc.pid)
+        deadline = time.monotonic() + timeout
+        for trigger, proc in self._idle_spares:
+            while not ready_path(trigger).exists():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"spare {trigger.stem} exited; see its log in {spares_dir}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"spare {trigger.stem} not warm in {timeout:.0f}s")
+                time.sleep(0.1)
+
+    def _take_spare(self, i: int, opts: dict[str, str]) -> subprocess.Popen | None:
+        """Hand peer i's own keys to an idle warm spare (None if none is left)."""
+        while self._idle_spares:
+            trigger, proc = self._idle_spares.pop(0)
+            if proc.poll() is not None:
+                continue
+            base = self._spare_options()
+            own = {k: v for k, v in opts.items() if base.get(k) != v}
+            tmp = trigger.with_name(trigger.name + ".tmp")
+            tmp.write_text("".join(f"{k}={v}\n" for k, v in own.items()))
+            tmp.replace(trigger)
+            with open(self.out / "commands.sh", "a") as f:
+                f.write(f"# peer{i}: warm spare {trigger.stem} (pid {proc.pid}), {trigger}\n")
+            self.log_path[i] = trigger.with_suffix(".log")
+            return proc
+        return None
+
     def spawn(
-        self, i: int, bootstrap: str | None = None, extra: dict[str, str] | None = None
+        self,
+        i: int,
+        bootstrap: str | None = None,
+        extra: dict[str, str] | None = None,
+        *,
+        spare: bool = True,
     ) -> None:
         """Start (or restart) peer i, bootstrapping from ``bootstrap`` when given, else from
         peer0 unless it is peer0. An index from ``n`` on is a newcomer with a run dir of its
         own (it downloads the swarm's state); ``extra``: config keys for this start only,
-        e.g. ``peer.expected_peers=1`` for a peer joining a swarm that already runs."""
+        e.g. ``peer.expected_peers=1`` for a peer joining a swarm that already runs;
+        ``spare``: an idle warm spare takes it if there is one."""
         if bootstrap is None:
             bootstrap = None if i == 0 else self.bootstrap
-        cmd = self.command(i, bootstrap, extra)
         self.peer_dir(i).mkdir(parents=True, exist_ok=True)
-        with open(self.out / "commands.sh", "a") as f:
-            f.write(" ".join(cmd) + " &\n")
-        log_file = open(self.out / f"peer{i}.log", "a")  # noqa: SIM115 - closed in stop()
-        self.logs.append(log_file)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        self.procs[i] = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        taken = self._take_spare(i, self.options(i, bootstrap, extra)) if spare else None
+        if taken is not None:
+            self.procs[i] = taken
+            return
+        self.log_path[i] = self.out / f"peer{i}.log"
+        self.procs[i] = self._popen(self.command(i, bootstrap, extra), self.log_path[i])
 
     def start(self, count: int | None = None) -> None:
         """Start peer0, wait for its address, then peers 1..count-1 bootstrapping from it."""
@@ -123,10 +199,11 @@ class LocalSwarm:
             for name in RUN_FILES:
                 (self.peer_dir(i) / name).unlink(missing_ok=True)
             (self.out / f"peer{i}.log").unlink(missing_ok=True)
-        self.spawn(0)
+        self._start_spares()
+        self.spawn(0, spare=False)
         self.bootstrap = self._wait_for_address(0)
         for i in range(1, self.n if count is None else count):
-            self.spawn(i)
+            self.spawn(i, spare=False)
 
     def _wait_for_address(self, i: int) -> str:
         """The gossip address peer i reports in its status.json, once it does."""
@@ -199,7 +276,8 @@ class LocalSwarm:
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM every peer (they checkpoint and leave), SIGKILL what is left after timeout
         (their child processes included)."""
-        terminate(self.procs.values(), timeout)
+        terminate([*self.procs.values(), *(p for _, p in self._idle_spares)], timeout)
+        self._idle_spares.clear()
         for log_file in self.logs:
             log_file.close()
         self.logs.clear()

@@ -200,6 +200,38 @@ def test_short_churn_run_has_no_global_stall_and_ends_together(no_fault, tmp_pat
     assert fig.relative_consensus_distance <= CONSENSUS_FACTOR * no_fault
 
 
+@pytest.mark.timeout(600)
+def test_warm_spares_take_the_first_restart_and_join_and_train_with_the_swarm(tmp_path) -> None:
+    """bench_churn.py --spares: the spares are warm before the first peer starts; the first
+    restart and join go to them (the initial peers and the later events do not), and their
+    figures come from the spares' own logs."""
+    steps = 400
+    swarm = LocalSwarm(tmp_path / "spares", 3, {**CONFIG, "train.steps": str(steps)}, spares=2)
+    schedule = ChurnSchedule(
+        every_rounds=40, min_live=2, max_live=3, seed=0, first_round=30, last_round=steps - 150
+    )
+    driver = ChurnDriver(swarm, schedule, steps=steps, join_extra={"peer.expected_peers": "1"})
+    try:
+        swarm.start()
+        assert len(swarm.spare_pids) == 2
+        assert not swarm.spare_pids & {p.pid for p in swarm.procs.values()}
+        trace = driver.run(timeout=400)
+        assert swarm.wait(60), "the swarm did not finish"
+    finally:
+        swarm.stop(timeout=30)
+    kinds = [e.event for e in trace.events]
+    assert kinds[:4] == ["sigkill", "restart", "sigterm", "join"], kinds
+    spared = [life for life in trace.lives if life.spare]
+    assert [life.how for life in spared] == ["restart", "join"]
+    assert {life.pid for life in spared} == swarm.spare_pids
+    for life in spared:
+        # It trained (a later event may have stopped it again).
+        assert life.start_step is not None and life.last_step > life.start_step, life
+        assert Path(life.log).parent == swarm.out / "spares", life.log
+    new = [x for x in figures(trace, swarm.out).new_lives if x.spare]
+    assert len(new) == 2 and all(x.first_exchange_s and x.first_exchange_s > 0 for x in new), new
+
+
 @pytest.mark.timeout(300)
 def test_a_join_after_the_swarm_finished_is_stopped_instead_of_waiting_for_donors(
     tmp_path,

@@ -1,0 +1,87 @@
+"""``gossipgrad-peer --standby PATH``: a warm spare does its start-up work, says so in
+``PATH.ready``, does nothing more until ``PATH`` appears, then starts with the keys ``PATH``
+holds (real processes, as an operator's failover script drives them)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
+from gossipgrad.peer.runtime.standby import ready_path
+
+pytestmark = pytest.mark.timeout(120)
+
+BASE = [
+    "--set", "train.task=digits",
+    "--set", "train.steps=5",
+    "--set", "train.eval_every=0",
+    "--set", "metrics.enabled=false",
+    "--set", "peer.expected_peers=1",
+]  # fmt: skip
+
+
+def start_spare(trigger: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "gossipgrad.peer", *BASE, "--standby", str(trigger)]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=trigger.parent
+    )
+
+
+def wait_warm(spare: subprocess.Popen, trigger: Path) -> None:
+    deadline = time.monotonic() + 90
+    while not ready_path(trigger).exists():
+        assert spare.poll() is None, spare.communicate()[0]
+        assert time.monotonic() < deadline, "the spare never got warm"
+        time.sleep(0.05)
+    assert ready_path(trigger).read_text().strip() == str(spare.pid)
+
+
+def pull(trigger: Path, lines: list[str]) -> None:
+    """Write the trigger as a failover script should: another name, then a rename."""
+    tmp = trigger.with_name("trigger.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in lines))
+    tmp.replace(trigger)
+
+
+def test_a_warm_spare_waits_then_starts_with_the_keys_of_its_trigger(tmp_path: Path) -> None:
+    trigger, run_dir = tmp_path / "go", tmp_path / "site-a"
+    spare = start_spare(trigger)
+    try:
+        wait_warm(spare, trigger)
+        time.sleep(1.0)
+        assert spare.poll() is None, "the spare did not wait for its trigger"
+        assert not run_dir.exists(), "the spare started before its trigger"
+        pull(trigger, ["# failover of site-a", "", "peer.id=site-a", f"peer.run_dir={run_dir}"])
+        out, _ = spare.communicate(timeout=90)
+    finally:
+        if spare.poll() is None:
+            spare.kill()
+            spare.wait()
+    assert spare.returncode == 0, out
+    status = read_record(run_dir / "status.json", PeerStatus)
+    summary = read_record(run_dir / "summary.json", PeerSummary)
+    assert status is not None and status.id == "site-a" and status.pid == spare.pid
+    assert summary is not None and summary.steps == 5 and not summary.stopped_early
+
+
+def test_a_bad_key_in_the_trigger_is_a_one_line_config_error(tmp_path: Path) -> None:
+    trigger = tmp_path / "go"
+    spare = start_spare(trigger)
+    try:
+        wait_warm(spare, trigger)
+        pull(trigger, ["peer.id=site-a", "train.stepz=3"])
+        out, _ = spare.communicate(timeout=60)
+    finally:
+        if spare.poll() is None:
+            spare.kill()
+            spare.wait()
+    assert spare.returncode == 2, out
+    errors = [line for line in out.splitlines() if "config error" in line]
+    assert errors == [
+        f"gossipgrad-peer: config error (from {trigger}): --set train.stepz: unknown key "
+        "(see --config-reference)"
+    ], out
