@@ -83,9 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--standby",
         type=Path,
         metavar="PATH",
-        help="warm spare: do the start-up work now (seconds of CPU), write PATH.ready, wait "
-        "until PATH exists, then start with its KEY=VALUE lines applied as --set items "
-        "(for restarts and failover; create PATH atomically)",
+        help="warm spare: do the start-up work now (seconds of CPU), then make PATH a named "
+        "pipe and wait on it; start once KEY=VALUE lines are written to it, applied as --set "
+        "items (for restarts and failover)",
     )
     parser.add_argument(
         "--config-reference",

@@ -103,7 +103,6 @@ class Daemon:
         task = build_task(t.task, task_context(t, shard_index, num_shards, device))
         model = task.model.to(device)
         optimizer = make_optimizer(model.parameters(), t)
-        scheduler = make_scheduler(optimizer, t)
         self._install_signal_handlers()
         if site is None:
             gopt = GossipOptimizer(model, optimizer, self.cfg)
@@ -123,7 +122,7 @@ class Daemon:
         failed = False
         try:
             self._start(gopt, site, device)
-            self._fast_forward(gopt, optimizer, scheduler)
+            scheduler = self._fast_forward(gopt, optimizer)
             summary = self._train(task, model, gopt, scheduler, LocalStep(t, device))
             if site is not None:
                 summary["site"] = {
@@ -148,17 +147,17 @@ class Daemon:
         self._write_status(state="done")
         return summary
 
-    def _fast_forward(self, gopt, optimizer, scheduler) -> None:
-        """Bring the LR schedule to the step training starts from, and record the state it
-        starts from (resumed, joined or fresh) in status.json as evidence."""
-        for _ in range(gopt.local_step):
-            scheduler.step()
+    def _fast_forward(self, gopt, optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        """The LR schedule from the step training starts from; records the state it starts
+        from (resumed, joined or fresh) in status.json as evidence."""
+        scheduler = make_scheduler(optimizer, self.cfg.train, start_step=gopt.local_step)
         self._write_status(
             start_step=gopt.local_step,
             start_params=checkpoint.params_digest(gopt.flat.data),
             start_lr=optimizer.param_groups[0]["lr"],
             start_schedule_step=scheduler.last_epoch,
         )
+        return scheduler
 
     def _placement(self, site: SiteContext | None) -> tuple[torch.device, int, int]:
         """(device, shard index, number of shards) of this process; under torchrun also

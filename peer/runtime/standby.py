@@ -2,30 +2,26 @@
 
 Starting a peer process costs seconds of CPU before it trains (the interpreter, torch, and the
 ``torch._dynamo`` import that a torch optimizer makes on first use: about 3 s on one core,
-most of a restart's time). ``gossipgrad-peer --standby PATH`` does that work at once, writes
-``PATH.ready`` (its pid), then waits until ``PATH`` exists and starts the peer with the lines
-of ``PATH`` applied last, each ``KEY=VALUE`` as ``--set`` takes it. So the site's failover
-script decides what only it knows then (``peer.id``, ``peer.run_dir``, ``peer.bootstrap``)
-and the peer is in the swarm a fraction of a second later. Create ``PATH`` atomically (write
-another name, then rename it), or the spare may read half of it.
+most of a restart's time). ``gossipgrad-peer --standby PATH`` does that work at once, then
+makes ``PATH`` a named pipe (its appearance says the spare is warm) and blocks on it, using no
+CPU, until something writes to it: ``KEY=VALUE`` lines, applied last as ``--set`` items. So the
+site's failover script decides what only it knows then (``peer.id``, ``peer.run_dir``,
+``peer.bootstrap``) and the peer is in the swarm a fraction of a second later. Write every
+line in one command (the spare reads until the writer closes the pipe). A regular file already
+at ``PATH`` when the spare is warm is read at once instead. The spare removes ``PATH`` once it
+has read it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import stat
 import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-
-#: Seconds between two looks for the trigger file.
-POLL_S = 0.05
-
-
-def ready_path(trigger: Path) -> Path:
-    """The file a spare writes (its pid) once it is warm: ``PATH.ready``."""
-    return trigger.with_name(trigger.name + ".ready")
 
 
 def warm_up() -> None:
@@ -37,19 +33,28 @@ def warm_up() -> None:
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
 
 
+def is_waiting(trigger: Path) -> bool:
+    """A spare is warm and waits on ``trigger`` (the named pipe exists)."""
+    try:
+        return stat.S_ISFIFO(trigger.stat().st_mode)
+    except OSError:
+        return False
+
+
 def wait_for_trigger(trigger: Path) -> list[str]:
-    """Warm up, announce readiness in ``PATH.ready``, block until ``trigger`` exists; its
-    ``KEY=VALUE`` lines (blank lines and ``#`` comments left out)."""
+    """Warm up, wait on the named pipe ``trigger``; the ``KEY=VALUE`` lines written to it
+    (blank lines and ``#`` comments left out)."""
     t0 = time.monotonic()
     warm_up()
-    ready = ready_path(trigger)
-    tmp = ready.with_name(ready.name + ".tmp")
-    tmp.write_text(f"{os.getpid()}\n")
-    tmp.replace(ready)
-    log.info("standby: warm after %.1fs, waiting for %s", time.monotonic() - t0, trigger)
-    while not trigger.exists():
-        time.sleep(POLL_S)
-    lines = [ln.strip() for ln in trigger.read_text().splitlines()]
-    items = [ln for ln in lines if ln and not ln.startswith("#")]
-    log.info("standby: %s appeared (%d keys): starting", trigger, len(items))
+    # Already there: a pipe left by an earlier spare, or the keys written before this one was
+    # warm (a regular file, read at once).
+    with contextlib.suppress(FileExistsError):
+        os.mkfifo(trigger)
+    log.info("standby: warm after %.1fs, waiting for keys on %s", time.monotonic() - t0, trigger)
+    with open(trigger) as f:  # a pipe: blocks until a writer opens it; reads to its close
+        text = f.read()
+    trigger.unlink(missing_ok=True)
+    items = [ln.strip() for ln in text.splitlines()]
+    items = [ln for ln in items if ln and not ln.startswith("#")]
+    log.info("standby: %d keys on %s: starting", len(items), trigger)
     return items

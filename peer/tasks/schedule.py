@@ -29,7 +29,16 @@ def lr_factor(step: int, cfg: TrainSection) -> float:
 
 
 def make_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: TrainSection
+    optimizer: torch.optim.Optimizer, cfg: TrainSection, start_step: int = 0
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR that applies :func:`lr_factor`; call ``step()`` once per optimizer step."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
+    """A LambdaLR that applies :func:`lr_factor`; call ``step()`` once per optimizer step.
+
+    ``start_step``: the step a resumed or joined run trains from; the schedule starts there
+    at once (stepping a fresh one there instead makes torch warn, before any optimizer step,
+    that the schedule's first value would be skipped).
+    """
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", group["lr"])
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, cfg), last_epoch=start_step - 1
+    )

@@ -21,7 +21,7 @@ from typing import IO
 
 import psutil
 from gossipgrad.peer.records import PeerStatus, read_record
-from gossipgrad.peer.runtime.standby import ready_path
+from gossipgrad.peer.runtime.standby import is_waiting
 
 log = logging.getLogger(__name__)
 
@@ -136,15 +136,14 @@ class LocalSwarm:
         spares_dir.mkdir(exist_ok=True)
         for k in range(self.spares):
             trigger = spares_dir / f"spare{k}.go"
-            for stale in (trigger, ready_path(trigger)):
-                stale.unlink(missing_ok=True)
+            trigger.unlink(missing_ok=True)
             argv = [*self._argv([], self._spare_options()), "--standby", str(trigger)]
             proc = self._popen(argv, spares_dir / f"spare{k}.log")
             self._idle_spares.append((trigger, proc))
             self.spare_pids.add(proc.pid)
         deadline = time.monotonic() + timeout
         for trigger, proc in self._idle_spares:
-            while not ready_path(trigger).exists():
+            while not is_waiting(trigger):
                 if proc.poll() is not None:
                     raise RuntimeError(f"spare {trigger.stem} exited; see its log in {spares_dir}")
                 if time.monotonic() > deadline:
@@ -159,9 +158,13 @@ class LocalSwarm:
                 continue
             base = self._spare_options()
             own = {k: v for k, v in opts.items() if base.get(k) != v}
-            tmp = trigger.with_name(trigger.name + ".tmp")
-            tmp.write_text("".join(f"{k}={v}\n" for k, v in own.items()))
-            tmp.replace(trigger)
+            try:  # no reader on the pipe (the spare is gone): ENXIO rather than a hang
+                fd = os.open(trigger, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                continue
+            os.set_blocking(fd, True)
+            with os.fdopen(fd, "w") as pipe:
+                pipe.write("".join(f"{k}={v}\n" for k, v in own.items()))
             with open(self.out / "commands.sh", "a") as f:
                 f.write(f"# peer{i}: warm spare {trigger.stem} (pid {proc.pid}), {trigger}\n")
             self.log_path[i] = trigger.with_suffix(".log")

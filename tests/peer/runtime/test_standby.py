@@ -1,6 +1,6 @@
-"""``gossipgrad-peer --standby PATH``: a warm spare does its start-up work, says so in
-``PATH.ready``, does nothing more until ``PATH`` appears, then starts with the keys ``PATH``
-holds (real processes, as an operator's failover script drives them)."""
+"""``gossipgrad-peer --standby PATH``: a warm spare does its start-up work, makes ``PATH`` a
+named pipe, does nothing more until keys are written to it, then starts with them (real
+processes, as an operator's failover script drives them)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
-from gossipgrad.peer.runtime.standby import ready_path
+from gossipgrad.peer.runtime.standby import is_waiting
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,18 +34,15 @@ def start_spare(trigger: Path) -> subprocess.Popen:
 
 def wait_warm(spare: subprocess.Popen, trigger: Path) -> None:
     deadline = time.monotonic() + 90
-    while not ready_path(trigger).exists():
+    while not is_waiting(trigger):
         assert spare.poll() is None, spare.communicate()[0]
         assert time.monotonic() < deadline, "the spare never got warm"
         time.sleep(0.05)
-    assert ready_path(trigger).read_text().strip() == str(spare.pid)
 
 
 def pull(trigger: Path, lines: list[str]) -> None:
-    """Write the trigger as a failover script should: another name, then a rename."""
-    tmp = trigger.with_name("trigger.tmp")
-    tmp.write_text("".join(f"{line}\n" for line in lines))
-    tmp.replace(trigger)
+    """Write the keys as a failover script does: in one go."""
+    trigger.write_text("".join(f"{line}\n" for line in lines))
 
 
 def test_a_warm_spare_waits_then_starts_with_the_keys_of_its_trigger(tmp_path: Path) -> None:
@@ -55,6 +53,7 @@ def test_a_warm_spare_waits_then_starts_with_the_keys_of_its_trigger(tmp_path: P
         time.sleep(1.0)
         assert spare.poll() is None, "the spare did not wait for its trigger"
         assert not run_dir.exists(), "the spare started before its trigger"
+        assert psutil.Process(spare.pid).status() == psutil.STATUS_SLEEPING
         pull(trigger, ["# failover of site-a", "", "peer.id=site-a", f"peer.run_dir={run_dir}"])
         out, _ = spare.communicate(timeout=90)
     finally:
@@ -62,26 +61,30 @@ def test_a_warm_spare_waits_then_starts_with_the_keys_of_its_trigger(tmp_path: P
             spare.kill()
             spare.wait()
     assert spare.returncode == 0, out
+    assert not trigger.exists(), "the spare left its pipe behind"
     status = read_record(run_dir / "status.json", PeerStatus)
     summary = read_record(run_dir / "summary.json", PeerSummary)
     assert status is not None and status.id == "site-a" and status.pid == spare.pid
     assert summary is not None and summary.steps == 5 and not summary.stopped_early
 
 
-def test_a_bad_key_in_the_trigger_is_a_one_line_config_error(tmp_path: Path) -> None:
+def test_keys_written_before_the_spare_is_warm_are_read_and_a_bad_one_is_one_line(
+    tmp_path: Path,
+) -> None:
     trigger = tmp_path / "go"
+    pull(trigger, ["peer.id=site-a", "train.stepz=3"])  # a regular file: no spare waits yet
     spare = start_spare(trigger)
     try:
-        wait_warm(spare, trigger)
-        pull(trigger, ["peer.id=site-a", "train.stepz=3"])
-        out, _ = spare.communicate(timeout=60)
+        out, _ = spare.communicate(timeout=90)
     finally:
         if spare.poll() is None:
             spare.kill()
             spare.wait()
     assert spare.returncode == 2, out
+    assert "standby: 2 keys on" in out, out
     errors = [line for line in out.splitlines() if "config error" in line]
     assert errors == [
         f"gossipgrad-peer: config error (from {trigger}): --set train.stepz: unknown key "
         "(see --config-reference)"
     ], out
+    assert not trigger.exists(), "the spare left the keys' file behind"

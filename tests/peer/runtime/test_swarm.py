@@ -120,6 +120,7 @@ def test_killed_peer_others_go_on_and_it_resumes_from_checkpoint(swarm_factory) 
     assert status.start_params == params_digest(saved["params"])
     assert status.start_lr == pytest.approx(scheduled_lr(swarm, resumed_at), rel=1e-9)
     assert status.start_schedule_step == resumed_at
+    assert "lr_scheduler.step()" not in log, "torch warned about the schedule's fast-forward"
     result = summarize(swarm)
     for p in result["peers"]:
         assert p["steps"] == 700
@@ -146,6 +147,7 @@ def test_late_joiner_downloads_state_and_catches_up(swarm_factory) -> None:
     assert (status.start_step, status.start_params) in served_states(swarm, range(3))
     assert status.start_lr == pytest.approx(scheduled_lr(swarm, status.start_step), rel=1e-9)
     assert status.start_schedule_step == status.start_step
+    assert "lr_scheduler.step()" not in (swarm.out / "peer3.log").read_text()
     result = summarize(swarm)
     late = result["peers"][3]
     assert late["received_state_bytes"] > 0

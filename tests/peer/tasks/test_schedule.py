@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 
 import pytest
 import torch
@@ -56,3 +57,20 @@ def test_cosine_starts_after_warmup_and_stays_at_floor_past_the_end() -> None:
 def test_bad_schedule_settings_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError):
         TrainSection(**bad)
+
+
+def test_a_schedule_started_at_a_resumed_step_goes_on_from_there_without_warnings() -> None:
+    """A resumed or joined peer's schedule starts at its step: the same learning rates as a
+    run that got there step by step, and no torch warning about stepping it too early."""
+    cfg = TrainSection(steps=30, lr=0.3, warmup_steps=5, schedule="cosine", min_lr_ratio=0.1)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sched = make_scheduler(opt, cfg, start_step=12)
+        resumed = []
+        for _ in range(cfg.steps - 12):
+            resumed.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+    assert sched.last_epoch == cfg.steps
+    assert resumed == pytest.approx(lrs(cfg)[12:], rel=1e-12)
