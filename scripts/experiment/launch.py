@@ -163,8 +163,11 @@ class LocalSwarm:
             except OSError:
                 continue
             os.set_blocking(fd, True)
-            with os.fdopen(fd, "w") as pipe:
-                pipe.write("".join(f"{k}={v}\n" for k, v in own.items()))
+            try:
+                with os.fdopen(fd, "w") as pipe:
+                    pipe.write("".join(f"{k}={v}\n" for k, v in own.items()))
+            except BrokenPipeError:  # it died between the open and the write
+                continue
             with open(self.out / "commands.sh", "a") as f:
                 f.write(f"# peer{i}: warm spare {trigger.stem} (pid {proc.pid}), {trigger}\n")
             self.log_path[i] = trigger.with_suffix(".log")
