@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import stat
 import time
 from pathlib import Path
 
@@ -31,14 +30,6 @@ def warm_up() -> None:
     from gossipgrad.peer.runtime import daemon  # noqa: F401 - the import is the point
 
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
-
-
-def is_waiting(trigger: Path) -> bool:
-    """A spare is warm and waits on ``trigger`` (the named pipe exists)."""
-    try:
-        return stat.S_ISFIFO(trigger.stat().st_mode)
-    except OSError:
-        return False
 
 
 def wait_for_trigger(trigger: Path) -> list[str]:

@@ -214,13 +214,9 @@ class ChurnDriver:
             life = self.current[i]
             s: PeerStatus = self.swarm.status(i)
             if s.pid == life.pid:
-                self.trace.samples.append(StatusSample(now, i, life.pid, s.state, s.step))
-                if s.state in WORKING:
-                    if life.start_step is None and s.start_step is not None:
-                        life.start_step = s.start_step
-                    life.last_step = max(life.last_step, s.step)
-                    if s.step >= (life.start_step or 0):  # not its first writes (step 0)
-                        rounds.append(s.step // self.trace.local_steps)
+                self._record(i, life, s, now)
+                if s.state in WORKING and s.step >= (life.start_step or 0):
+                    rounds.append(s.step // self.trace.local_steps)  # not its first writes
                 if s.state == "done" or s.step >= self.trace.steps:
                     self.finishing = True
             if self.swarm.procs[i].poll() is not None:
@@ -285,13 +281,19 @@ class ChurnDriver:
         self._adopt(i, kind)
         return i
 
+    def _record(self, i: int, life: Life, s: PeerStatus, now: float) -> None:
+        """Keep one status sample of peer i's current life, and what it says of the life."""
+        self.trace.samples.append(StatusSample(now, i, life.pid, s.state, s.step))
+        if s.state in WORKING:
+            if life.start_step is None and s.start_step is not None:
+                life.start_step = s.start_step
+            life.last_step = max(life.last_step, s.step)
+
     def _sample_one(self, i: int) -> None:
         """A last status sample of peer i before it is signalled."""
         life, s = self.current[i], self.swarm.status(i)
         if s.pid == life.pid:
-            self.trace.samples.append(StatusSample(time.time(), i, life.pid, s.state, s.step))
-            if s.state in WORKING:
-                life.last_step = max(life.last_step, s.step)
+            self._record(i, life, s, time.time())
 
     def _maybe_event(self, rounds: list[int]) -> None:
         if self.schedule is None or self.finishing or not rounds:

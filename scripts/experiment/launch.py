@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -21,7 +22,6 @@ from typing import IO
 
 import psutil
 from gossipgrad.peer.records import PeerStatus, read_record
-from gossipgrad.peer.runtime.standby import is_waiting
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class LocalSwarm:
             self.spare_pids.add(proc.pid)
         deadline = time.monotonic() + timeout
         for trigger, proc in self._idle_spares:
-            while not is_waiting(trigger):
+            while not spare_is_warm(trigger):
                 if proc.poll() is not None:
                     raise RuntimeError(f"spare {trigger.stem} exited; see its log in {spares_dir}")
                 if time.monotonic() > deadline:
@@ -287,6 +287,14 @@ class LocalSwarm:
         for log_file in self.logs:
             log_file.close()
         self.logs.clear()
+
+
+def spare_is_warm(trigger: Path) -> bool:
+    """A ``gossipgrad-peer --standby PATH`` spare is warm once ``PATH`` is a named pipe."""
+    try:
+        return stat.S_ISFIFO(trigger.stat().st_mode)
+    except OSError:
+        return False
 
 
 #: Signals that stop a run.

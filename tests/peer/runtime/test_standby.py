@@ -4,6 +4,7 @@ processes, as an operator's failover script drives them)."""
 
 from __future__ import annotations
 
+import stat
 import subprocess
 import sys
 import time
@@ -12,7 +13,6 @@ from pathlib import Path
 import psutil
 import pytest
 from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
-from gossipgrad.peer.runtime.standby import is_waiting
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,9 +32,13 @@ def start_spare(trigger: Path) -> subprocess.Popen:
     )
 
 
+def is_pipe(path: Path) -> bool:
+    return path.exists() and stat.S_ISFIFO(path.stat().st_mode)
+
+
 def wait_warm(spare: subprocess.Popen, trigger: Path) -> None:
     deadline = time.monotonic() + 90
-    while not is_waiting(trigger):
+    while not is_pipe(trigger):
         assert spare.poll() is None, spare.communicate()[0]
         assert time.monotonic() < deadline, "the spare never got warm"
         time.sleep(0.05)
