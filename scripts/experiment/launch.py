@@ -122,9 +122,13 @@ class LocalSwarm:
         """The keys every spare starts with (a peer's own keys come in its trigger)."""
         return {"train.threads": "1", **self.overrides}
 
-    def _popen(self, cmd: list[str], log_path: Path) -> subprocess.Popen:
+    def _record_command(self, line: str) -> None:
+        """Append one line to OUT/commands.sh (what was started, as a shell would)."""
         with open(self.out / "commands.sh", "a") as f:
-            f.write(" ".join(cmd) + " &\n")
+            f.write(line + "\n")
+
+    def _popen(self, cmd: list[str], log_path: Path) -> subprocess.Popen:
+        self._record_command(" ".join(cmd) + " &")
         log_file = open(log_path, "a")  # noqa: SIM115 - closed in stop()
         self.logs.append(log_file)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -168,8 +172,9 @@ class LocalSwarm:
                     pipe.write("".join(f"{k}={v}\n" for k, v in own.items()))
             except BrokenPipeError:  # it died between the open and the write
                 continue
-            with open(self.out / "commands.sh", "a") as f:
-                f.write(f"# peer{i}: warm spare {trigger.stem} (pid {proc.pid}), {trigger}\n")
+            self._record_command(
+                f"# peer{i}: warm spare {trigger.stem} (pid {proc.pid}), {trigger}"
+            )
             self.log_path[i] = trigger.with_suffix(".log")
             return proc
         return None

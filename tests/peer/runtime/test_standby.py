@@ -4,10 +4,12 @@ processes, as an operator's failover script drives them)."""
 
 from __future__ import annotations
 
+import contextlib
 import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -25,11 +27,19 @@ BASE = [
 ]  # fmt: skip
 
 
-def start_spare(trigger: Path) -> subprocess.Popen:
+@contextlib.contextmanager
+def started_spare(trigger: Path) -> Iterator[subprocess.Popen]:
+    """A spare on ``trigger``, SIGKILLed at the end if it still runs."""
     cmd = [sys.executable, "-m", "gossipgrad.peer", *BASE, "--standby", str(trigger)]
-    return subprocess.Popen(
+    spare = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=trigger.parent
     )
+    try:
+        yield spare
+    finally:
+        if spare.poll() is None:
+            spare.kill()
+            spare.wait()
 
 
 def is_pipe(path: Path) -> bool:
@@ -51,8 +61,7 @@ def pull(trigger: Path, lines: list[str]) -> None:
 
 def test_a_warm_spare_waits_then_starts_with_the_keys_of_its_trigger(tmp_path: Path) -> None:
     trigger, run_dir = tmp_path / "go", tmp_path / "site-a"
-    spare = start_spare(trigger)
-    try:
+    with started_spare(trigger) as spare:
         wait_warm(spare, trigger)
         time.sleep(1.0)
         assert spare.poll() is None, "the spare did not wait for its trigger"
@@ -60,10 +69,6 @@ def test_a_warm_spare_waits_then_starts_with_the_keys_of_its_trigger(tmp_path: P
         assert psutil.Process(spare.pid).status() == psutil.STATUS_SLEEPING
         pull(trigger, ["# failover of site-a", "", "peer.id=site-a", f"peer.run_dir={run_dir}"])
         out, _ = spare.communicate(timeout=90)
-    finally:
-        if spare.poll() is None:
-            spare.kill()
-            spare.wait()
     assert spare.returncode == 0, out
     assert not trigger.exists(), "the spare left its pipe behind"
     status = read_record(run_dir / "status.json", PeerStatus)
@@ -77,13 +82,8 @@ def test_keys_written_before_the_spare_is_warm_are_read_and_a_bad_one_is_one_lin
 ) -> None:
     trigger = tmp_path / "go"
     pull(trigger, ["peer.id=site-a", "train.stepz=3"])  # a regular file: no spare waits yet
-    spare = start_spare(trigger)
-    try:
+    with started_spare(trigger) as spare:
         out, _ = spare.communicate(timeout=90)
-    finally:
-        if spare.poll() is None:
-            spare.kill()
-            spare.wait()
     assert spare.returncode == 2, out
     assert "standby: 2 keys on" in out, out
     errors = [line for line in out.splitlines() if "config error" in line]
