@@ -162,7 +162,8 @@ class MembershipSection(Section):
         3.0,
         gt=0,
         description="Seconds a peer leaves our heartbeats unanswered before it is suspect "
-        "(excluded from mixing).",
+        "(excluded from mixing); at once if its address refuses connections (its process "
+        "is gone).",
     )
     dead_after: float = Field(
         10.0,

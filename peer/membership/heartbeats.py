@@ -80,7 +80,9 @@ class Membership(PeerTable):
         swarm: swarm name; heartbeats from another swarm are refused by the server.
         cfg: the membership section of the config.
         bootstrap: addresses to contact until some peer answers.
-        heartbeat: callable(address, request, timeout) -> HeartbeatReply (the transport).
+        heartbeat: callable(address, request, timeout) -> HeartbeatReply (the transport);
+            an exception it raises with a true ``refused`` attribute says nothing listens at
+            the address, and the peer there is suspect at once (``PeerTable.refused``).
         on_change: called (from the heartbeat thread) when the set of present peers, a
             peer's state or its incarnation changes.
         near: ids of this peer's gossip neighbours among the given live ids (heartbeated every
@@ -165,7 +167,9 @@ class Membership(PeerTable):
             log.debug("heartbeat to %s failed: %s", address, err)
             with self._lock:
                 self._their_digest.pop(address, None)
-            if peer_id is not None:
+            if peer_id is not None and getattr(err, "refused", False):
+                self.refused(peer_id, sent_at)
+            elif peer_id is not None:
                 self.unanswered(peer_id, sent_at)
             return None
         self.observe(reply.responder, direct=True)

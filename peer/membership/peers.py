@@ -2,7 +2,9 @@
 
 Failure detection by unanswered heartbeats (timeouts, no phi accrual): a peer that has left
 this peer's heartbeats unanswered for ``suspect_after`` seconds, with no word from it since, is
-*suspect* (kept in the topology, left out of mixing); for ``dead_after`` it is *dead* (dropped,
+*suspect* (kept in the topology, left out of mixing) -- at once if a call found its address
+refusing connections (its process is gone; a crashed peer's neighbours then bridge over it
+without waiting); for ``dead_after`` it is *dead* (dropped,
 the topology is recomputed); dead for ``FORGET_DEAD_AFTER`` periods it is forgotten. Silence
 alone proves nothing here, because far peers are heartbeated only now and then
 (``heartbeats.py``): only a heartbeat that went unanswered starts the clock.
@@ -194,6 +196,23 @@ class PeerTable:
             rec = self._peers.get(peer_id)
             if rec is not None and rec.unanswered_since is None:
                 rec.unanswered_since = since
+
+    def refused(self, peer_id: str, since: float) -> None:
+        """A call to ``peer_id`` sent at ``since`` (monotonic) found nothing listening at its
+        address: its process is gone. Suspect at once (left out of mixing, its neighbours
+        bridged) rather than after ``suspect_after`` seconds of unanswered heartbeats; dead
+        still waits for ``dead_after``, and an answer brings it back."""
+        with self._lock:
+            rec = self._peers.get(peer_id)
+            if rec is None or rec.state == DEAD:
+                return
+            if rec.unanswered_since is None:
+                rec.unanswered_since = since
+            if rec.state != ALIVE:
+                return
+            log.info("peer %s suspect (connection refused)", peer_id)
+            rec.state = SUSPECT
+        self._on_change()
 
     def sweep(self) -> None:
         """Age peers: alive -> suspect -> dead by unanswered heartbeats (or a confirmed report)."""

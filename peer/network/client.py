@@ -66,7 +66,9 @@ class PeerClient:
     Every call takes ``timeout`` (seconds, retries included; default from the options) and
     raises :class:`TransportError` on failure, or :class:`UpdateRejected` when the remote
     handler refused the call. Calls failing with a code in ``options.retry_codes`` are
-    retried up to ``options.retries`` times with exponential backoff. Thread-safe, except
+    retried up to ``options.retries`` times with exponential backoff; a refused connection
+    (``TransportError.refused``: nothing listens there) only if ``options.retry_refused``,
+    else the caller hears it at once. Thread-safe, except
     that ``last_*`` attributes describe whichever call finished last. After :meth:`close`,
     every call raises TransportError with CANCELLED.
     """
@@ -229,6 +231,7 @@ class PeerClient:
             pause *= 1 + self.options.backoff_jitter * self._random.random()
             if (
                 failure.code() not in self.options.retry_status_codes
+                or (failure.refused and not self.options.retry_refused)
                 or attempts > self.options.retries
                 or time.monotonic() + pause >= deadline
                 or self.closed

@@ -60,6 +60,14 @@ class TransportError(grpc.RpcError):
         """The status detail message."""
         return self.detail
 
+    @property
+    def refused(self) -> bool:
+        """The connection was refused: nothing listens at the address (the peer's process is
+        gone, or not started yet). Unlike a timeout, this is a definite answer, and at once."""
+        return self._code == grpc.StatusCode.UNAVAILABLE and "connection refused" in (
+            self.detail.lower()
+        )
+
 
 class UpdateRejected(TransportError):
     """Raised by a handler to refuse a call; the client receives it as the same class.

@@ -49,6 +49,11 @@ class TransportOptions:
     retries: int = 3
     #: Status codes (names of :class:`grpc.StatusCode`) worth another attempt.
     retry_codes: tuple[str, ...] = ("UNAVAILABLE",)
+    #: Retry a refused connection too (UNAVAILABLE with nothing listening at the address),
+    #: e.g. to wait within a call for a server restarting on the same port. Off by default:
+    #: a refused address is a process that is gone, the caller should hear it at once (a
+    #: peer then bridges over the crashed neighbour), and its next round tries again anyway.
+    retry_refused: bool = False
     #: First pause between attempts; multiplied by ``backoff_multiplier`` after each retry,
     #: capped at ``backoff_max``, with up to +``backoff_jitter`` relative random jitter.
     backoff_initial: float = 0.1

@@ -29,7 +29,7 @@ from gossipgrad.peer.flat import FlatParameters, FloatBuffers
 from gossipgrad.peer.membership.heartbeats import Membership
 from gossipgrad.peer.membership.topology import topology_from_name
 from gossipgrad.peer.metrics import UNATTRIBUTED, PeerMetrics
-from gossipgrad.peer.network import GossipServer, TransportOptions, UpdateRejected
+from gossipgrad.peer.network import GossipServer, TransportError, TransportOptions, UpdateRejected
 from gossipgrad.peer.network.pool import ClientPool
 from gossipgrad.peer.runtime.joining import StateDownload
 from gossipgrad.peer.security import TransportSecurity, resolve_security
@@ -104,7 +104,13 @@ class AddressedSender:
         if address is None:
             raise ConnectionError(f"no address for peer {peer}")
         client = self._clients.get(address)
-        result = client.push_detailed(header, payload, timeout=self._timeout * patience)
+        sent_at = time.monotonic()
+        try:
+            result = client.push_detailed(header, payload, timeout=self._timeout * patience)
+        except TransportError as err:
+            if err.refused:  # its process is gone: tell membership now, not heartbeats later
+                self._membership.refused(peer, sent_at)
+            raise
         return result.reply, result.wire_bytes
 
 

@@ -83,3 +83,70 @@ def test_every_state_change_reaches_the_owner_so_the_peers_gauge_never_goes_stal
     assert seen[-1]["suspect"] == 1 and seen[-1]["alive"] == 1, seen
     table.observe(other, direct=True)  # it answers again
     assert seen[-1]["suspect"] == 0 and seen[-1]["alive"] == 2, seen
+
+
+def crash(peer) -> None:
+    """Stop a peer as SIGKILL would, seen from outside: no goodbye, its port refuses."""
+    peer.membership.stop()
+    peer.server.stop(grace=0)
+
+
+def test_a_crashed_peer_is_suspect_at_the_first_refused_heartbeat() -> None:
+    """Nothing listening at a peer's address is a definite answer: the peers that heartbeat
+    it hold it suspect (left out of mixing, bridged over) within an interval or two, not after
+    ``suspect_after``; it is dead only after ``dead_after``."""
+    slow = {"membership.suspect_after": 8.0, "membership.dead_after": 20.0}
+    peers = start_peers(3, slow)
+    crash(peers[2])
+    t0 = time.monotonic()
+    while any(p.membership.is_alive("p2") for p in peers[:2]):
+        assert time.monotonic() - t0 < 2.0, "p2 still alive 2 s after its port closed"
+        time.sleep(0.02)
+    for p in peers[:2]:
+        assert p.membership.record("p2").state == "suspect"
+        assert "p2" in p.membership.present_ids()  # not dead: only dead_after says so
+        assert p.neighbourhood.ids() == ["p0", "p1"]  # the live ones mix without it
+
+
+def test_a_refused_push_makes_its_receiver_suspect_before_any_heartbeat() -> None:
+    """The push path tells membership too: a peer whose heartbeats are far apart learns of a
+    crashed neighbour from its first refused push."""
+    from gossipgrad.peer.network import TransportError
+    from gossipgrad.peer.runtime.node import AddressedSender
+
+    rare = {
+        "membership.heartbeat_interval": 5.0,
+        "membership.suspect_after": 10.0,
+        "membership.dead_after": 30.0,
+    }
+    peers = start_peers(2, rare)
+    crash(peers[1])
+    sender = AddressedSender(peers[0].membership, peers[0].clients, push_timeout=5.0)
+    header = peers[0].neighbourhood.header("p1", pb.DELTA, b"x")
+    t0 = time.monotonic()
+    with pytest.raises(TransportError) as info:
+        sender.push("p1", header, b"x")
+    assert info.value.refused and time.monotonic() - t0 < 2.0
+    assert peers[0].membership.record("p1").state == "suspect"
+
+
+def test_a_refusal_for_a_peer_that_answers_again_is_forgotten() -> None:
+    from gossipgrad.peer.config import MembershipSection
+    from gossipgrad.peer.membership.peers import PeerTable
+
+    changes: list[dict[str, int]] = []
+    table = PeerTable(
+        pb.PeerInfo(id="me", address="127.0.0.1:1", incarnation=1),
+        MembershipSection(heartbeat_interval=0.1, suspect_after=5.0, dead_after=10.0),
+        on_change=lambda: changes.append(table.counts()),
+    )
+    other = pb.PeerInfo(id="b", address="127.0.0.1:2", incarnation=1)
+    table.observe(other, direct=True)
+    table.refused("b", time.monotonic())
+    assert table.record("b").state == "suspect" and changes[-1]["suspect"] == 1
+    table.sweep()  # well within dead_after: still suspect
+    assert table.record("b").state == "suspect"
+    table.observe(other, direct=True)  # it answers
+    assert table.record("b").state == "alive" and table.record("b").unanswered_since is None
+    table.refused("nobody", time.monotonic())  # unknown ids are ignored
+    assert "nobody" not in table.present_ids()

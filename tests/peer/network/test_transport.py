@@ -446,6 +446,13 @@ def test_no_server_fails_fast_without_retries(clients):
         client.heartbeat(pb.HeartbeatRequest(swarm="s"))
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert time.monotonic() - started < 3.0
+    # Nothing listens there: a definite answer, told at once (no retries by default).
+    assert info.value.refused and info.value.attempts == 1, info.value
+    with pytest.raises(TransportError) as info:
+        client.push(_header(), b"to nobody", timeout=10)
+    assert info.value.refused and info.value.attempts == 1, info.value
+    # A deadline is not a refusal.
+    assert not TransportError(grpc.StatusCode.DEADLINE_EXCEEDED, "", "Connection refused").refused
 
 
 @pytest.mark.timeout(60)
@@ -456,7 +463,7 @@ def test_push_retries_until_server_restarts_on_same_port(clients):
     rec = Recorder()
     second = GossipServer(rec, bind=f"127.0.0.1:{port}", options=FAST)
     restarter = threading.Timer(0.8, second.start)
-    opts = TransportOptions(retries=50, backoff_initial=0.05, backoff_max=0.2)
+    opts = TransportOptions(retries=50, backoff_initial=0.05, backoff_max=0.2, retry_refused=True)
     client = clients(f"127.0.0.1:{port}", opts)
     restarter.start()
     try:
