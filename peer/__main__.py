@@ -1,7 +1,5 @@
 """``python -m gossipgrad.peer`` is ``gossipgrad-peer``."""
 
-import sys
+from gossipgrad.peer.cli import run
 
-from gossipgrad.peer.cli import main
-
-sys.exit(main())
+run()

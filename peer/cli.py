@@ -15,10 +15,11 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from gossipgrad.peer.config import (
     ConfigError,
@@ -180,5 +181,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run() -> NoReturn:
+    """The ``gossipgrad-peer`` command: :func:`main`, then a fast exit.
+
+    When ``main`` returns, the daemon has stopped its threads and written and closed its files;
+    all that is left is the interpreter's teardown, which with torch loaded spends about a
+    second of CPU (torch's operator-library finalizers), as much as 35 training steps of a
+    small model, on every peer that leaves, in the middle of the swarm's run on shared cores.
+    So the streams and log handlers are flushed and the process ends at once.
+    """
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -145,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("runs/churn"), help="output directory")
     p.add_argument("--only-churn", action="store_true", help="skip the run without churn")
     p.add_argument(
+        "--pairs",
+        type=int,
+        default=1,
+        help="make the two runs this many times, alternately (OUT/steadyI, OUT/churnI), and "
+        "print each pair's goodput and the median",
+    )
+    p.add_argument(
         "--spares",
         type=int,
         default=0,
@@ -156,7 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.pairs < 1:
+        parser.error("--pairs must be at least 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.min_live is None:
         args.min_live = max(2, args.peers - 3)
@@ -173,16 +184,31 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--set takes KEY=VALUE, got {item!r}")
         overrides[key] = value
     args.out.mkdir(parents=True, exist_ok=True)
-    steady = None
-    if not args.only_churn:
-        steady = run_once(args.out / "steady", args, overrides, churn=False)
-    churned = run_once(args.out / "churn", args, overrides, churn=True)
-    if steady is None:
-        steady = churned
-    text = report(steady, churned)
-    print(text)
+    pairs: list[tuple[ChurnFigures, ChurnFigures]] = []
+    for i in range(args.pairs):
+        suffix = str(i) if args.pairs > 1 else ""
+        steady = None
+        if not args.only_churn:
+            steady = run_once(args.out / f"steady{suffix}", args, overrides, churn=False)
+        churned = run_once(args.out / f"churn{suffix}", args, overrides, churn=True)
+        pairs.append((steady or churned, churned))
+        if args.pairs > 1:
+            print(f"pair {i}:")
+        print(report(*pairs[-1]), flush=True)
+    if args.pairs > 1:
+        rates = [c.throughput / s.throughput if s.throughput else 0.0 for s, c in pairs]
+        each = " ".join(f"{r:.1%}" for r in rates)
+        print(f"goodput by pair {each}; median {statistics.median(rates):.1%}")
+    steady, churned = pairs[0]
     (args.out / "churn.json").write_text(
-        json.dumps({"steady": asdict(steady), "churn": asdict(churned), "config": overrides})
+        json.dumps(
+            {
+                "steady": asdict(steady),
+                "churn": asdict(churned),
+                "pairs": [{"steady": asdict(s), "churn": asdict(c)} for s, c in pairs],
+                "config": overrides,
+            }
+        )
     )
     return 0
 

@@ -69,16 +69,16 @@ def test_bench_consensus_rounds_shrink_the_disagreement() -> None:
     assert start > 0 and end < start / 10, rows
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)
 def test_bench_churn_compares_a_swarm_with_and_without_churn(tmp_path: Path) -> None:
     """Three peers, an event every 20 rounds: both runs end, churn happened, figures print."""
     proc = subprocess.run(
         [
             sys.executable, str(SCRIPTS / "bench_churn.py"), "--peers", "3", "--min-live", "2",
-            "--every-rounds", "20", "--steps", "400", "--timeout", "250",
+            "--every-rounds", "20", "--steps", "400", "--timeout", "250", "--pairs", "2",
             "--out", str(tmp_path),
         ],
-        capture_output=True, text=True, timeout=580, check=False,
+        capture_output=True, text=True, timeout=1150, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     m = re.search(r"^goodput ([0-9.]+)% \(per live peer-second ([0-9.]+)%\)$", proc.stdout, re.M)
@@ -90,4 +90,22 @@ def test_bench_churn_compares_a_swarm_with_and_without_churn(tmp_path: Path) -> 
     assert steady["final_peers"] == 3 and churn["final_peers"] >= 2
     assert 0 < steady["relative_consensus_distance"] < 1e-2
     assert 0 < churn["relative_consensus_distance"] < 1e-1
-    assert (tmp_path / "churn" / "events.jsonl").read_text().count("\n") == churn["events"]
+    assert (tmp_path / "churn0" / "events.jsonl").read_text().count("\n") == churn["events"]
+    # Two pairs, run alternately; each pair's goodput and their median are printed.
+    assert len(result["pairs"]) == 2 and result["pairs"][0]["churn"] == churn
+    rates = [100 * p["churn"]["throughput"] / p["steady"]["throughput"] for p in result["pairs"]]
+    m = re.search(r"^goodput by pair ([0-9.]+)% ([0-9.]+)%; median ([0-9.]+)%$", proc.stdout, re.M)
+    assert m, proc.stdout[-2000:]
+    assert [float(m[1]), float(m[2])] == pytest.approx(rates, abs=0.1)
+    assert float(m[3]) == pytest.approx(sum(rates) / 2, abs=0.1)
+
+
+@pytest.mark.timeout(300)
+def test_bench_leave_measures_the_cpu_of_both_ways_to_exit() -> None:
+    """One peer SIGTERMed each way: the fast exit and the interpreter's teardown."""
+    stdout = run_script("bench_leave.py", "--repeats", "1", "--steps", "5")
+    pattern = r"^(fast exit|teardown) +run 0: ([0-9.]+) CPU s from SIGTERM to exit$"
+    runs = dict(re.findall(pattern, stdout, re.M))
+    assert sorted(runs) == ["fast exit", "teardown"], stdout
+    assert all(0 < float(v) < 60 for v in runs.values()), runs
+    assert re.search(r"^ratio teardown / fast exit: [0-9.]+x$", stdout, re.M), stdout

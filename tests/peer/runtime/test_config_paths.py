@@ -11,6 +11,7 @@ shards), so the file stays within a few minutes on two cores.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import re
@@ -362,6 +363,25 @@ def test_installed_peer_prints_the_config_reference_of_docs() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout == (ROOT / "docs" / "config.md").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_installed_peer_exits_with_its_status_and_everything_it_printed() -> None:
+    """gossipgrad-peer ends with a fast exit (no interpreter teardown): the exit status is
+    still main's, and what it printed to a pipe (block-buffered) is all there."""
+    peer = str(BIN / "gossipgrad-peer")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    shown = subprocess.run(
+        [peer, "--print-config", "--set", "train.steps=7"],
+        capture_output=True, text=True, timeout=100, stdin=subprocess.DEVNULL, env=env,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["train"]["steps"] == 7
+    bad = subprocess.run(
+        [peer, "--set", "train.stepz=7"],
+        capture_output=True, text=True, timeout=100, stdin=subprocess.DEVNULL, env=env,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "config error" in bad.stderr, bad
 
 
 # --- daemon swarms: local_steps with CHOCO, adam/adamw, topologies, Dirichlet shards ----------
