@@ -19,7 +19,6 @@ signal) are printed for each, with the medians and their ratio.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -29,19 +28,21 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+from gossipgrad.peer.records import PeerStatus, read_record
+
 #: The two ways to run the same daemon: the command as installed, and main() with the
 #: interpreter's normal exit.
 WAYS = {
     "fast exit": ["-m", "gossipgrad.peer"],
     "teardown": ["-c", "import sys; from gossipgrad.peer.cli import main; sys.exit(main())"],
 }
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a running process (``/proc/PID/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    """User + system CPU seconds of a running process."""
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def leave_once(way: str, run_dir: Path, steps: int, timeout: float) -> float:
@@ -62,7 +63,7 @@ def leave_once(way: str, run_dir: Path, steps: int, timeout: float) -> float:
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + timeout
-        while _step(run_dir) < steps:
+        while (read_record(run_dir / "status.json", PeerStatus) or PeerStatus()).step < steps:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{way}: the peer did not reach step {steps}: see {log.name}")
             time.sleep(0.05)
@@ -78,13 +79,6 @@ def leave_once(way: str, run_dir: Path, steps: int, timeout: float) -> float:
     if proc.returncode != 0:
         raise RuntimeError(f"{way}: exit status {proc.returncode}: see {log.name}")
     return usage.ru_utime + usage.ru_stime - before
-
-
-def _step(run_dir: Path) -> int:
-    try:
-        return int(json.loads((run_dir / "status.json").read_text()).get("step", 0))
-    except (OSError, ValueError):
-        return 0  # not written yet, or caught mid-write
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 
 import grpc
+import psutil
 from gossipgrad.peer.network import GossipServer, PeerClient, TransportOptions
 from gossipgrad.proto import gossip_pb2 as pb
 from gossipgrad.proto import gossip_pb2_grpc as pb_grpc
@@ -136,10 +137,9 @@ def _protobuf_push(stub: pb_grpc.GossipStub, payload: memoryview, chunk: int) ->
 
 
 def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds used so far by process ``pid`` (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds used so far by process ``pid``."""
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def _measure(push: Callable[[], float], server_pid: int, repeats: int) -> tuple[list[float], float]:

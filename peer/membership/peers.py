@@ -4,8 +4,8 @@ Failure detection by unanswered heartbeats (timeouts, no phi accrual): a peer th
 this peer's heartbeats unanswered for ``suspect_after`` seconds, with no word from it since, is
 *suspect* (kept in the topology, left out of mixing) -- at once if a call found its address
 refusing connections (its process is gone; a crashed peer's neighbours then bridge over it
-without waiting); for ``dead_after`` it is *dead* (dropped,
-the topology is recomputed); dead for ``FORGET_DEAD_AFTER`` periods it is forgotten. Silence
+without waiting); for ``dead_after`` it is *dead* (dropped, the topology is recomputed); dead
+for ``FORGET_DEAD_AFTER`` periods it is forgotten. Silence
 alone proves nothing here, because far peers are heartbeated only now and then
 (``heartbeats.py``): only a heartbeat that went unanswered starts the clock.
 
@@ -206,8 +206,7 @@ class PeerTable:
             rec = self._peers.get(peer_id)
             if rec is None or rec.state == DEAD:
                 return
-            if rec.unanswered_since is None:
-                rec.unanswered_since = since
+            self.unanswered(peer_id, since)  # the dead_after clock (an RLock: re-entered)
             if rec.state != ALIVE:
                 return
             log.info("peer %s suspect (connection refused)", peer_id)

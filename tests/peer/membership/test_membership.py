@@ -6,6 +6,8 @@ import threading
 import time
 
 import pytest
+from gossipgrad.peer.config import MembershipSection
+from gossipgrad.peer.membership.peers import PeerTable
 from gossipgrad.proto import gossip_pb2 as pb
 from support.peers import start_peer, start_peers, wait_until_met
 
@@ -64,20 +66,28 @@ def test_steady_heartbeats_carry_no_peer_list_and_a_joiner_still_spreads() -> No
         time.sleep(0.05)
 
 
-def test_every_state_change_reaches_the_owner_so_the_peers_gauge_never_goes_stale() -> None:
-    """alive -> suspect -> alive are changes of the counts too: the owner (which sets the
-    gossipgrad_peers{state} gauge) is told of each, not only of joins and deaths."""
-    from gossipgrad.peer.config import MembershipSection
-    from gossipgrad.peer.membership.peers import PeerTable
-
+def table_knowing_b(
+    suspect_after: float, dead_after: float
+) -> tuple[PeerTable, pb.PeerInfo, list[dict[str, int]]]:
+    """A peer table ("me") that has heard from peer "b" directly; the counts at each change
+    it reports to its owner."""
     seen: list[dict[str, int]] = []
     table = PeerTable(
         pb.PeerInfo(id="me", address="127.0.0.1:1", incarnation=1),
-        MembershipSection(heartbeat_interval=0.1, suspect_after=0.2, dead_after=5.0),
+        MembershipSection(
+            heartbeat_interval=0.1, suspect_after=suspect_after, dead_after=dead_after
+        ),
         on_change=lambda: seen.append(table.counts()),
     )
     other = pb.PeerInfo(id="b", address="127.0.0.1:2", incarnation=1)
     table.observe(other, direct=True)
+    return table, other, seen
+
+
+def test_every_state_change_reaches_the_owner_so_the_peers_gauge_never_goes_stale() -> None:
+    """alive -> suspect -> alive are changes of the counts too: the owner (which sets the
+    gossipgrad_peers{state} gauge) is told of each, not only of joins and deaths."""
+    table, other, seen = table_knowing_b(suspect_after=0.2, dead_after=5.0)
     table.unanswered("b", time.monotonic() - 1.0)  # silent for 1 s > suspect_after
     table.sweep()
     assert seen[-1]["suspect"] == 1 and seen[-1]["alive"] == 1, seen
@@ -131,17 +141,7 @@ def test_a_refused_push_makes_its_receiver_suspect_before_any_heartbeat() -> Non
 
 
 def test_a_refusal_for_a_peer_that_answers_again_is_forgotten() -> None:
-    from gossipgrad.peer.config import MembershipSection
-    from gossipgrad.peer.membership.peers import PeerTable
-
-    changes: list[dict[str, int]] = []
-    table = PeerTable(
-        pb.PeerInfo(id="me", address="127.0.0.1:1", incarnation=1),
-        MembershipSection(heartbeat_interval=0.1, suspect_after=5.0, dead_after=10.0),
-        on_change=lambda: changes.append(table.counts()),
-    )
-    other = pb.PeerInfo(id="b", address="127.0.0.1:2", incarnation=1)
-    table.observe(other, direct=True)
+    table, other, changes = table_knowing_b(suspect_after=5.0, dead_after=10.0)
     table.refused("b", time.monotonic())
     assert table.record("b").state == "suspect" and changes[-1]["suspect"] == 1
     table.sweep()  # well within dead_after: still suspect
