@@ -12,9 +12,14 @@ pseudo-gradient; SparseLoCo keeps error feedback on it the same way). For each e
    neighbours are left out and the rest renormalised).
 
 Incoming vectors wait in a short FIFO per sender, so peers whose counters differ (a restart, a
-late joiner) still pair up their messages. These vectors are not increments of any shared copy:
-a lost message costs one exchange some information but breaks no invariant, so they carry no
-sequence numbers or sessions.
+late joiner) still pair up their messages. Pairing by arrival needs each sender's vectors to
+arrive in the order they were sent, once: the pushes to one neighbour run one after another
+on the push pool (``Neighbourhood.submit_in_order``; on parallel threads a slow push of
+exchange r let r + 1 overtake it, and the receiver averaged r + 1 into its r), and a vector
+whose exchange number (header ``seq``) repeats the sender's last one is a retried push that
+had arrived, answered DUPLICATE. These vectors are not increments of any shared copy: a lost
+message costs one exchange some information but breaks no invariant, so there are no
+sessions or resyncs.
 """
 
 from __future__ import annotations
@@ -96,6 +101,7 @@ class CompressedAverage:
         self.mine = torch.zeros_like(like)  # decode(c) of the last exchange
         self._avg = torch.zeros_like(like)
         self._inbox: dict[str, deque[torch.Tensor]] = {}
+        self._last_seq: dict[str, int] = {}  # per sender, the exchange it sent last
         self._lock = threading.Lock()
         self.step = 0
         self.dropped = 0
@@ -123,6 +129,7 @@ class CompressedAverage:
                 self.feedback.reset()
         with self._lock:
             self._inbox.clear()
+            self._last_seq.clear()
 
     def queued(self, peer: str) -> int:
         """Vectors from ``peer`` waiting to be averaged."""
@@ -133,11 +140,13 @@ class CompressedAverage:
         """Drop what is queued from a peer that left or restarted."""
         with self._lock:
             self._inbox.pop(peer, None)
+            self._last_seq.pop(peer, None)
 
     def prune(self, present: set[str]) -> None:
         with self._lock:
             for peer in [p for p in self._inbox if p not in present]:
                 del self._inbox[peer]
+                self._last_seq.pop(peer, None)
 
     # ------------------------------------------------------------------ sending
 
@@ -154,12 +163,14 @@ class CompressedAverage:
         return payload
 
     def _send(self, peer: str, header: pb.UpdateHeader, payload: bytes) -> None:
+        if not self.nb.view.is_alive(peer):
+            return  # it went silent while this push waited behind the earlier ones
         try:
             reply = self.nb.push(peer, header, payload)
         except Exception as err:
             log.warning("push of a compressed vector to %s failed: %s", peer, err)
             return
-        if reply.status != pb.PushReply.ACCEPTED:
+        if reply.status not in (pb.PushReply.ACCEPTED, pb.PushReply.DUPLICATE):
             log.info("%s did not take our vector: %s", peer, reply.detail)
 
     def send(self, payload: bytes, neighbors: list[str], round_: int) -> None:
@@ -169,7 +180,7 @@ class CompressedAverage:
                 # Only gradients count towards the compression ratio's dense bytes.
                 dense = {} if self.kind == pb.GRADIENT else {"dense_size": 0}
                 header = self.nb.header(peer, self.kind, payload, seq=round_, round=round_, **dense)
-                self.nb.submit(self._send, peer, header, payload)
+                self.nb.submit_in_order(peer, self._send, peer, header, payload)
 
     # ------------------------------------------------------------------ receiving
 
@@ -190,6 +201,9 @@ class CompressedAverage:
                 f"vector {list(v.shape)} {v.dtype} does not fit {like.numel()} values",
             )
         with self._lock:
+            if self._last_seq.get(header.sender) == header.seq:
+                return pb.PushReply(status=pb.PushReply.DUPLICATE, detail="vector")
+            self._last_seq[header.sender] = header.seq
             queue = self._inbox.setdefault(header.sender, deque())
             queue.append(v)
             while len(queue) > MAX_QUEUED:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -96,6 +97,9 @@ class Neighbourhood:
         self._lagging: dict[str, int] = {}
         self._events = 0
         self._pool = ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="push")
+        # Jobs waiting per peer for submit_in_order; a key is present while one drains it.
+        self._lanes: dict[str, deque[tuple[Callable[..., None], tuple]]] = {}
+        self._lanes_lock = threading.Lock()
 
     @property
     def me(self) -> str:
@@ -161,6 +165,31 @@ class Neighbourhood:
     def submit(self, fn: Callable[..., None], *args) -> None:
         """Run ``fn(*args)`` on the push pool (pushes never block the training thread)."""
         self._pool.submit(fn, *args)
+
+    def submit_in_order(self, peer: str, fn: Callable[..., None], *args) -> None:
+        """Like :meth:`submit`, but after every job submitted earlier for the same ``peer``
+        has run: that peer receives the messages in the order they were sent, however the
+        pool's threads are scheduled (messages paired by arrival need it)."""
+        with self._lanes_lock:
+            lane = self._lanes.get(peer)
+            if lane is not None:
+                lane.append((fn, args))
+                return
+            self._lanes[peer] = deque([(fn, args)])
+        self._pool.submit(self._drain, peer)
+
+    def _drain(self, peer: str) -> None:
+        while True:
+            with self._lanes_lock:
+                lane = self._lanes[peer]
+                if not lane:
+                    del self._lanes[peer]
+                    return
+                fn, args = lane.popleft()
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("a push job to %s failed", peer)
 
     # ------------------------------------------------------------------ receiving
 
@@ -275,4 +304,8 @@ class Neighbourhood:
         return time.monotonic() - t0
 
     def close(self) -> None:
+        """Stop pushing: jobs not started are dropped, running ones finish."""
+        with self._lanes_lock:
+            for lane in self._lanes.values():
+                lane.clear()
         self._pool.shutdown(wait=True, cancel_futures=True)
