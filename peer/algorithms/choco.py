@@ -289,9 +289,18 @@ class ChocoGossip(GossipAlgorithm):
             self._round,
         )
 
+        asked: list[str] = []
+
         def progress() -> None:
             rnd.record_mixed(*self._mix_ready(list(self.edges)))
-            for p in rnd.edges:
+            # A follower that asked for a session in the middle of this round (a newcomer,
+            # or a neighbour bridging over one that died) gets it now, not a round later: it
+            # waits in its own round until then, and its neighbours wait on it. This round
+            # does not wait for it in turn.
+            for p, e in list(self.edges.items()):
+                if e.requested and p not in rnd.edges and p not in asked:
+                    asked.append(p)
+            for p in [*rnd.edges, *asked]:
                 if self.nb.view.is_alive(p) and self._push(p, rnd.weights.get(p, 0.0), rnd.turn):
                     rnd.pushed.add(p)
 

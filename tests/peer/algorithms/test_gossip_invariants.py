@@ -170,6 +170,40 @@ def test_a_restarted_follower_gets_a_new_session_before_membership_sees_the_rest
     assert assert_mirrors_exact(peers) == 2
 
 
+def test_a_leader_opens_a_session_asked_for_in_the_middle_of_its_round() -> None:
+    """A follower that says hello while its leader is in the middle of a long round (here:
+    waiting for a silent neighbour) gets its session at once: the leader's round serves the
+    edges it was asked for, not only those fixed when the round began. Before, the follower
+    waited until the leader's next round, up to a whole round_timeout, and the neighbours
+    waiting on the follower waited with it (9-s stalls of a 16-peer churn run)."""
+    overrides = {**GOSSIP, "gossip.round_timeout": 6.0}
+    p0 = start_peer("p0", [], seed=1, overrides=overrides)
+    p2 = start_peer("p2", [p0.address], seed=3, overrides=overrides)  # never runs a round
+    wait_until_met([p0, p2])
+    rounds: list = []
+    # p0's rounds open a session with p2 (a resync: their models differ), then one waits for
+    # p2's answer to an exchange, which never comes: a 6-s round.
+    leader = threading.Thread(
+        target=lambda: rounds.extend(p0.algorithm.step_round() for _ in range(4))
+    )
+    leader.start()
+    try:
+        seen, since = -1, time.monotonic()
+        while time.monotonic() - since < 0.5:  # until p0's rounds stop advancing
+            if len(rounds) != seen:
+                seen, since = len(rounds), time.monotonic()
+            time.sleep(0.01)
+        assert leader.is_alive(), rounds
+        p1 = start_peer("p1", [p0.address], seed=2, overrides=overrides)
+        wait_until_met([p0, p1, p2])
+        first = p1.algorithm.step_round()  # says hello to its leader p0, waits for a session
+        assert p1.algorithm.edges["p0"].epoch != 0, p1.algorithm.edges["p0"]
+        assert first.waited_s < 2.0, first
+        assert leader.is_alive(), "p0's round ended first: the test proves nothing"
+    finally:
+        leader.join(timeout=30)
+
+
 class FailingSender:
     """Fails the 3rd and 4th DELTA pushes to p1 before they reach it, with a gRPC status."""
 
