@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Mapping
 
 from gossipgrad.peer.metric_vocabulary import (
@@ -84,6 +85,8 @@ class PeerMetrics:
         self._lock = threading.Lock()
         self._server = None
         self._thread: threading.Thread | None = None
+        self._serving_since: float | None = None  # time.monotonic() at mark_serving
+        self._mixed_once = False
 
     def _traffic_metrics(self, r: CollectorRegistry) -> None:
         self.sent_bytes = Counter(
@@ -181,6 +184,14 @@ class PeerMetrics:
         self.neighbors = Gauge(
             _name("neighbors"), "Neighbours currently in this peer's mixing weights.", registry=r
         )
+        self.first_mix = Gauge(
+            _name("first_mix_seconds"),
+            "Seconds from this process's gossip server start to its first gossip round that "
+            "mixed a neighbour's copy (how fast a restarted or joining peer rejoins the "
+            "swarm); NaN until then.",
+            registry=r,
+        )
+        self.first_mix.set(math.nan)
         self.rejected_updates = Counter(
             _name("rejected_updates"),
             "Incoming messages refused before touching the model, by reason.",
@@ -351,10 +362,19 @@ class PeerMetrics:
             _check_amount(n, f"{state} peers")
             self.peers.labels(state=state).set(n)
 
+    def mark_serving(self) -> None:
+        """The gossip server serves from now: the origin of ``first_mix_seconds``."""
+        self._serving_since = time.monotonic()
+
     def set_neighbors(self, n: int) -> None:
-        """Publish how many neighbours are in the mixing weights now."""
+        """Publish how many neighbours the last round mixed (the first time one did, also the
+        seconds since the server started serving)."""
         _check_amount(n, "neighbors")
         self.neighbors.set(n)
+        with self._lock:
+            if n > 0 and self._serving_since is not None and not self._mixed_once:
+                self._mixed_once = True
+                self.first_mix.set(time.monotonic() - self._serving_since)
 
     # --- HTTP endpoint -----------------------------------------------------------------------
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> int:

@@ -15,7 +15,8 @@ Printed for each run, over its steady window (every first peer training -> the f
 * the final relative consensus distance (1/n) Σ||x_i - x̄||² / ||x̄||² over the peers that
   trained to the end, with and without churn, and the ratio.
 * per restarted or joined peer: seconds from its gRPC server start to its first mixed
-  exchange, its rounds by then, and how many rounds behind the swarm's median it started.
+  exchange (the peer's own gossipgrad_first_mix_seconds), its rounds by then, and how many
+  rounds behind the swarm's median it started.
 
 With ``--spares K``, K warm spares (``gossipgrad-peer --standby``) are started and warm before
 the run with churn, and the first K restarts and joins take one: what peers on machines of

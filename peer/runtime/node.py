@@ -190,6 +190,7 @@ class Peer:
         if self._started:
             return
         port = self.server.start()
+        self.metrics.mark_serving()
         host = self.cfg.peer.listen.rsplit(":", 1)[0]
         self.address = self.cfg.peer.advertise or f"{host}:{port}"
         if not self.cfg.peer.advertise and host in WILDCARD_HOSTS:

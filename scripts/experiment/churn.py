@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import random
 import statistics
 import time
@@ -61,9 +62,11 @@ class Life:
     start_step: int | None = None  # the step it started training from (status.json)
     last_step: int = 0
     # From its Prometheus endpoint (when metrics are on), restarts and joins only: the first
-    # scrape whose round had mixed a neighbour's copy, and its rounds by then.
+    # scrape whose round had mixed a neighbour's copy, and its rounds by then; and the peer's
+    # own gossipgrad_first_mix_seconds (its server start to its first mixing round, exact).
     first_exchange: float | None = None
     first_exchange_rounds: int | None = None
+    first_mix_s: float | None = None
     log: str = ""  # its log file (a warm spare's own, else the peer's, shared by its lives)
     spare: bool = False  # a warm spare took this life (gossipgrad-peer --standby)
 
@@ -123,14 +126,27 @@ class ChurnTrace:
 def mixed_neighbours(exposition: str) -> tuple[float, float]:
     """(``gossipgrad_neighbors``, ``gossipgrad_gossip_rounds_total``) in a Prometheus text
     exposition: neighbours mixed in the last round, and rounds run by this process."""
-    mixed = rounds = 0.0
-    for family in text_string_to_metric_families(exposition):
-        for sample in family.samples:
-            if sample.name == "gossipgrad_neighbors":
-                mixed = sample.value
-            elif sample.name == "gossipgrad_gossip_rounds_total":
-                rounds = sample.value
-    return mixed, rounds
+    values = _samples(exposition, "gossipgrad_neighbors", "gossipgrad_gossip_rounds_total")
+    return values.get("gossipgrad_neighbors", 0.0), values.get(
+        "gossipgrad_gossip_rounds_total", 0.0
+    )
+
+
+def first_mix_seconds(exposition: str) -> float | None:
+    """``gossipgrad_first_mix_seconds`` in a Prometheus text exposition: seconds from the
+    peer's gossip server start to its first round that mixed, or None before that."""
+    value = _samples(exposition, "gossipgrad_first_mix_seconds").get("gossipgrad_first_mix_seconds")
+    return None if value is None or math.isnan(value) else value
+
+
+def _samples(exposition: str, *names: str) -> dict[str, float]:
+    """The value of each unlabelled sample ``names`` in an exposition."""
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(exposition)
+        for sample in family.samples
+        if sample.name in names
+    }
 
 
 class ChurnDriver:
@@ -241,9 +257,12 @@ class ChurnDriver:
             url = f"http://127.0.0.1:{s.metrics_port}/metrics"
             with contextlib.suppress(OSError, ValueError):
                 with urllib.request.urlopen(url, timeout=1.0) as resp:
-                    mixed, rounds = mixed_neighbours(resp.read().decode())
-                if mixed > 0:
+                    text = resp.read().decode()
+                mixed, rounds = mixed_neighbours(text)
+                first = first_mix_seconds(text)
+                if mixed > 0 or first is not None:
                     life.first_exchange, life.first_exchange_rounds = now, int(rounds)
+                    life.first_mix_s = first
 
     # ------------------------------------------------------------------ events
 

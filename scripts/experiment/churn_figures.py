@@ -168,11 +168,11 @@ def new_lives(trace: ChurnTrace, out: Path) -> list[NewLife]:
         if life.how == "start":
             continue
         started = starts[log][k] if k < len(starts[log]) else None
-        first = (
-            life.first_exchange - started
-            if life.first_exchange is not None and started is not None
-            else None
-        )
+        # The peer's own figure where it exported one; else the driver's first scrape that
+        # saw a mixing round (later by up to a scrape interval and the driver's own delay).
+        first = life.first_mix_s
+        if first is None and life.first_exchange is not None and started is not None:
+            first = life.first_exchange - started
         result.append(
             NewLife(
                 peer=life.peer,

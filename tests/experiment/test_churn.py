@@ -26,14 +26,17 @@ from gossipgrad.experiment.churn import (
     ChurnTrace,
     Life,
     StatusSample,
+    first_mix_seconds,
     mixed_neighbours,
 )
 from gossipgrad.experiment.churn_figures import figures, max_stall, redone_steps, window
 from gossipgrad.experiment.churn_schedule import EVENT_KINDS, ChurnSchedule
 from gossipgrad.experiment.launch import LocalSwarm
+from gossipgrad.peer.metrics import PeerMetrics
 from gossipgrad.peer.records import PeerSummary, read_record
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
 from support.swarms import BASE
 
 PEERS = 6
@@ -114,7 +117,7 @@ def fault_run(tmp_path_factory):
         time.sleep(3.0)
         swarm.spawn(2, bootstrap=swarm.address(1))
         pid = swarm.procs[2].pid
-        first_exchange = None
+        first_exchange = first_mix = None
         deadline = time.monotonic() + 200
         while first_exchange is None and time.monotonic() < deadline:
             status = swarm.status(2)
@@ -122,10 +125,11 @@ def fault_run(tmp_path_factory):
                 url = f"http://127.0.0.1:{status.metrics_port}/metrics"
                 try:
                     with urllib.request.urlopen(url, timeout=1.0) as resp:
-                        mixed, _ = mixed_neighbours(resp.read().decode())
+                        text = resp.read().decode()
                 except OSError:
-                    mixed = 0
-                if mixed > 0:
+                    text = ""
+                first_mix = first_mix_seconds(text)
+                if mixed_neighbours(text)[0] > 0 or first_mix is not None:
                     first_exchange = time.time()
             time.sleep(0.02)
         assert swarm.wait(400), "the swarm did not finish"
@@ -138,6 +142,7 @@ def fault_run(tmp_path_factory):
             "killed_at": killed_at,
             "resumed": resumed,
             "first_exchange_s": None if first_exchange is None else first_exchange - started,
+            "first_mix_s": first_mix,
             "failed": [i for i in swarm.failed() if i != 4],  # peer4 stays killed
         }
     finally:
@@ -161,10 +166,16 @@ def test_fault_scenario_ends_within_2x_of_no_fault_consensus(no_fault, fault_run
 
 @pytest.mark.timeout(900)
 def test_restarted_peer_exchanges_within_two_heartbeats_of_its_server_start(fault_run) -> None:
-    seconds = fault_run["first_exchange_s"]
-    print(f"restarted peer: first mixed exchange {seconds} s after its gRPC server started")
+    seconds, seen = fault_run["first_mix_s"], fault_run["first_exchange_s"]
+    print(
+        f"restarted peer: first mixed exchange {seconds} s after its gRPC server started "
+        f"(its gossipgrad_first_mix_seconds; first seen by a scrape after {seen} s)"
+    )
     assert seconds is not None, "the restarted peer never mixed a neighbour's copy"
     assert 0 < seconds <= 2 * HEARTBEAT_S
+    # The peer's own figure is never later than the scrape that first saw it mix (the log's
+    # timestamps have millisecond resolution).
+    assert seconds <= seen + 0.01, (seconds, seen)
 
 
 @pytest.mark.slow
@@ -365,6 +376,21 @@ def test_figures_of_a_synthetic_trace(tmp_path: Path) -> None:
     assert fig.throughput == pytest.approx(28 / 22)
     # Its restart began training at step 4 while peer0 stood at 10: 6 rounds behind.
     assert [(x.peer, x.how, x.lag_rounds) for x in fig.new_lives] == [(1, "restart", 6.0)]
+    # Its first exchange: the peer's own figure where it exported one (the driver's scrape
+    # saw it later), else nothing to measure from (no log of its server start here).
+    assert fig.new_lives[0].first_exchange_s is None
+    trace.lives[2].first_exchange, trace.lives[2].first_mix_s = 8.0, 0.42
+    assert figures(trace, tmp_path).new_lives[0].first_exchange_s == 0.42
+
+
+def test_first_mix_seconds_reads_the_peers_gauge() -> None:
+    metrics = PeerMetrics()
+    assert first_mix_seconds(generate_latest(metrics.registry).decode()) is None  # NaN
+    metrics.mark_serving()
+    metrics.set_neighbors(1)
+    seconds = first_mix_seconds(generate_latest(metrics.registry).decode())
+    assert seconds is not None and 0 <= seconds < 5
+    assert first_mix_seconds("") is None
 
 
 def test_max_stall_counts_the_window_edges() -> None:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 import socket
+import time
 import urllib.request
 
 import pytest
@@ -44,6 +46,7 @@ EXPECTED = {
     "gossipgrad_error_feedback_norm": ("gauge", set()),
     "gossipgrad_peers": ("gauge", {"state"}),
     "gossipgrad_neighbors": ("gauge", set()),
+    "gossipgrad_first_mix_seconds": ("gauge", set()),
     "gossipgrad_rejected_updates": ("counter", {"reason"}),
     "gossipgrad_resyncs": ("counter", {"neighbor"}),
     "gossipgrad_build_info": ("gauge", {"version", "algorithm", "codec", "topology"}),
@@ -173,6 +176,25 @@ def test_counters_and_gauges_move() -> None:
     assert value(m, "gossipgrad_peers", state="dead") == 2
     assert value(m, "gossipgrad_neighbors") == 2
     assert m.neighbor_ids == {"b", "c"}
+
+
+@pytest.mark.timeout(30)
+def test_first_mix_is_the_time_from_serving_to_the_first_round_that_mixed() -> None:
+    m = PeerMetrics()
+    m.set_neighbors(2)  # not serving yet: no origin to count from
+    assert math.isnan(value(m, "gossipgrad_first_mix_seconds"))
+    m = PeerMetrics()
+    t0 = time.monotonic()
+    m.mark_serving()
+    m.set_neighbors(0)  # a round that mixed nobody
+    assert math.isnan(value(m, "gossipgrad_first_mix_seconds"))
+    time.sleep(0.05)
+    m.set_neighbors(1)
+    first = value(m, "gossipgrad_first_mix_seconds")
+    assert 0.05 <= first <= time.monotonic() - t0
+    time.sleep(0.02)
+    m.set_neighbors(2)  # later rounds leave it as it was
+    assert value(m, "gossipgrad_first_mix_seconds") == first
 
 
 @pytest.mark.timeout(30)
