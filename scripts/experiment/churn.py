@@ -33,6 +33,7 @@ import statistics
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 from gossipgrad.experiment.churn_schedule import ChurnSchedule
 from gossipgrad.experiment.launch import LocalSwarm
@@ -123,30 +124,37 @@ class ChurnTrace:
         )
 
 
-def mixed_neighbours(exposition: str) -> tuple[float, float]:
-    """(``gossipgrad_neighbors``, ``gossipgrad_gossip_rounds_total``) in a Prometheus text
-    exposition: neighbours mixed in the last round, and rounds run by this process."""
-    values = _samples(exposition, "gossipgrad_neighbors", "gossipgrad_gossip_rounds_total")
-    return values.get("gossipgrad_neighbors", 0.0), values.get(
-        "gossipgrad_gossip_rounds_total", 0.0
+class MixingProgress(NamedTuple):
+    """What a new life's Prometheus exposition says of its mixing so far."""
+
+    mixed: float  # gossipgrad_neighbors: neighbours mixed in the last round
+    rounds: float  # gossipgrad_gossip_rounds_total: rounds run by this process
+    first_mix_s: float | None  # gossipgrad_first_mix_seconds; None before its first mix
+
+    @property
+    def has_mixed(self) -> bool:
+        return self.mixed > 0 or self.first_mix_s is not None
+
+
+def mixing_progress(exposition: str) -> MixingProgress:
+    """The :class:`MixingProgress` in a Prometheus text exposition (one parse)."""
+    names = (
+        "gossipgrad_neighbors",
+        "gossipgrad_gossip_rounds_total",
+        "gossipgrad_first_mix_seconds",
     )
-
-
-def first_mix_seconds(exposition: str) -> float | None:
-    """``gossipgrad_first_mix_seconds`` in a Prometheus text exposition: seconds from the
-    peer's gossip server start to its first round that mixed, or None before that."""
-    value = _samples(exposition, "gossipgrad_first_mix_seconds").get("gossipgrad_first_mix_seconds")
-    return None if value is None or math.isnan(value) else value
-
-
-def _samples(exposition: str, *names: str) -> dict[str, float]:
-    """The value of each unlabelled sample ``names`` in an exposition."""
-    return {
+    values = {
         sample.name: sample.value
         for family in text_string_to_metric_families(exposition)
         for sample in family.samples
         if sample.name in names
     }
+    first = values.get("gossipgrad_first_mix_seconds")
+    return MixingProgress(
+        mixed=values.get("gossipgrad_neighbors", 0.0),
+        rounds=values.get("gossipgrad_gossip_rounds_total", 0.0),
+        first_mix_s=None if first is None or math.isnan(first) else first,
+    )
 
 
 class ChurnDriver:
@@ -258,11 +266,10 @@ class ChurnDriver:
             with contextlib.suppress(OSError, ValueError):
                 with urllib.request.urlopen(url, timeout=1.0) as resp:
                     text = resp.read().decode()
-                mixed, rounds = mixed_neighbours(text)
-                first = first_mix_seconds(text)
-                if mixed > 0 or first is not None:
-                    life.first_exchange, life.first_exchange_rounds = now, int(rounds)
-                    life.first_mix_s = first
+                progress = mixing_progress(text)
+                if progress.has_mixed:
+                    life.first_exchange, life.first_exchange_rounds = now, int(progress.rounds)
+                    life.first_mix_s = progress.first_mix_s
 
     # ------------------------------------------------------------------ events
 

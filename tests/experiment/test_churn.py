@@ -26,8 +26,7 @@ from gossipgrad.experiment.churn import (
     ChurnTrace,
     Life,
     StatusSample,
-    first_mix_seconds,
-    mixed_neighbours,
+    mixing_progress,
 )
 from gossipgrad.experiment.churn_figures import figures, max_stall, redone_steps, window
 from gossipgrad.experiment.churn_schedule import EVENT_KINDS, ChurnSchedule
@@ -128,8 +127,9 @@ def fault_run(tmp_path_factory):
                         text = resp.read().decode()
                 except OSError:
                     text = ""
-                first_mix = first_mix_seconds(text)
-                if mixed_neighbours(text)[0] > 0 or first_mix is not None:
+                progress = mixing_progress(text)
+                first_mix = progress.first_mix_s
+                if progress.has_mixed:
                     first_exchange = time.time()
             time.sleep(0.02)
         assert swarm.wait(400), "the swarm did not finish"
@@ -383,14 +383,17 @@ def test_figures_of_a_synthetic_trace(tmp_path: Path) -> None:
     assert figures(trace, tmp_path).new_lives[0].first_exchange_s == 0.42
 
 
-def test_first_mix_seconds_reads_the_peers_gauge() -> None:
+def test_mixing_progress_reads_the_peers_gauges() -> None:
     metrics = PeerMetrics()
-    assert first_mix_seconds(generate_latest(metrics.registry).decode()) is None  # NaN
+    before = mixing_progress(generate_latest(metrics.registry).decode())
+    assert before.first_mix_s is None  # NaN
+    assert not before.has_mixed
     metrics.mark_serving()
     metrics.set_neighbors(1)
-    seconds = first_mix_seconds(generate_latest(metrics.registry).decode())
-    assert seconds is not None and 0 <= seconds < 5
-    assert first_mix_seconds("") is None
+    after = mixing_progress(generate_latest(metrics.registry).decode())
+    assert after.first_mix_s is not None and 0 <= after.first_mix_s < 5
+    assert after.mixed == 1 and after.has_mixed
+    assert mixing_progress("").first_mix_s is None
 
 
 def test_max_stall_counts_the_window_edges() -> None:
