@@ -169,12 +169,12 @@ class PeerTable:
                 rec.last_seen = now
                 rec.heard_directly = True
                 rec.unanswered_since, rec.condemned = None, False
-                if rec.state != ALIVE:
+                # A goodbye is no return: it is handled below (dead at once), and a second
+                # one (its heartbeat loop and its farewell both say it) changes nothing.
+                if rec.state != ALIVE and not info.leaving:
                     changed = True  # back from suspect or dead: the counts changed too
                     log.info("peer %s is back (%s -> alive)", info.id, rec.state)
                     rec.state = ALIVE
-                if info.leaving:
-                    changed = True
             elif (
                 info.incarnation == rec.info.incarnation
                 and info.leaving

@@ -150,3 +150,37 @@ def test_a_refusal_for_a_peer_that_answers_again_is_forgotten() -> None:
     assert table.record("b").state == "alive" and table.record("b").unanswered_since is None
     table.refused("nobody", time.monotonic())  # unknown ids are ignored
     assert "nobody" not in table.present_ids()
+
+
+def test_a_second_goodbye_neither_revives_the_peer_nor_reports_a_change(caplog) -> None:
+    """A leaving peer may say goodbye more than once (its heartbeat loop and its farewell
+    round both carry ``leaving``). The first makes it dead here; a later one is news of
+    nothing: no "is back" in the log, no state read as alive, no change reported to the
+    owner (each change makes it rewire and prune). The same for a goodbye that comes after
+    the peer was already dead by silence."""
+    import logging
+
+    table, other, changes = table_knowing_b(suspect_after=5.0, dead_after=10.0)
+    goodbye = pb.PeerInfo()
+    goodbye.CopyFrom(other)
+    goodbye.leaving = True
+    with caplog.at_level(logging.INFO, logger="gossipgrad.peer.membership.peers"):
+        table.observe(goodbye, direct=True)
+        assert table.record("b").state == "dead" and changes[-1]["dead"] == 1
+        reported = len(changes)
+        table.observe(goodbye, direct=True)
+        table.sweep()
+    assert table.record("b").state == "dead"
+    assert len(changes) == reported, changes[reported:]
+    assert not [r for r in caplog.records if "is back" in r.getMessage()]
+
+    silent, other, changes = table_knowing_b(suspect_after=0.2, dead_after=0.5)
+    silent.unanswered("b", time.monotonic() - 1.0)
+    silent.sweep()
+    assert silent.record("b").state == "dead"
+    reported = len(changes)
+    with caplog.at_level(logging.INFO, logger="gossipgrad.peer.membership.peers"):
+        silent.observe(goodbye, direct=True)  # a late goodbye from a stalled process
+    assert silent.record("b").state == "dead" and len(changes) == reported
+    assert silent.record("b").info.leaving  # no more probes for a return
+    assert not [r for r in caplog.records if "is back" in r.getMessage()]
