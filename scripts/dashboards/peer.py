@@ -139,7 +139,18 @@ def _health_row(lay: Layout, s: str) -> None:
             ),
         ]
     )
-    lay.add(table("Build info", f"gossipgrad_build_info{{{s}}}"), 24, 5)
+    lay.add(
+        stat(
+            "First exchange after start",
+            f"gossipgrad_first_mix_seconds{{{s}}}",
+            "s",
+            "Seconds from this process's gossip server start to its first round that mixed a "
+            "neighbour's copy: how fast a restarted or joining peer rejoined.",
+        ),
+        6,
+        5,
+    )
+    lay.add(table("Build info", f"gossipgrad_build_info{{{s}}}"), 18, 5)
 
 
 def peer_drilldown() -> dict:

@@ -48,6 +48,7 @@ def joined_metrics(neighbors: list[str]) -> PeerMetrics:
     """PeerMetrics of a peer that has just joined a ring with ``neighbors``, all alive."""
     m = PeerMetrics()
     m.set_build_info(version="0.1.0", algorithm="choco", codec="topk:0.01+int8", topology="ring")
+    m.mark_serving()  # as the daemon does once its gossip server is bound
     for n in neighbors:
         m.add_neighbor(n)
     m.set_neighbors(len(neighbors))
