@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from gossipgrad.peer.network.client import PeerClient
 from gossipgrad.peer.network.options import TransportOptions
@@ -33,6 +34,25 @@ class ClientPool:
                     self._dial(address), options=self._options, security=self._security
                 )
             return c
+
+    @contextlib.contextmanager
+    def transient(self, address: str) -> Iterator[PeerClient]:
+        """The pool's client for ``address`` if it has one, else a client closed on exit.
+
+        For a call to an address the pool should not keep (a probe of a peer held dead): a
+        gRPC channel left open to an address where nothing listens keeps reconnecting in the
+        background, several times a second at first, until it is closed.
+        """
+        with self._lock:
+            kept = self._clients.get(address)
+        if kept is not None:
+            yield kept
+            return
+        client = PeerClient(self._dial(address), options=self._options, security=self._security)
+        try:
+            yield client
+        finally:
+            client.close()
 
     def drop(self, address: str) -> None:
         with self._lock:

@@ -277,7 +277,11 @@ class Peer:
     def _heartbeat(
         self, address: str, request: pb.HeartbeatRequest, timeout: float
     ) -> pb.HeartbeatReply:
-        reply = self.clients.get(address).heartbeat(request, timeout=timeout)
+        if address in self._kept_addresses():
+            reply = self.clients.get(address).heartbeat(request, timeout=timeout)
+        else:  # a probe of a peer held dead: no channel left behind, reconnecting
+            with self.clients.transient(address) as client:
+                reply = client.heartbeat(request, timeout=timeout)
         if reply.responder.id:
             self.metrics.record_sent(UNATTRIBUTED, "heartbeat", request.ByteSize())
             self.metrics.sent_heartbeats.inc()
@@ -385,8 +389,13 @@ class Peer:
         # departed series.
         for pid in self.metrics.neighbor_ids - present:
             self.metrics.remove_neighbor(pid)
-        # Channels to peers that left go too (a rare probe of a dead peer opens one again).
-        self.clients.prune({i.address for i in m.known_infos()} | set(m.bootstrap))
+        # Channels to peers that left go too (a probe of a dead peer uses one of its own).
+        self.clients.prune(self._kept_addresses())
+
+    def _kept_addresses(self) -> set[str]:
+        """Addresses whose clients the pool keeps: every peer not held dead, the bootstraps."""
+        m = self.membership
+        return {i.address for i in m.known_infos()} | set(m.bootstrap)
 
     def _forget(self, pid: str) -> None:
         """A peer left or restarted: drop what the algorithm and the buffers hold of it."""

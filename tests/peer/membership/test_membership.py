@@ -184,3 +184,37 @@ def test_a_second_goodbye_neither_revives_the_peer_nor_reports_a_change(caplog) 
     assert silent.record("b").state == "dead" and len(changes) == reported
     assert silent.record("b").info.leaving  # no more probes for a return
     assert not [r for r in caplog.records if "is back" in r.getMessage()]
+
+
+def test_a_probe_of_a_dead_peer_leaves_no_channel_behind() -> None:
+    """A peer held dead is still heartbeated now and then (to notice a return), but on a client
+    of its own, closed at once: a channel kept to an address where nothing listens reconnects
+    in the background several times a second, on every peer, for as long as it stays open."""
+    fast = {
+        "membership.heartbeat_interval": 0.1,
+        "membership.suspect_after": 0.3,
+        "membership.dead_after": 0.6,
+    }
+    p0, p1 = start_peers(2, fast)
+    dead_address = p1.membership.me.address
+    probes: list[float] = []
+    send = p0.membership._heartbeat
+
+    def spy(address: str, request: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatReply:
+        if address == dead_address:
+            probes.append(time.monotonic())
+        return send(address, request, timeout)
+
+    p0.membership._heartbeat = spy
+    crash(p1)
+    deadline = time.monotonic() + 10.0
+    while p0.membership.record("p1").state != "dead":
+        assert time.monotonic() < deadline, "p1 not dead 10 s after its crash"
+        time.sleep(0.02)
+    dead_at = time.monotonic()
+    held = []
+    while time.monotonic() - dead_at < 2.0:  # four probe periods (every 5th interval)
+        held.append(dead_address in p0.clients.addresses())
+        time.sleep(0.05)
+    assert len([t for t in probes if t > dead_at]) >= 2, "the dead peer is no longer probed"
+    assert not any(held), f"a client to the dead address was kept in {sum(held)} of {len(held)}"
