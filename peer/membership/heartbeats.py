@@ -9,8 +9,9 @@ What a heartbeat tells goes into the peer table (``peers.py``).
 
 Who is heartbeated, per interval (``membership.heartbeat_interval``):
 
-1. the gossip neighbours, and every peer whose last heartbeat went unanswered or that another
-   peer reported dead (until it answers or is dead here);
+1. the gossip neighbours (and former ones for ``dead_after`` after a rewire: a round begun
+   before it may still wait on one), and every peer whose last heartbeat went unanswered or
+   that another peer reported dead (until it answers or is dead here);
 2. every ``far_every`` intervals, ``ceil(far_fanout * log2 n)`` of the other live peers, taken
    round-robin from a list shuffled anew on each pass, so each one is heartbeated at least once
    per pass (SWIM's round-robin probe selection: Das, Gupta, Motivala, DSN 2002, section 4.3);
@@ -113,6 +114,9 @@ class Membership(PeerTable):
         self._far_pass: list[str] = []
         # address -> (the view digest that peer last told us, ours when it did)
         self._their_digest: dict[str, tuple[int, int]] = {}
+        # neighbours of the last round, and former ones -> when they stopped being one
+        self._near_before: set[str] = set()
+        self._formerly_near: dict[str, float] = {}
 
     # ------------------------------------------------------------------ heartbeats
 
@@ -211,7 +215,7 @@ class Membership(PeerTable):
         """This round's heartbeats as (address, peer id or None for a bootstrap address)."""
         self._tick += 1
         live = self.live_ids()
-        near = self._near(live)
+        near = self._recently_near(set(self._near(live)))
         far_due = self._tick % self.cfg.far_every == 0
         dead_due = self._tick % 5 == 0
         every: list[str] = []
@@ -231,6 +235,25 @@ class Membership(PeerTable):
         if alone:
             out += [(a, None) for a in self.bootstrap]
         return out
+
+    def _recently_near(self, near: set[str]) -> set[str]:
+        """``near`` plus the peers that stopped being neighbours less than ``dead_after`` ago.
+
+        A gossip round that began before a rewire (a joiner came between two neighbours) may
+        still wait on the neighbour it lost; heartbeated every interval, a crash of that peer
+        is seen within an interval, instead of at the next far round or death certificate,
+        seconds later, while the round waits out its timeout and the swarm waits on it.
+        """
+        now = time.monotonic()
+        for pid in self._near_before - near:
+            self._formerly_near[pid] = now
+        self._near_before = near
+        self._formerly_near = {
+            p: t
+            for p, t in self._formerly_near.items()
+            if p not in near and now - t < self.cfg.dead_after
+        }
+        return near | set(self._formerly_near)
 
     def beat_once(self) -> None:
         """One heartbeat round (see the module docstring for who is heartbeated), then age

@@ -218,3 +218,39 @@ def test_a_probe_of_a_dead_peer_leaves_no_channel_behind() -> None:
         time.sleep(0.05)
     assert len([t for t in probes if t > dead_at]) >= 2, "the dead peer is no longer probed"
     assert not any(held), f"a client to the dead address was kept in {sum(held)} of {len(held)}"
+
+
+def test_a_former_neighbour_is_heartbeated_every_interval_for_dead_after() -> None:
+    """A round that began before a rewire may still wait on the neighbour it lost (a joiner
+    came between them): that peer is heartbeated every interval for ``dead_after`` more, so
+    a crash of it is seen within an interval (refused, suspect, the round stops waiting)
+    rather than at the next far round or death certificate, seconds later (a 10-s global
+    stall in a churn run: the round waited out its ``round_timeout``)."""
+    from gossipgrad.peer.membership.heartbeats import Membership
+
+    cfg = MembershipSection(heartbeat_interval=0.1, suspect_after=0.5, dead_after=1.0, far_every=9)
+    near = {"b"}
+    m = Membership(
+        pb.PeerInfo(id="me", address="127.0.0.1:1", incarnation=1),
+        "swarm",
+        cfg,
+        [],
+        heartbeat=lambda address, request, timeout: pb.HeartbeatReply(),
+        near=lambda ids: near & set(ids),
+    )
+    for pid, port in (("b", 2), ("c", 3), ("d", 4)):
+        m.observe(pb.PeerInfo(id=pid, address=f"127.0.0.1:{port}", incarnation=1), direct=True)
+
+    def targets() -> set[str | None]:
+        return {pid for _, pid in m.targets()}
+
+    try:
+        assert targets() == {"b"}  # tick 1 (far rounds only every 9th)
+        near.clear()
+        near.add("c")  # rewired: b is no longer a neighbour
+        for _ in range(6):
+            assert targets() == {"b", "c"}
+        time.sleep(1.05)  # dead_after later
+        assert targets() == {"c"}
+    finally:
+        m.stop()
