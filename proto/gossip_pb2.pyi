@@ -62,6 +62,14 @@ class UpdateChunk(_message.Message):
     data: bytes
     def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class WholeUpdate(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: UpdateHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class PushReply(_message.Message):
     __slots__ = ("status", "expected_seq", "detail")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):

@@ -49,6 +49,11 @@ class GossipStub:
                 request_serializer=gossipgrad_dot_proto_dot_gossip__pb2.UpdateChunk.SerializeToString,
                 response_deserializer=gossipgrad_dot_proto_dot_gossip__pb2.PushReply.FromString,
                 _registered_method=True)
+        self.PushWholeUpdate = channel.unary_unary(
+                '/gossipgrad.v1.Gossip/PushWholeUpdate',
+                request_serializer=gossipgrad_dot_proto_dot_gossip__pb2.WholeUpdate.SerializeToString,
+                response_deserializer=gossipgrad_dot_proto_dot_gossip__pb2.PushReply.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/gossipgrad.v1.Gossip/Heartbeat',
                 request_serializer=gossipgrad_dot_proto_dot_gossip__pb2.HeartbeatRequest.SerializeToString,
@@ -83,6 +88,17 @@ class GossipServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushWholeUpdate(self, request, context):
+        """Push one update whose header and payload fit in one chunk, in one unary call: the request
+        is the bytes of PushUpdate's two chunks (header, then data) back to back. A unary call
+        costs about half the CPU of a stream on both ends (gRPC's Python client starts a thread
+        per client-streaming call), so peers use it for every update that fits. An older peer
+        answers UNIMPLEMENTED; the sender then streams to it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Heartbeat(self, request, context):
         """Liveness plus peer exchange: each side learns the peers the other knows.
         """
@@ -104,6 +120,11 @@ def add_GossipServicer_to_server(servicer, server):
             'PushUpdate': grpc.stream_unary_rpc_method_handler(
                     servicer.PushUpdate,
                     request_deserializer=gossipgrad_dot_proto_dot_gossip__pb2.UpdateChunk.FromString,
+                    response_serializer=gossipgrad_dot_proto_dot_gossip__pb2.PushReply.SerializeToString,
+            ),
+            'PushWholeUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushWholeUpdate,
+                    request_deserializer=gossipgrad_dot_proto_dot_gossip__pb2.WholeUpdate.FromString,
                     response_serializer=gossipgrad_dot_proto_dot_gossip__pb2.PushReply.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
@@ -153,6 +174,33 @@ class Gossip:
             target,
             '/gossipgrad.v1.Gossip/PushUpdate',
             gossipgrad_dot_proto_dot_gossip__pb2.UpdateChunk.SerializeToString,
+            gossipgrad_dot_proto_dot_gossip__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushWholeUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gossipgrad.v1.Gossip/PushWholeUpdate',
+            gossipgrad_dot_proto_dot_gossip__pb2.WholeUpdate.SerializeToString,
             gossipgrad_dot_proto_dot_gossip__pb2.PushReply.FromString,
             options,
             channel_credentials,

@@ -224,7 +224,13 @@ class MetricsSection(Section):
 class TransportSection(Section):
     """gRPC limits and timeouts."""
 
-    chunk_bytes: int = Field(1 << 20, ge=4096, le=4 << 20, description="Streaming chunk size.")
+    chunk_bytes: int = Field(
+        1 << 20,
+        ge=4096,
+        le=4 << 20,
+        description="Streaming chunk size; an update whose header and payload fit in one "
+        "chunk goes in one unary call.",
+    )
     max_payload_bytes: int = Field(
         1 << 30, ge=1 << 16, description="Largest update or state a peer accepts."
     )

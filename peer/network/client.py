@@ -92,6 +92,12 @@ class PeerClient:
             request_serializer=UPDATE_CODEC.encode,
             response_deserializer=pb.PushReply.FromString,
         )
+        self._push_whole = self._bulk.unary_unary(
+            protocol.method_path(protocol.PUSH_WHOLE),
+            response_deserializer=pb.PushReply.FromString,
+        )
+        #: The peer answered PushWholeUpdate with UNIMPLEMENTED (an older version): stream.
+        self._stream_only = False
         self._state = self._bulk.unary_stream(
             protocol.method_path(protocol.STATE),
             request_serializer=pb.StateRequest.SerializeToString,
@@ -134,21 +140,47 @@ class PeerClient:
         payload: bytes | bytearray | memoryview,
         timeout: float | None = None,
     ) -> PushResult:
-        """Stream one update: the header chunk, then the payload in ``chunk_size`` chunks.
+        """Send one update: in one unary ``PushWholeUpdate`` if header and payload fit in one
+        chunk (half a stream's CPU), else streamed, the header chunk, then the payload in
+        ``chunk_size`` chunks. A peer that answers UNIMPLEMENTED to the unary call (an older
+        version) is streamed to from then on.
 
         ``header.payload_size`` must equal the payload length, or be 0 to have it filled in
         (on a copy; the caller's header is not modified).
         """
         view = framing.as_bytes_view(payload)
         head = UPDATE_CODEC.header_bytes(_with_payload_size(header, view.nbytes))
-        step = self.options.chunk_size
-        sent = framing.WireTally()
+        timeout = timeout if timeout is not None else self.options.push_timeout
         started = time.monotonic()
+        if not self._stream_only and protocol.fits_whole(
+            len(head), view.nbytes, self.options.chunk_size
+        ):
+            request = protocol.whole_update(head, view)
+            try:
+                reply, attempts = self._with_retries(
+                    protocol.PUSH_WHOLE,
+                    timeout,
+                    lambda remaining: self._push_whole(
+                        request, timeout=remaining, metadata=self._metadata
+                    ),
+                )
+            except TransportError as err:
+                if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                log.info("%s does not serve %s: streaming to it", self.address, protocol.PUSH_WHOLE)
+                self._stream_only = True
+            else:
+                wire = attempts * (len(request) + framing.GRPC_FRAME_OVERHEAD)
+                self.last_push_wire_bytes = wire
+                return PushResult(reply, wire, attempts, time.monotonic() - started)
+        sent = framing.WireTally()
         reply, attempts = self._with_retries(
             protocol.PUSH,
-            timeout if timeout is not None else self.options.push_timeout,
+            max(0.0, timeout - (time.monotonic() - started)),
             lambda remaining: self._push(
-                framing.frames(head, view, step, sent), timeout=remaining, metadata=self._metadata
+                framing.frames(head, view, self.options.chunk_size, sent),
+                timeout=remaining,
+                metadata=self._metadata,
             ),
         )
         self.last_push_wire_bytes = sent.bytes

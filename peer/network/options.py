@@ -25,7 +25,8 @@ class TransportOptions:
     """
 
     #: Payload bytes per streamed chunk (PushUpdate and DownloadState). 256 KiB-1 MiB keep
-    #: per-message overhead low without large per-message allocations.
+    #: per-message overhead low without large per-message allocations. An update whose
+    #: header and payload fit in one chunk goes whole in one unary call (PushWholeUpdate).
     chunk_size: int = 1 * MiB
     #: Largest update payload the server accepts. Checked against ``header.payload_size``
     #: before any buffer is allocated, then against the running total of received chunks;

@@ -1,11 +1,14 @@
 """The ``gossipgrad.v1.Gossip`` service as both ends see it: methods, codecs, handler protocol.
 
-Three methods (proto/gossip.proto):
+Four methods (proto/gossip.proto):
 
 1. ``PushUpdate`` (client-streaming): an ``UpdateHeader`` chunk, then the payload in data
    chunks (see :mod:`~gossipgrad.peer.network.framing`).
-2. ``Heartbeat`` (unary): liveness plus peer exchange.
-3. ``DownloadState`` (server-streaming): a ``StateHeader`` chunk, then the state blob.
+2. ``PushWholeUpdate`` (unary): an update whose header and payload fit in one chunk, as the
+   two chunks' bytes back to back (a ``WholeUpdate``). Half a stream's CPU on both ends, so
+   every update that fits goes this way (:func:`fits_whole`).
+3. ``Heartbeat`` (unary): liveness plus peer exchange.
+4. ``DownloadState`` (server-streaming): a ``StateHeader`` chunk, then the state blob.
 
 The server takes every request as raw bytes and parses it itself (:func:`parse_request`, and
 :class:`~gossipgrad.peer.network.framing.ChunkCodec` for chunks), so bytes that are no valid
@@ -19,11 +22,17 @@ from typing import Protocol, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 from gossipgrad.peer.network.errors import malformed
-from gossipgrad.peer.network.framing import ChunkCodec, stream_wire_bytes
+from gossipgrad.peer.network.framing import (
+    GRPC_FRAME_OVERHEAD,
+    ChunkCodec,
+    data_prefix,
+    stream_wire_bytes,
+)
 from gossipgrad.proto import gossip_pb2 as pb
 
 SERVICE = "gossipgrad.v1.Gossip"
 PUSH = "PushUpdate"
+PUSH_WHOLE = "PushWholeUpdate"
 HEARTBEAT = "Heartbeat"
 STATE = "DownloadState"
 
@@ -66,12 +75,27 @@ def parse_request(message_cls: type[M], raw: bytes) -> M:
         raise malformed(f"undecodable {message_cls.__name__}: {err}") from None
 
 
-def push_wire_bytes(header: pb.UpdateHeader, payload_size: int, chunk_size: int) -> int:
-    """Bytes a push of ``payload_size`` bytes costs on the wire in ``chunk_size`` chunks.
+def fits_whole(head_bytes: int, payload_size: int, chunk_size: int) -> bool:
+    """Whether an update goes in one ``PushWholeUpdate`` message: its serialized header chunk
+    (``head_bytes``) and its data chunk together within ``chunk_size`` bytes."""
+    return head_bytes + len(data_prefix(payload_size)) + payload_size <= chunk_size
 
-    Counts every gRPC message (the header chunk and each data chunk, serialized) plus gRPC's
-    5-byte message framing; HTTP/2 frame headers and HPACK-compressed call headers are not
-    counted. This is what ``PushResult.wire_bytes`` reports for a single attempt.
+
+def whole_update(head: bytes, payload: memoryview) -> bytes:
+    """The ``PushWholeUpdate`` request: the header chunk ``head``, then the data chunk."""
+    return b"".join((head, data_prefix(payload.nbytes), payload))
+
+
+def push_wire_bytes(header: pb.UpdateHeader, payload_size: int, chunk_size: int) -> int:
+    """Bytes a push of ``payload_size`` bytes costs on the wire with ``chunk_size`` chunks.
+
+    Counts every gRPC message (one ``WholeUpdate`` if :func:`fits_whole`, else the header
+    chunk and each data chunk, serialized) plus gRPC's 5-byte message framing; HTTP/2 frame
+    headers and HPACK-compressed call headers are not counted. This is what
+    ``PushResult.wire_bytes`` reports for a single attempt to a peer that serves
+    ``PushWholeUpdate``.
     """
     head = len(UPDATE_CODEC.header_bytes(header))
+    if fits_whole(head, payload_size, chunk_size):
+        return head + len(data_prefix(payload_size)) + payload_size + GRPC_FRAME_OVERHEAD
     return stream_wire_bytes(head, payload_size, chunk_size)

@@ -183,6 +183,10 @@ class GossipServer:
                     request_deserializer=UPDATE_CODEC.decode,
                     response_serializer=pb.PushReply.SerializeToString,
                 ),
+                protocol.PUSH_WHOLE: grpc.unary_unary_rpc_method_handler(
+                    self._push_whole_update,
+                    response_serializer=pb.PushReply.SerializeToString,
+                ),
                 protocol.HEARTBEAT: grpc.unary_unary_rpc_method_handler(
                     self._heartbeat,
                     response_serializer=pb.HeartbeatReply.SerializeToString,
@@ -246,6 +250,30 @@ class GossipServer:
         finally:
             self.admission.leave(ticket)
 
+    def _push_whole_update(self, raw: bytes, context: grpc.ServicerContext) -> pb.PushReply:
+        identity = self._or_refuse(context, lambda: self.admission.authenticate(context))
+        update = self._or_refuse(context, lambda: parse_request(pb.WholeUpdate, raw))
+        header = update.header
+        size = len(update.data)
+        if not update.HasField("header") or header.payload_size != size:
+            why = (
+                f"payload of {size} bytes, header.payload_size={header.payload_size}"
+                if update.HasField("header")
+                else "no header"
+            )
+            self._refuse_frame(context, FrameError("malformed", why))
+        ticket = self._or_refuse(
+            context, lambda: self.admission.enter(context, identity, header.sender, bulk=True)
+        )
+        try:
+            return self._guarded(
+                protocol.PUSH,
+                context,
+                lambda: self._deliver(header, memoryview(update.data), context.peer()),
+            )
+        finally:
+            self.admission.leave(ticket)
+
     def _receive_and_deliver(
         self, header: pb.UpdateHeader, chunks: Iterator[Any], context: grpc.ServicerContext
     ) -> pb.PushReply:
@@ -257,15 +285,16 @@ class GossipServer:
         except FrameError as err:
             self._refuse_frame(context, err)
         try:
+            # The view lives only for the handler's call, so the buffer can go back to the pool.
             return self._guarded(
-                protocol.PUSH, context, lambda: self._deliver(header, buf, size, context.peer())
+                protocol.PUSH,
+                context,
+                lambda: self._deliver(header, _readonly_prefix(buf, size), context.peer()),
             )
         finally:
             self._pool.release(buf)
 
-    def _deliver(self, header: pb.UpdateHeader, buf: bytearray, size: int, peer: str) -> Any:
-        with memoryview(buf) as whole:
-            payload = whole[:size].toreadonly()
+    def _deliver(self, header: pb.UpdateHeader, payload: memoryview, peer: str) -> Any:
         reply = self.handler.handle_update(header, payload, peer)
         if not isinstance(reply, pb.PushReply):
             raise TypeError(f"handle_update returned {type(reply).__name__}, not PushReply")
@@ -326,3 +355,9 @@ class GossipServer:
         out.CopyFrom(header)
         out.payload_size = view.nbytes
         return out, view
+
+
+def _readonly_prefix(buf: bytearray, size: int) -> memoryview:
+    """A read-only view of the first ``size`` bytes of ``buf``."""
+    with memoryview(buf) as whole:
+        return whole[:size].toreadonly()

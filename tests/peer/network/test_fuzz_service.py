@@ -89,11 +89,19 @@ def pair():
     assert {pb.RESYNC, pb.DELTA} <= kinds <= {pb.INIT, pb.RESYNC, pb.DELTA, pb.FINAL}, kinds
     legit = {h.checksum for h, _ in recorded}
     channel = grpc.insecure_channel(p0.address)
-    push = channel.stream_unary(
-        "/gossipgrad.v1.Gossip/PushUpdate",
-        request_serializer=None,
-        response_deserializer=pb.PushReply.FromString,
+    stream = channel.stream_unary(
+        "/gossipgrad.v1.Gossip/PushUpdate", response_deserializer=pb.PushReply.FromString
     )
+    whole = channel.unary_unary(
+        "/gossipgrad.v1.Gossip/PushWholeUpdate", response_deserializer=pb.PushReply.FromString
+    )
+
+    def push(chunks: list[bytes], via: str) -> pb.PushReply:
+        """The chunks as a PushUpdate stream, or back to back in one PushWholeUpdate."""
+        if via == "stream":
+            return stream(iter(chunks), timeout=10)
+        return whole(b"".join(chunks), timeout=10)
+
     try:
         yield p0, p1, recorded, legit, push
     finally:
@@ -139,7 +147,8 @@ def mutated(draw, recorded_count: int):
     where = draw(st.integers(0, 10_000))
     garbage = draw(st.binary(max_size=300))
     raw_op = draw(st.sampled_from(["none", "none", "none", "flip_header", "bad_chunk", "no_data"]))
-    return index, values, payload_op, where, garbage, raw_op
+    via = draw(st.sampled_from(["stream", "whole"]))
+    return index, values, payload_op, where, garbage, raw_op, via
 
 
 def _payload(payload: bytes, op: str, where: int, garbage: bytes) -> bytes:
@@ -176,7 +185,7 @@ def _chunks(header: pb.UpdateHeader, payload: bytes, raw_op: str, where: int, ga
 def test_mutated_messages_are_answered_and_change_nothing(pair) -> None:
     p0, p1, recorded, legit, push = pair
     model = p0.flat.data.clone()
-    stats = {"ok": 0, "refused": 0}
+    stats = {"stream": 0, "whole": 0, "refused": 0}
 
     @settings(
         max_examples=1000,
@@ -187,7 +196,7 @@ def test_mutated_messages_are_answered_and_change_nothing(pair) -> None:
     )
     @given(mutated(len(recorded)))
     def one(case) -> None:
-        index, values, payload_op, where, garbage, raw_op = case
+        index, values, payload_op, where, garbage, raw_op, via = case
         header = pb.UpdateHeader()
         header.CopyFrom(recorded[index][0])
         payload = _payload(recorded[index][1], payload_op, where, garbage)
@@ -196,8 +205,8 @@ def test_mutated_messages_are_answered_and_change_nothing(pair) -> None:
             with contextlib.suppress(ValueError):  # out-of-range enum: keep the old value
                 setattr(header, name, value)
         try:
-            push(iter(_chunks(header, payload, raw_op, where, garbage)), timeout=10)
-            stats["ok"] += 1
+            push(_chunks(header, payload, raw_op, where, garbage), via)
+            stats[via] += 1
         except grpc.RpcError as err:
             assert err.code() in ALLOWED, (err.code(), err.details(), case)
             stats["refused"] += 1
@@ -210,7 +219,7 @@ def test_mutated_messages_are_answered_and_change_nothing(pair) -> None:
             assert torch.isfinite(inn.mirror).all() or not inn.valid
 
     one()
-    assert stats["refused"] > 50 and stats["ok"] > 5, stats
+    assert stats["refused"] > 50 and stats["stream"] > 5 and stats["whole"] > 5, stats
     # Still up: a heartbeat is answered.
     with PeerClient(p0.address) as c:
         reply = c.heartbeat(pb.HeartbeatRequest(swarm="gossipgrad", sender=p1.membership.me))
@@ -232,13 +241,23 @@ def test_garbage_on_every_method_is_refused(pair) -> None:
         (b"\x0a\x05gossi", grpc.StatusCode.PERMISSION_DENIED),
         (b"\x12\x80\x80\x80\x80\x10", grpc.StatusCode.INVALID_ARGUMENT),
     )
+    # A whole update: it parses but names another swarm, or declares another payload size.
+    other_swarm = pb.WholeUpdate(header=pb.UpdateHeader(swarm="gossi", payload_size=1), data=b"x")
+    short = pb.WholeUpdate(header=pb.UpdateHeader(swarm="gossipgrad", payload_size=2), data=b"x")
+    whole_cases = (
+        cases[0],
+        cases[2],
+        (other_swarm.SerializeToString(), grpc.StatusCode.PERMISSION_DENIED),
+        (short.SerializeToString(), grpc.StatusCode.INVALID_ARGUMENT),
+    )
     with grpc.insecure_channel(p0.address) as channel:
-        for method, kind in (
-            ("Heartbeat", channel.unary_unary),
-            ("DownloadState", channel.unary_stream),
+        for method, kind, method_cases in (
+            ("Heartbeat", channel.unary_unary, cases),
+            ("DownloadState", channel.unary_stream, cases),
+            ("PushWholeUpdate", channel.unary_unary, whole_cases),
         ):
             call = kind(f"/gossipgrad.v1.Gossip/{method}", request_serializer=None)
-            for blob, status in cases:
+            for blob, status in method_cases:
                 malformed = rejected(p0, "malformed")
                 with pytest.raises(grpc.RpcError) as err:
                     result = call(blob, timeout=5)

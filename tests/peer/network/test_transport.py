@@ -85,8 +85,10 @@ def servers():
     """Factory of started servers, all stopped at teardown."""
     started: list[GossipServer] = []
 
-    def make(handler, options: TransportOptions = FAST, **kw) -> GossipServer:
-        s = GossipServer(handler, bind="127.0.0.1:0", options=options, **kw)
+    def make(
+        handler, options: TransportOptions = FAST, server_cls=GossipServer, **kw
+    ) -> GossipServer:
+        s = server_cls(handler, bind="127.0.0.1:0", options=options, **kw)
         s.start()
         started.append(s)
         return s
@@ -137,6 +139,66 @@ def test_push_round_trip_intact(servers, clients, size):
     expected_wire = push_wire_bytes(header, size, FAST.chunk_size)
     assert result.wire_bytes == expected_wire == client.last_push_wire_bytes
     assert expected_wire >= size + header.ByteSize()
+
+
+class MethodLog(grpc.GenericRpcHandler):
+    """The server's own handlers, logging each method asked for; ``unserved`` methods are
+    answered UNIMPLEMENTED, as by a server of a version that has no such method."""
+
+    def __init__(self, inner: grpc.GenericRpcHandler, unserved: tuple[str, ...] = ()) -> None:
+        self.inner = inner
+        self.unserved = unserved
+        self.methods: list[str] = []
+
+    def service(self, details):
+        method = details.method.rsplit("/", 1)[-1]
+        self.methods.append(method)
+        return None if method in self.unserved else self.inner.service(details)
+
+
+class LoggedServer(GossipServer):
+    """A real GossipServer whose calls are logged by method (:class:`MethodLog`)."""
+
+    unserved: tuple[str, ...] = ()
+
+    def _rpc_handlers(self) -> MethodLog:
+        self.log = MethodLog(super()._rpc_handlers(), self.unserved)
+        return self.log
+
+
+class OlderServer(LoggedServer):
+    """A server as of before PushWholeUpdate: it takes updates only as a stream."""
+
+    unserved = ("PushWholeUpdate",)
+
+
+@pytest.mark.timeout(60)
+def test_an_update_that_fits_one_chunk_goes_in_one_unary_call(servers, clients):
+    opts = TransportOptions(retries=0, chunk_size=4096)
+    rec = Recorder()
+    server = servers(rec, opts, server_cls=LoggedServer)
+    client = clients(server.address, opts)
+    head = len(pb.UpdateChunk(header=_header(seq=5, size=4000)).SerializeToString())
+    fits = 4096 - head - 3  # the data chunk's prefix: tag and a 2-byte varint length
+    payloads = [_bytes(100, seed=1), _bytes(fits, seed=2), _bytes(fits + 1, seed=3)]
+    for payload in payloads:
+        client.push(_header(seq=5), payload)
+    assert server.log.methods == ["PushWholeUpdate", "PushWholeUpdate", "PushUpdate"]
+    assert [data for _, data, _ in rec.updates] == payloads
+
+
+@pytest.mark.timeout(60)
+def test_an_older_peer_without_the_unary_push_is_streamed_to(servers, clients):
+    rec = Recorder()
+    server = servers(rec, server_cls=OlderServer)
+    client = clients(server.address)
+    small = [_bytes(50, seed=s) for s in range(3)]
+    replies = [client.push(_header(seq=seq), p) for seq, p in enumerate(small)]
+    assert [r.status for r in replies] == [pb.PushReply.ACCEPTED] * 3
+    assert [data for _, data, _ in rec.updates] == small
+    # Asked once; streamed to from then on.
+    assert server.log.methods == ["PushWholeUpdate", "PushUpdate", "PushUpdate", "PushUpdate"]
+    assert client.last_push_wire_bytes == push_wire_bytes(rec.updates[-1][0], 50, MiB) + 5
 
 
 @pytest.mark.timeout(60)

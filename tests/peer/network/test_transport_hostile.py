@@ -19,7 +19,7 @@ import threading
 
 import grpc
 import pytest
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 from gossipgrad.peer.network import GossipServer, TransportOptions, UpdateRejected
 from gossipgrad.peer.network.errors import REASON_METADATA_KEY
 from gossipgrad.peer.network.framing import data_prefix
@@ -80,7 +80,14 @@ def _valid_requests() -> dict[str, bytes]:
     me = pb.PeerInfo(id="c", address="127.0.0.1:9", step=3, incarnation=77, metrics_address="x")
     beat = pb.HeartbeatRequest(swarm=SWARM, sender=me, known=[me, me], view_digest=2**63 + 5)
     state = pb.StateRequest(swarm=SWARM, requester="c")
-    return {"Heartbeat": beat.SerializeToString(), "DownloadState": state.SerializeToString()}
+    update = pb.WholeUpdate(
+        header=pb.UpdateHeader(swarm=SWARM, sender="c", seq=4, payload_size=10), data=b"0" * 10
+    )
+    return {
+        "Heartbeat": beat.SerializeToString(),
+        "DownloadState": state.SerializeToString(),
+        "PushWholeUpdate": update.SerializeToString(),
+    }
 
 
 #: Hand-written bytes that are no valid message of any kind: truncated varints and lengths,
@@ -123,11 +130,17 @@ def _cases(method: str, n: int, seed: int) -> list[bytes]:
     return NASTY + [_garbled(valid, rng) for _ in range(n)]
 
 
-def _parses(message_cls, raw: bytes) -> pb.HeartbeatRequest | pb.StateRequest | None:
+def _parses(message_cls, raw: bytes) -> Message | None:
+    """``raw`` as a request the handler sees: parsed, and for a whole update its header (with
+    the payload it declares); None if the server must refuse it as malformed."""
     try:
-        return message_cls.FromString(raw)
+        parsed = message_cls.FromString(raw)
     except DecodeError:
         return None
+    if message_cls is pb.WholeUpdate:
+        consistent = parsed.HasField("header") and parsed.header.payload_size == len(parsed.data)
+        return parsed.header if consistent else None
+    return parsed
 
 
 def _reason(err: grpc.RpcError) -> str:
@@ -137,7 +150,7 @@ def _reason(err: grpc.RpcError) -> str:
 def _call(channel: grpc.Channel, method: str, raw: bytes) -> grpc.RpcError | None:
     """One raw call; the error it ended with, or None if it succeeded."""
     try:
-        if method == "Heartbeat":
+        if method in ("Heartbeat", "PushWholeUpdate"):
             channel.unary_unary(METHOD + method)(raw, timeout=10)
         else:
             list(channel.unary_stream(METHOD + method)(raw, timeout=10))
@@ -148,7 +161,11 @@ def _call(channel: grpc.Channel, method: str, raw: bytes) -> grpc.RpcError | Non
 
 @pytest.mark.parametrize(
     ("method", "message_cls"),
-    [("Heartbeat", pb.HeartbeatRequest), ("DownloadState", pb.StateRequest)],
+    [
+        ("Heartbeat", pb.HeartbeatRequest),
+        ("DownloadState", pb.StateRequest),
+        ("PushWholeUpdate", pb.WholeUpdate),
+    ],
 )
 def test_unary_requests_that_do_not_parse_are_invalid_argument_and_counted(
     target, method, message_cls
@@ -241,7 +258,7 @@ def test_a_caller_without_the_token_is_unauthenticated_whatever_it_sends() -> No
     server.start()
     try:
         with grpc.insecure_channel(server.address) as channel:
-            for method in ("Heartbeat", "DownloadState"):
+            for method in ("Heartbeat", "DownloadState", "PushWholeUpdate"):
                 for raw in [*NASTY, _valid_requests()[method]]:
                     err = _call(channel, method, raw)
                     assert err is not None and err.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -252,6 +269,6 @@ def test_a_caller_without_the_token_is_unauthenticated_whatever_it_sends() -> No
                 assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         server.stop(grace=0.5)
-    calls = 2 * (len(NASTY) + 1) + len(_push_cases(seed=3, n=10))
+    calls = 3 * (len(NASTY) + 1) + len(_push_cases(seed=3, n=10))
     assert rejects == ["unauthenticated"] * calls
     assert handler.calls == 0
