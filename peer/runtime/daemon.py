@@ -357,7 +357,7 @@ class Daemon:
     @staticmethod
     def _traffic(gopt: GossipOptimizer) -> dict[str, int]:
         """Bytes this peer put on the wire so far, by kind, plus the dense equivalent."""
-        return traffic_totals(gopt.metrics.registry)
+        return gopt.metrics.traffic_totals()
 
 
 def _consensus(gopt: GossipOptimizer) -> dict[str, float]:
@@ -371,29 +371,6 @@ def _consensus(gopt: GossipOptimizer) -> dict[str, float]:
 def _utilization(blocking: float, seconds: float) -> float | None:
     """The share of the training seconds not spent blocked in gossip."""
     return max(0.0, 1.0 - blocking / seconds) if seconds > 0 else None
-
-
-def traffic_totals(registry) -> dict[str, int]:
-    """Sum the byte counters of a peer's registry: sent/received per kind, and dense."""
-    out: dict[str, int] = {}
-    wanted = {
-        "gossipgrad_sent_bytes": "sent",
-        "gossipgrad_received_bytes": "received",
-        "gossipgrad_dense_bytes": "dense",
-    }
-    for family in registry.collect():
-        prefix = wanted.get(family.name)
-        if prefix is None:
-            continue
-        for sample in family.samples:
-            if not sample.name.endswith("_total"):
-                continue
-            kind = sample.labels.get("kind")
-            key = f"{prefix}_{kind}_bytes" if kind else f"{prefix}_bytes"
-            out[key] = out.get(key, 0) + int(sample.value)
-            if kind:
-                out[f"{prefix}_bytes"] = out.get(f"{prefix}_bytes", 0) + int(sample.value)
-    return out
 
 
 def _fmt(ev: dict[str, float]) -> str:

@@ -324,6 +324,16 @@ def test_byte_counters_equal_sums_and_survive_the_text_format(evs) -> None:
         assert got == want_sent.get(key, 0)
     for key, got in got_recv.items():
         assert got == want_recv.get(key, 0)
+    # status.json's totals: every byte once, per kind and overall, and a departure (its
+    # series folded into the departed one) takes nothing away.
+    want = {"sent_bytes": sum(want_sent.values()), "received_bytes": sum(want_recv.values())}
+    for kind in MESSAGE_KINDS:
+        want[f"sent_{kind}_bytes"] = sum(v for (_, k), v in want_sent.items() if k == kind)
+        want[f"received_{kind}_bytes"] = sum(v for (_, k), v in want_recv.items() if k == kind)
+    want["dense_bytes"] = 0
+    assert m.traffic_totals() == want
+    m.remove_neighbor("n0")
+    assert m.traffic_totals() == want
 
 
 @pytest.mark.timeout(30)
