@@ -267,7 +267,7 @@ class GossipServer:
         )
         try:
             return self._guarded(
-                protocol.PUSH,
+                protocol.PUSH_WHOLE,
                 context,
                 lambda: self._deliver(header, memoryview(update.data), context.peer()),
             )
