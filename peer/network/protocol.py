@@ -75,10 +75,28 @@ def parse_request(message_cls: type[M], raw: bytes) -> M:
         raise malformed(f"undecodable {message_cls.__name__}: {err}") from None
 
 
+def parse_whole_update(raw: bytes) -> pb.WholeUpdate:
+    """``raw`` as a ``WholeUpdate`` with a header whose ``payload_size`` is the data's length;
+    UpdateRejected (``malformed``) otherwise."""
+    update = parse_request(pb.WholeUpdate, raw)
+    if not update.HasField("header"):
+        raise malformed("whole update without a header")
+    if update.header.payload_size != len(update.data):
+        raise malformed(
+            f"payload of {len(update.data)} bytes, header.payload_size={update.header.payload_size}"
+        )
+    return update
+
+
+def whole_update_bytes(head_bytes: int, payload_size: int) -> int:
+    """Serialized size of a ``WholeUpdate``: its header chunk (``head_bytes``) and data chunk."""
+    return head_bytes + len(data_prefix(payload_size)) + payload_size
+
+
 def fits_whole(head_bytes: int, payload_size: int, chunk_size: int) -> bool:
     """Whether an update goes in one ``PushWholeUpdate`` message: its serialized header chunk
     (``head_bytes``) and its data chunk together within ``chunk_size`` bytes."""
-    return head_bytes + len(data_prefix(payload_size)) + payload_size <= chunk_size
+    return whole_update_bytes(head_bytes, payload_size) <= chunk_size
 
 
 def whole_update(head: bytes, payload: memoryview) -> bytes:
@@ -97,5 +115,5 @@ def push_wire_bytes(header: pb.UpdateHeader, payload_size: int, chunk_size: int)
     """
     head = len(UPDATE_CODEC.header_bytes(header))
     if fits_whole(head, payload_size, chunk_size):
-        return head + len(data_prefix(payload_size)) + payload_size + GRPC_FRAME_OVERHEAD
+        return whole_update_bytes(head, payload_size) + GRPC_FRAME_OVERHEAD
     return stream_wire_bytes(head, payload_size, chunk_size)

@@ -49,6 +49,7 @@ from gossipgrad.peer.network.protocol import (
     UPDATE_CODEC,
     GossipHandler,
     parse_request,
+    parse_whole_update,
 )
 from gossipgrad.peer.security import TransportSecurity
 from gossipgrad.proto import gossip_pb2 as pb
@@ -252,16 +253,8 @@ class GossipServer:
 
     def _push_whole_update(self, raw: bytes, context: grpc.ServicerContext) -> pb.PushReply:
         identity = self._or_refuse(context, lambda: self.admission.authenticate(context))
-        update = self._or_refuse(context, lambda: parse_request(pb.WholeUpdate, raw))
+        update = self._or_refuse(context, lambda: parse_whole_update(raw))
         header = update.header
-        size = len(update.data)
-        if not update.HasField("header") or header.payload_size != size:
-            why = (
-                f"payload of {size} bytes, header.payload_size={header.payload_size}"
-                if update.HasField("header")
-                else "no header"
-            )
-            self._refuse_frame(context, FrameError("malformed", why))
         ticket = self._or_refuse(
             context, lambda: self.admission.enter(context, identity, header.sender, bulk=True)
         )
