@@ -282,8 +282,11 @@ class ChocoGossip(GossipAlgorithm):
         ids = self.nb.ids()
         neighbors = self.nb.neighbors_at(self._round, ids)
         owed = [p for p, e in list(self.edges.items()) if p not in neighbors and e.owed()]
+        for p in neighbors:
+            self.edge(p)  # made now: a round's edges exist from its start
         rnd = OpenRound(
-            {p: self.edge(p) for p in [*neighbors, *owed]},
+            [*neighbors, *owed],
+            self.edges,
             self.nb.weights_at(self._round, ids),
             self.settings.max_staleness,
             self._round,
@@ -298,9 +301,9 @@ class ChocoGossip(GossipAlgorithm):
             # waits in its own round until then, and its neighbours wait on it. This round
             # does not wait for it in turn.
             for p, e in list(self.edges.items()):
-                if e.requested and p not in rnd.edges and p not in asked:
+                if e.requested and p not in rnd.peers and p not in asked:
                     asked.append(p)
-            for p in [*rnd.edges, *asked]:
+            for p in [*rnd.peers, *asked]:
                 if self.nb.view.is_alive(p) and self._push(p, rnd.weights.get(p, 0.0), rnd.turn):
                     rnd.pushed.add(p)
 
@@ -335,23 +338,26 @@ class ChocoGossip(GossipAlgorithm):
                     peer, pb.FINAL, b"", seq=edge.sent, edge_epoch=edge.epoch, dense_size=0
                 )
                 self.nb.submit(self._notify_final, peer, header)
-        edges = {p: e for p, e in list(self.edges.items()) if e.outstanding()}
-        due = {p: (e.epoch, e.sent) for p, e in edges.items()}
+        # Read live, as a round does: an edge a view change dropped and made anew (a new
+        # session) has nothing of the old one left to mix.
+        due = {p: (e.epoch, e.sent) for p, e in list(self.edges.items()) if e.outstanding()}
+
+        def open_edge(peer: str) -> Edge | None:
+            e = self.edges.get(peer)
+            return e if e is not None and e.epoch == due[peer][0] else None
 
         def missing() -> list[str]:
-            # An edge whose session ended meanwhile has nothing left to mix.
             return [
                 p
-                for p, e in edges.items()
-                if (e.epoch, max(e.mixed, 0)) < due[p]
-                and e.epoch == due[p][0]
-                and e.will_complete()
+                for p, (_, sent) in due.items()
+                if (e := open_edge(p)) is not None and e.mixed < sent and e.will_complete()
             ]
 
         def progress() -> None:
-            self._mix_ready(list(edges))
-            for peer, edge in edges.items():
-                if edge.unacked is not None and self.nb.view.is_alive(peer):
+            self._mix_ready(list(due))
+            for peer in due:
+                edge = open_edge(peer)
+                if edge is not None and edge.unacked is not None and self.nb.view.is_alive(peer):
                     self._push(peer, 0.0, {peer: edge.epoch})  # a retry, never a new exchange
 
         # Longer than a round's wait: a neighbour may still be in its last rounds; its FINAL
@@ -362,7 +368,8 @@ class ChocoGossip(GossipAlgorithm):
         # the neighbour's late update is refused (NEED_RESYNC) instead of acknowledged and
         # then mixed at the other end alone.
         for peer in missing():
-            edge = edges[peer]
+            if (edge := open_edge(peer)) is None:
+                continue  # pruned meanwhile
             with edge.lock:
                 log.info("finish: exchange %d with %s left open, session ended", edge.sent, peer)
                 edge.restart()

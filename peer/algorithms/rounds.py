@@ -3,6 +3,7 @@ when it is done (the ``max_staleness`` rule)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gossipgrad.peer.algorithms.edges import Edge
@@ -12,8 +13,16 @@ from gossipgrad.peer.algorithms.edges import Edge
 class OpenRound:
     """One round in progress.
 
+    The round names the peers it serves and reads their edges from the live table each time
+    it asks: a view change in the middle of the round may drop an edge (its peer was not in
+    the view yet: a joiner whose opening came before its first heartbeat) and the peer's
+    next update make it anew, and only the new edge moves on. Held as objects from the
+    round's start, the dropped edge would never look done and the round would wait out its
+    whole timeout, and its neighbours with it.
+
     Args:
-        edges: the edges the round serves (this round's neighbours and those owed an answer).
+        peers: the peers the round serves (this round's neighbours and those owed an answer).
+        edges: the edge table (peer -> edge), read live.
         weights: this round's proposed mixing weight per neighbour.
         max_staleness: 0: done once this round's exchange with the edge is mixed; k >= 1:
             once no exchange opened k or more rounds ago is still unmixed, and the edge has
@@ -23,7 +32,8 @@ class OpenRound:
         round: this round's label.
     """
 
-    edges: dict[str, Edge]
+    peers: list[str]
+    edges: Mapping[str, Edge]
     weights: dict[str, float]
     max_staleness: int
     round: int = 0
@@ -42,8 +52,8 @@ class OpenRound:
         return [p for p, n in self.mixes.items() if n]
 
     def done(self, peer: str) -> bool:
-        e = self.edges[peer]
-        if e.epoch == 0:
+        e = self.edges.get(peer)
+        if e is None or e.epoch == 0:
             return False
         if self.max_staleness == 0:
             return self.mixes.get(peer, 0) > 0
@@ -53,4 +63,4 @@ class OpenRound:
 
     def unfinished(self) -> list[str]:
         """The edges the round still waits for."""
-        return [p for p in self.edges if not self.done(p)]
+        return [p for p in self.peers if not self.done(p)]
