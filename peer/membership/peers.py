@@ -53,6 +53,9 @@ class PeerRecord:
     unanswered_since: float | None = None
     #: A peer reported it dead at its incarnation; dead here once it leaves us unanswered.
     condemned: bool = False
+    #: A call found nothing listening at its address (its process is gone) and it has not
+    #: answered since: calls to it go on channels closed after each (see ``gone_addresses``).
+    gone: bool = False
 
 
 class PeerTable:
@@ -103,6 +106,15 @@ class PeerTable:
     def address_of(self, peer_id: str) -> str | None:
         r = self.record(peer_id)
         return r.info.address if r else None
+
+    def gone_addresses(self) -> set[str]:
+        """Addresses of peers whose process is gone (a call was refused; no answer since).
+
+        A gRPC channel whose call was refused keeps reconnecting in the background (0.1 s,
+        then growing) until closed: kept for a crashed neighbour until it is dead here
+        (``dead_after``), a dozen connects for nothing, on every peer that called it."""
+        with self._lock:
+            return {r.info.address for r in self._peers.values() if r.gone and r.state != DEAD}
 
     def counts(self) -> dict[str, int]:
         """Number of known peers per state (self counted alive)."""
@@ -162,13 +174,13 @@ class PeerTable:
                 log.info("peer %s restarted (incarnation %d)", info.id, info.incarnation)
                 rec.info, rec.last_seen, rec.state = info, now, ALIVE
                 rec.heard_directly = direct
-                rec.unanswered_since, rec.condemned = None, False
+                rec.unanswered_since, rec.condemned, rec.gone = None, False, False
                 changed = True
             elif info.incarnation == rec.info.incarnation and direct:
                 rec.info = info
                 rec.last_seen = now
                 rec.heard_directly = True
-                rec.unanswered_since, rec.condemned = None, False
+                rec.unanswered_since, rec.condemned, rec.gone = None, False, False
                 # A goodbye is no return: it is handled below (dead at once), and a second
                 # one (its heartbeat loop and its farewell both say it) changes nothing.
                 if rec.state != ALIVE and not info.leaving:
@@ -201,16 +213,19 @@ class PeerTable:
         """A call to ``peer_id`` sent at ``since`` (monotonic) found nothing listening at its
         address: its process is gone. Suspect at once (left out of mixing, its neighbours
         bridged) rather than after ``suspect_after`` seconds of unanswered heartbeats; dead
-        still waits for ``dead_after``, and an answer brings it back."""
+        still waits for ``dead_after``, and an answer brings it back. Marked *gone* until it
+        answers (``gone_addresses``)."""
         with self._lock:
             rec = self._peers.get(peer_id)
             if rec is None or rec.state == DEAD:
                 return
             self.unanswered(peer_id, since)  # the dead_after clock (an RLock: re-entered)
-            if rec.state != ALIVE:
+            newly_gone, rec.gone = not rec.gone, True
+            if rec.state == ALIVE:
+                log.info("peer %s suspect (connection refused)", peer_id)
+                rec.state = SUSPECT
+            elif not newly_gone:
                 return
-            log.info("peer %s suspect (connection refused)", peer_id)
-            rec.state = SUSPECT
         self._on_change()
 
     def sweep(self) -> None:

@@ -279,7 +279,7 @@ class Peer:
     ) -> pb.HeartbeatReply:
         if address in self._kept_addresses():
             reply = self.clients.get(address).heartbeat(request, timeout=timeout)
-        else:  # a probe of a peer held dead: no channel left behind, reconnecting
+        else:  # a probe of a peer held dead or gone: no channel left behind, reconnecting
             with self.clients.transient(address) as client:
                 reply = client.heartbeat(request, timeout=timeout)
         if reply.responder.id:
@@ -393,9 +393,11 @@ class Peer:
         self.clients.prune(self._kept_addresses())
 
     def _kept_addresses(self) -> set[str]:
-        """Addresses whose clients the pool keeps: every peer not held dead, the bootstraps."""
+        """Addresses whose clients the pool keeps: every peer not held dead, the bootstraps,
+        less those whose process is gone (a refused call; their probes use a channel of
+        their own, closed after each, as probes of dead peers do)."""
         m = self.membership
-        return {i.address for i in m.known_infos()} | set(m.bootstrap)
+        return ({i.address for i in m.known_infos()} | set(m.bootstrap)) - m.gone_addresses()
 
     def _forget(self, pid: str) -> None:
         """A peer left or restarted: drop what the algorithm and the buffers hold of it."""

@@ -146,8 +146,10 @@ def test_a_refusal_for_a_peer_that_answers_again_is_forgotten() -> None:
     assert table.record("b").state == "suspect" and changes[-1]["suspect"] == 1
     table.sweep()  # well within dead_after: still suspect
     assert table.record("b").state == "suspect"
+    assert table.gone_addresses() == {other.address}
     table.observe(other, direct=True)  # it answers
     assert table.record("b").state == "alive" and table.record("b").unanswered_since is None
+    assert table.gone_addresses() == set()
     table.refused("nobody", time.monotonic())  # unknown ids are ignored
     assert "nobody" not in table.present_ids()
 
@@ -218,6 +220,46 @@ def test_a_probe_of_a_dead_peer_leaves_no_channel_behind() -> None:
         time.sleep(0.05)
     assert len([t for t in probes if t > dead_at]) >= 2, "the dead peer is no longer probed"
     assert not any(held), f"a client to the dead address was kept in {sum(held)} of {len(held)}"
+
+
+def test_a_refused_peer_leaves_no_channel_behind_while_it_is_only_suspect() -> None:
+    """A crashed neighbour is suspect at the first refused call and dead only ``dead_after``
+    later; meanwhile it is still heartbeated every interval, but the channel whose call was
+    refused is closed at once and each probe goes on one of its own: kept, it reconnected in
+    the background a dozen times per crash, on every peer that had called the dead address."""
+    slow = {
+        "membership.heartbeat_interval": 0.1,
+        "membership.suspect_after": 3.0,
+        "membership.dead_after": 4.0,
+    }
+    p0, p1 = start_peers(2, slow)
+    gone = p1.membership.me.address
+    t0 = time.monotonic()
+    while gone not in p0.clients.addresses():  # p0 heartbeats its neighbour on a kept channel
+        assert time.monotonic() - t0 < 2.0, "p0 holds no channel to p1"
+        time.sleep(0.02)
+    probes: list[float] = []
+    send = p0.membership._heartbeat
+
+    def spy(address: str, request: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatReply:
+        if address == gone:
+            probes.append(time.monotonic())
+        return send(address, request, timeout)
+
+    p0.membership._heartbeat = spy
+    crash(p1)
+    t0 = time.monotonic()
+    while p0.membership.is_alive("p1"):
+        assert time.monotonic() - t0 < 2.0, "p1 still alive 2 s after its port closed"
+        time.sleep(0.02)
+    suspect_at = time.monotonic()
+    held = []
+    while time.monotonic() - suspect_at < 2.0:  # well before dead_after
+        held.append(gone in p0.clients.addresses())
+        time.sleep(0.05)
+    assert p0.membership.record("p1").state == "suspect"
+    assert len([t for t in probes if t > suspect_at]) >= 10, "the suspect is not probed"
+    assert not any(held), f"a client to the refusing address was kept in {sum(held)} of {len(held)}"
 
 
 def test_a_former_neighbour_is_heartbeated_every_interval_for_dead_after() -> None:
