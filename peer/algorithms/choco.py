@@ -245,25 +245,31 @@ class ChocoGossip(GossipAlgorithm):
     def _mix_ready(self, peers: list[str]) -> tuple[list[str], float]:
         """Mix every edge whose exchange is complete at this end, each exactly once."""
         pairs, mixed, due = [], [], []
+        dist = float("nan")
         # The ready edges stay locked until the step is taken, so it reads their copies in
-        # place (no model-sized clone per edge) and no update lands in a mirror meanwhile.
+        # place (no model-sized clone per edge) and no update lands in a mirror meanwhile;
+        # the others are let go at once (a server thread may be applying an update to one).
         with torch.no_grad(), self.state_lock, contextlib.ExitStack() as locked:
             for peer in peers:
                 edge = self.edges.get(peer)
                 if edge is None:
                     continue
-                locked.enter_context(edge.lock)
+                edge.lock.acquire()
                 if not edge.exchange_ready():
+                    edge.lock.release()
                     continue
+                locked.callback(edge.lock.release)
                 w = edge.weight()
                 if w > 0:
                     pairs.append(Pair(edge.mirror, edge.public, w))
                     mixed.append(peer)
                 due.append(edge)
-            dist = neighbourhood_distance(self.x, pairs) if pairs else float("nan")
-            consensus_step(
-                self.x, pairs, self.settings.gamma, self.settings.robust_clip, self._direction
-            )
+            # Most calls (every wake of a round's wait) find nothing to mix: no pass over x.
+            if pairs:
+                dist = neighbourhood_distance(self.x, pairs)
+                consensus_step(
+                    self.x, pairs, self.settings.gamma, self.settings.robust_clip, self._direction
+                )
             due = [(edge, edge.done_mixing()) for edge in due]
         for edge, held in due:
             if held is not None:
