@@ -188,6 +188,29 @@ def test_a_second_goodbye_neither_revives_the_peer_nor_reports_a_change(caplog) 
     assert not [r for r in caplog.records if "is back" in r.getMessage()]
 
 
+def record_probes(peer, address: str) -> list[float]:
+    """Times of every heartbeat ``peer`` sends to ``address`` from now on (filled as they go)."""
+    probes: list[float] = []
+    send = peer.membership._heartbeat
+
+    def spy(to: str, request: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatReply:
+        if to == address:
+            probes.append(time.monotonic())
+        return send(to, request, timeout)
+
+    peer.membership._heartbeat = spy
+    return probes
+
+
+def channel_kept(peer, address: str, seconds: float) -> list[bool]:
+    """Whether ``peer``'s pool holds a client to ``address``, sampled every 0.05 s."""
+    held, t0 = [], time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        held.append(address in peer.clients.addresses())
+        time.sleep(0.05)
+    return held
+
+
 def test_a_probe_of_a_dead_peer_leaves_no_channel_behind() -> None:
     """A peer held dead is still heartbeated now and then (to notice a return), but on a client
     of its own, closed at once: a channel kept to an address where nothing listens reconnects
@@ -199,25 +222,14 @@ def test_a_probe_of_a_dead_peer_leaves_no_channel_behind() -> None:
     }
     p0, p1 = start_peers(2, fast)
     dead_address = p1.membership.me.address
-    probes: list[float] = []
-    send = p0.membership._heartbeat
-
-    def spy(address: str, request: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatReply:
-        if address == dead_address:
-            probes.append(time.monotonic())
-        return send(address, request, timeout)
-
-    p0.membership._heartbeat = spy
+    probes = record_probes(p0, dead_address)
     crash(p1)
     deadline = time.monotonic() + 10.0
     while p0.membership.record("p1").state != "dead":
         assert time.monotonic() < deadline, "p1 not dead 10 s after its crash"
         time.sleep(0.02)
     dead_at = time.monotonic()
-    held = []
-    while time.monotonic() - dead_at < 2.0:  # four probe periods (every 5th interval)
-        held.append(dead_address in p0.clients.addresses())
-        time.sleep(0.05)
+    held = channel_kept(p0, dead_address, 2.0)  # four probe periods (every 5th interval)
     assert len([t for t in probes if t > dead_at]) >= 2, "the dead peer is no longer probed"
     assert not any(held), f"a client to the dead address was kept in {sum(held)} of {len(held)}"
 
@@ -238,25 +250,14 @@ def test_a_refused_peer_leaves_no_channel_behind_while_it_is_only_suspect() -> N
     while gone not in p0.clients.addresses():  # p0 heartbeats its neighbour on a kept channel
         assert time.monotonic() - t0 < 2.0, "p0 holds no channel to p1"
         time.sleep(0.02)
-    probes: list[float] = []
-    send = p0.membership._heartbeat
-
-    def spy(address: str, request: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatReply:
-        if address == gone:
-            probes.append(time.monotonic())
-        return send(address, request, timeout)
-
-    p0.membership._heartbeat = spy
+    probes = record_probes(p0, gone)
     crash(p1)
     t0 = time.monotonic()
     while p0.membership.is_alive("p1"):
         assert time.monotonic() - t0 < 2.0, "p1 still alive 2 s after its port closed"
         time.sleep(0.02)
     suspect_at = time.monotonic()
-    held = []
-    while time.monotonic() - suspect_at < 2.0:  # well before dead_after
-        held.append(gone in p0.clients.addresses())
-        time.sleep(0.05)
+    held = channel_kept(p0, gone, 2.0)  # well before dead_after
     assert p0.membership.record("p1").state == "suspect"
     assert len([t for t in probes if t > suspect_at]) >= 10, "the suspect is not probed"
     assert not any(held), f"a client to the refusing address was kept in {sum(held)} of {len(held)}"
