@@ -86,6 +86,15 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return d
 
 
+# torch warns (once) that a tensor over a read-only buffer is not writable; bytes_to_tensor's
+# tensors are never written. The filter is installed once, at import, and matches only this
+# warning raised from this module: ``warnings.catch_warnings()`` around the call instead is not
+# thread-safe (it swaps the process's filter list), and decodes run on several threads at once,
+# which left an "ignore every UserWarning" filter behind in the user's process.
+_NOT_WRITABLE = "The given NumPy array is not writable"
+warnings.filterwarnings("ignore", message=_NOT_WRITABLE, category=UserWarning, module=__name__)
+
+
 def tensor_to_bytes(t: torch.Tensor | None) -> memoryview:
     """A bytes-like view of a tensor's raw bytes (copied to the host only if on a device)."""
     if t is None or t.numel() == 0:
@@ -98,9 +107,7 @@ def bytes_to_tensor(buf: bytes | memoryview, device: torch.device | None = None)
     """A read-only-by-convention uint8 tensor over ``buf`` (no copy on CPU)."""
     if len(buf) == 0:
         return torch.empty(0, dtype=torch.uint8, device=device)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": we never write
-        t = torch.from_numpy(np.frombuffer(buf, dtype=np.uint8))
+    t = torch.from_numpy(np.frombuffer(buf, dtype=np.uint8))  # see _NOT_WRITABLE
     return t if device is None or torch.device(device).type == "cpu" else t.to(device)
 
 

@@ -126,6 +126,11 @@ class PeerSummary(TrafficTotals):
     wall_seconds: float | None = Field(
         None, description="Seconds from start-up to the end, waiting and evaluation included."
     )
+    cpu_seconds: float | None = Field(
+        None,
+        description="CPU seconds of the whole process (training, gRPC and heartbeat threads) "
+        "from start-up to the end.",
+    )
     gossip_blocking_seconds: float = Field(
         0.0, description="Training-thread seconds spent blocked in gossip (rounds, exchanges)."
     )

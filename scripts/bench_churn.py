@@ -14,6 +14,8 @@ Printed for each run, over its steady window (every first peer training -> the f
 * max stall: the longest time no peer advanced a step (0.5 s resolution: status.json).
 * the final relative consensus distance (1/n) Σ||x_i - x̄||² / ||x̄||² over the peers that
   trained to the end, with and without churn, and the ratio.
+* survivors' CPU: the median CPU seconds of the peers that trained from start to end in one
+  life (their whole process: training, gRPC, heartbeats), what churn costs the peers it spares.
 * per restarted or joined peer: seconds from its gRPC server start to its first mixed
   exchange (the peer's own gossipgrad_first_mix_seconds), its rounds by then, and how many
   rounds behind the swarm's median it started.
@@ -21,6 +23,11 @@ Printed for each run, over its steady window (every first peer training -> the f
 With ``--spares K``, K warm spares (``gossipgrad-peer --standby``) are started and warm before
 the run with churn, and the first K restarts and joins take one: what peers on machines of
 their own see, where a process's start-up (about 3 s of CPU: torch) does not slow the others.
+
+With ``--side-by-side`` the two runs of a pair go at the same time, each confined to its own
+half of the CPUs (``taskset``; the halves swap from pair to pair, and the churn run's spares are
+warm before either swarm starts). Runs one after the other see the shared host's speed drift
+by more than the goodput margin between them; side by side both see the same host.
 
     python scripts/bench_churn.py --peers 16 --every-rounds 10 --steps 300 --out runs/churn
 """
@@ -30,12 +37,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
-from gossipgrad.experiment.churn import ChurnDriver
+from gossipgrad.experiment.churn import ChurnDriver, ChurnTrace
 from gossipgrad.experiment.churn_figures import ChurnFigures, figures
 from gossipgrad.experiment.churn_schedule import ChurnSchedule
 from gossipgrad.experiment.launch import LocalSwarm
@@ -53,11 +62,15 @@ BASE = {
 }
 
 
-def run_once(
-    out: Path, args: argparse.Namespace, overrides: dict[str, str], churn: bool
-) -> ChurnFigures:
-    """One run of the swarm, with or without churn; its figures."""
-    swarm = LocalSwarm(out, args.peers, overrides, spares=args.spares if churn else 0)
+def prepare_run(
+    out: Path,
+    args: argparse.Namespace,
+    overrides: dict[str, str],
+    churn: bool,
+    cpus: list[int] | None = None,
+) -> tuple[LocalSwarm, ChurnDriver]:
+    """The swarm of one run, with or without churn, and the driver that will record it."""
+    swarm = LocalSwarm(out, args.peers, overrides, spares=args.spares if churn else 0, cpus=cpus)
     schedule = (
         ChurnSchedule(
             every_rounds=args.every_rounds,
@@ -79,12 +92,59 @@ def run_once(
         local_steps=args.local_steps,
         join_extra={"peer.expected_peers": "1"},
     )
+    return swarm, driver
+
+
+def start_and_drive(swarm: LocalSwarm, driver: ChurnDriver, timeout: float) -> ChurnTrace:
+    swarm.start()
+    return driver.run(timeout=timeout)
+
+
+def run_once(
+    out: Path, args: argparse.Namespace, overrides: dict[str, str], churn: bool
+) -> ChurnFigures:
+    """One run of the swarm, with or without churn; its figures."""
+    swarm, driver = prepare_run(out, args, overrides, churn)
     try:
-        swarm.start()
-        trace = driver.run(timeout=args.timeout)
+        trace = start_and_drive(swarm, driver, args.timeout)
     finally:
         swarm.stop(timeout=60)
     return figures(trace, out)
+
+
+def run_side_by_side(
+    out: Path,
+    suffix: str,
+    args: argparse.Namespace,
+    overrides: dict[str, str],
+    cpus: tuple[list[int], list[int]],
+) -> tuple[ChurnFigures, ChurnFigures]:
+    """Both runs at once, the one without churn on ``cpus[0]``, the other on ``cpus[1]``.
+
+    The churn run's spares are warm before either swarm starts (their start-up would
+    otherwise fall in the other run's window).
+    """
+    runs = [
+        prepare_run(out / f"steady{suffix}", args, overrides, False, cpus[0]),
+        prepare_run(out / f"churn{suffix}", args, overrides, True, cpus[1]),
+    ]
+    try:
+        runs[1][0].start_spares()
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            futures = [pool.submit(start_and_drive, s, d, args.timeout) for s, d in runs]
+            traces = [f.result() for f in futures]
+    finally:
+        for swarm, _ in runs:
+            swarm.stop(timeout=60)
+    return figures(traces[0], runs[0][0].out), figures(traces[1], runs[1][0].out)
+
+
+def cpu_halves() -> tuple[list[int], list[int]]:
+    """This process's CPUs in two halves (``--side-by-side``)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--side-by-side needs at least 2 CPUs")
+    return cpus[: len(cpus) // 2], cpus[len(cpus) // 2 :]
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -102,6 +162,8 @@ def report(steady: ChurnFigures, churned: ChurnFigures) -> str:
         f"{'swarm steps/s':22}{steady.throughput:14.1f}{churned.throughput:14.1f}",
         f"{'steps/s per live peer':22}{steady.per_peer_rate:14.2f}{churned.per_peer_rate:14.2f}",
         f"{'max stall s':22}{steady.max_stall_s:14.2f}{churned.max_stall_s:14.2f}",
+        f"{'survivors CPU s':22}{_fmt(steady.survivor_cpu_s, '14.1f')}"
+        f"{_fmt(churned.survivor_cpu_s, '14.1f')}",
         f"{'peers at the end':22}{steady.final_peers:14d}{churned.final_peers:14d}",
         f"{'rel. consensus dist.':22}"
         f"{_fmt(steady.relative_consensus_distance, '14.2e')}"
@@ -161,6 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
         "run with churn; restarts and joins take one while any is left, so a process's "
         "start-up (seconds of CPU) is not charged to the swarm's shared cores",
     )
+    p.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="run the two swarms of a pair at the same time, each confined to its own half "
+        "of this process's CPUs (the halves swap from pair to pair): both see the host as it "
+        "is at that time, so its drift between runs falls out of the goodput",
+    )
     return p
 
 
@@ -169,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.pairs < 1:
         parser.error("--pairs must be at least 1")
+    if args.side_by_side and args.only_churn:
+        parser.error("--side-by-side runs both swarms; it does not go with --only-churn")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.min_live is None:
         args.min_live = max(2, args.peers - 3)
@@ -186,13 +257,20 @@ def main(argv: list[str] | None = None) -> int:
         overrides[key] = value
     args.out.mkdir(parents=True, exist_ok=True)
     pairs: list[tuple[ChurnFigures, ChurnFigures]] = []
+    halves = cpu_halves() if args.side_by_side else None
     for i in range(args.pairs):
         suffix = str(i) if args.pairs > 1 else ""
-        steady = None
-        if not args.only_churn:
-            steady = run_once(args.out / f"steady{suffix}", args, overrides, churn=False)
-        churned = run_once(args.out / f"churn{suffix}", args, overrides, churn=True)
-        pairs.append((steady or churned, churned))
+        if halves is not None:
+            # The halves swap from pair to pair: a core busier than the other cancels out.
+            cpus = halves if i % 2 == 0 else (halves[1], halves[0])
+            print(f"pair {i}: no churn on CPUs {cpus[0]}, churn on CPUs {cpus[1]}", flush=True)
+            pairs.append(run_side_by_side(args.out, suffix, args, overrides, cpus))
+        else:
+            steady = None
+            if not args.only_churn:
+                steady = run_once(args.out / f"steady{suffix}", args, overrides, churn=False)
+            churned = run_once(args.out / f"churn{suffix}", args, overrides, churn=True)
+            pairs.append((steady or churned, churned))
         if args.pairs > 1:
             print(f"pair {i}:")
         print(report(*pairs[-1]), flush=True)
@@ -208,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                 "churn": asdict(churned),
                 "pairs": [{"steady": asdict(s), "churn": asdict(c)} for s, c in pairs],
                 "config": overrides,
+                "side_by_side": args.side_by_side,
             }
         )
     )

@@ -16,7 +16,12 @@ Who is heartbeated, per interval (``membership.heartbeat_interval``):
    round-robin from a list shuffled anew on each pass, so each one is heartbeated at least once
    per pass (SWIM's round-robin probe selection: Das, Gupta, Motivala, DSN 2002, section 4.3);
 3. peers dead by silence every 5th interval (to notice a return; not those that said they
-   were leaving), and the bootstrap while alone.
+   were leaving), and the bootstrap while alone;
+4. peers whose address refused a call (*gone*: nothing listens there, the process has ended)
+   every ``GONE_PROBE_EVERY``-th interval only, suspect or dead, instead of 1 and 3: only a
+   new process can answer there, and a new process says so itself (it joins, and its new
+   incarnation spreads with the peer lists). Probed every interval, the crashed peers of a
+   churn run cost each survivor two refused probes a second, each on a channel of its own.
 
 So a peer sends ``degree + ceil(far_fanout * log2 n) / far_every`` heartbeats per interval in a
 healthy swarm, where heartbeating every peer cost ``degree + n / far_every``. Why this is
@@ -51,6 +56,9 @@ if TYPE_CHECKING:
     from gossipgrad.peer.config import MembershipSection
 
 log = logging.getLogger(__name__)
+
+#: A peer whose address refused a call is probed every this many intervals (module docstring).
+GONE_PROBE_EVERY = 10
 
 
 def death_agreed_within(cfg: MembershipSection, n: int) -> float:
@@ -218,11 +226,15 @@ class Membership(PeerTable):
         near = self._recently_near(set(self._near(live)))
         far_due = self._tick % self.cfg.far_every == 0
         dead_due = self._tick % 5 == 0
+        gone_due = self._tick % GONE_PROBE_EVERY == 0
         every: list[str] = []
         far: set[str] = set()
         with self._lock:
             for pid, r in self._peers.items():
-                if r.state == DEAD:
+                if r.gone and not r.condemned:  # condemned: one heartbeat confirms the death
+                    if gone_due and not r.info.leaving:
+                        every.append(pid)
+                elif r.state == DEAD:
                     if dead_due and not r.info.leaving:  # one that left is not coming back
                         every.append(pid)
                 elif pid in near or r.unanswered_since is not None or r.condemned:

@@ -140,6 +140,7 @@ class Daemon:
             if site is not None:
                 close_site()
         summary["wall_seconds"] = time.monotonic() - t_start
+        summary["cpu_seconds"] = time.process_time()
         try:
             write_record(self.run_dir / "summary.json", PeerSummary.model_validate(summary))
         except OSError as err:  # disk full or read-only: the run itself succeeded

@@ -12,6 +12,9 @@
   got done; the rate per live peer-second is given too.
 * **Max stall**: the longest stretch of the window in which no peer advanced a step (status
   samples every ``poll_s``, status.json rewritten every 0.5 s: finer stalls are not seen).
+* **Survivors' CPU**: the median CPU seconds (whole process) of the peers that trained from
+  the start to the end in one life: with and without churn, what churn costs the peers it
+  does not touch.
 * **Restarts and joins**: seconds from the life's gRPC server start (its log line) to its
   first mixed exchange (from its metrics), its rounds by then, and how far behind the swarm's
   median step it began training, in rounds.
@@ -59,6 +62,7 @@ class ChurnFigures:
     final_peers: int
     relative_consensus_distance: float | None
     new_lives: list[NewLife]
+    survivor_cpu_s: float | None = None
 
 
 def _by_life(trace: ChurnTrace) -> dict[int, list[StatusSample]]:
@@ -218,4 +222,20 @@ def figures(trace: ChurnTrace, out: Path) -> ChurnFigures:
         final_peers=len(params),
         relative_consensus_distance=cd[1] if cd else None,
         new_lives=new_lives(trace, out),
+        survivor_cpu_s=survivor_cpu_seconds(trace, out),
     )
+
+
+def survivor_cpu_seconds(trace: ChurnTrace, out: Path) -> float | None:
+    """Median ``cpu_seconds`` of the peers that trained to the end in their first life."""
+    lives: dict[int, list] = {}
+    for life in trace.lives:
+        lives.setdefault(life.peer, []).append(life)
+    cpu = []
+    for peer, mine in lives.items():
+        if len(mine) != 1 or mine[0].how != "start":
+            continue
+        summary = read_record(out / f"peer{peer}" / "summary.json", PeerSummary)
+        if summary and summary.cpu_seconds and summary.steps >= trace.steps:
+            cpu.append(summary.cpu_seconds)
+    return statistics.median(cpu) if cpu else None

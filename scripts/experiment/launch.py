@@ -47,6 +47,8 @@ class LocalSwarm:
             :mod:`gossipgrad.peer.runtime.standby`) that ``start()`` brings up, warm, before
             the first peer; a later ``spawn`` takes one while any is left instead of starting
             a process, as a site whose process start-up does not share the swarm's cores.
+        cpus: optional CPUs every process of the swarm (spares included) is confined to
+            (``taskset``), e.g. to run two swarms side by side on separate cores.
     """
 
     def __init__(
@@ -59,6 +61,7 @@ class LocalSwarm:
         command_prefix: Callable[[int], list[str]] | None = None,
         peer_overrides: Callable[[int], dict[str, str]] | None = None,
         spares: int = 0,
+        cpus: Iterable[int] | None = None,
     ) -> None:
         if n < 1:
             raise ValueError(f"need at least one peer, got {n}")
@@ -77,6 +80,10 @@ class LocalSwarm:
         self.spares = spares
         self._idle_spares: list[tuple[Path, subprocess.Popen]] = []  # (trigger, process)
         self.spare_pids: set[int] = set()  # every spare process started
+        self._prepared = self._spares_started = False
+        self.cpus = sorted(set(cpus)) if cpus is not None else None
+        if self.cpus is not None and not self.cpus:
+            raise ValueError("cpus: name at least one CPU")
 
     def peer_dir(self, i: int) -> Path:
         return self.out / f"peer{i}"
@@ -128,14 +135,21 @@ class LocalSwarm:
             f.write(line + "\n")
 
     def _popen(self, cmd: list[str], log_path: Path) -> subprocess.Popen:
+        if self.cpus is not None:  # taskset execs the command: the pid stays the peer's
+            cmd = ["taskset", "--cpu-list", ",".join(map(str, self.cpus)), *cmd]
         self._record_command(" ".join(cmd) + " &")
         log_file = open(log_path, "a")  # noqa: SIM115 - closed in stop()
         self.logs.append(log_file)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
 
-    def _start_spares(self, timeout: float = ADDRESS_TIMEOUT_S * 10) -> None:
-        """Start ``spares`` standby processes and wait until every one is warm."""
+    def start_spares(self, timeout: float = ADDRESS_TIMEOUT_S * 10) -> None:
+        """Start ``spares`` standby processes and wait until every one is warm (``start``
+        does it first if it was not done before)."""
+        self._prepare()
+        if self._spares_started:
+            return
+        self._spares_started = True
         spares_dir = self.out / "spares"
         spares_dir.mkdir(exist_ok=True)
         for k in range(self.spares):
@@ -202,15 +216,21 @@ class LocalSwarm:
         self.log_path[i] = self.out / f"peer{i}.log"
         self.procs[i] = self._popen(self.command(i, bootstrap, extra), self.log_path[i])
 
-    def start(self, count: int | None = None) -> None:
-        """Start peer0, wait for its address, then peers 1..count-1 bootstrapping from it."""
+    def _prepare(self) -> None:
+        """Once, before anything starts: a fresh commands.sh, no files of an earlier run."""
+        if self._prepared:
+            return
+        self._prepared = True
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "commands.sh").write_text("#!/usr/bin/env bash\n")
         for i in range(self.n):
             for name in RUN_FILES:
                 (self.peer_dir(i) / name).unlink(missing_ok=True)
             (self.out / f"peer{i}.log").unlink(missing_ok=True)
-        self._start_spares()
+
+    def start(self, count: int | None = None) -> None:
+        """Start peer0, wait for its address, then peers 1..count-1 bootstrapping from it."""
+        self.start_spares()
         self.spawn(0, spare=False)
         self.bootstrap = self._wait_for_address(0)
         for i in range(1, self.n if count is None else count):

@@ -9,6 +9,7 @@ peers' disagreement.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -98,6 +99,49 @@ def test_bench_churn_compares_a_swarm_with_and_without_churn(tmp_path: Path) -> 
     assert m, proc.stdout[-2000:]
     assert [float(m[1]), float(m[2])] == pytest.approx(rates, abs=0.1)
     assert float(m[3]) == pytest.approx(sum(rates) / 2, abs=0.1)
+
+
+@pytest.mark.timeout(900)
+def test_bench_churn_side_by_side_runs_both_swarms_at_once_on_swapped_cpus(
+    tmp_path: Path,
+) -> None:
+    """--side-by-side: in each pair both runs overlap in time, each swarm's every process
+    (the churn run's spare too) started on its own half of the CPUs, the halves swapped in
+    the second pair."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs 2 CPUs")
+    halves = [
+        ",".join(map(str, cpus[: len(cpus) // 2])),
+        ",".join(map(str, cpus[len(cpus) // 2 :])),
+    ]
+    proc = subprocess.run(
+        [
+            sys.executable, str(SCRIPTS / "bench_churn.py"), "--peers", "3", "--min-live", "2",
+            "--every-rounds", "20", "--steps", "400", "--timeout", "250", "--pairs", "2",
+            "--spares", "1", "--side-by-side", "--out", str(tmp_path),
+        ],
+        capture_output=True, text=True, timeout=850, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "churn.json").read_text())
+    assert result["side_by_side"] is True
+    for i, pair in enumerate(result["pairs"]):
+        steady_cpus, churn_cpus = halves if i == 0 else halves[::-1]
+        assert pair["steady"]["events"] == 0 and pair["churn"]["events"] >= 2
+        for run, want in ((f"steady{i}", steady_cpus), (f"churn{i}", churn_cpus)):
+            lines = (tmp_path / run / "commands.sh").read_text().splitlines()
+            started = [line for line in lines if not line.startswith("#")]
+            assert len(started) >= 3, started
+            assert all(line.startswith(f"taskset --cpu-list {want} ") for line in started), run
+        a, b = (
+            json.loads((tmp_path / f"{r}{i}" / "trace.json").read_text())
+            for r in ("steady", "churn")
+        )
+        assert a["started"] < b["ended"] and b["started"] < a["ended"], "the runs did not overlap"
+    assert "spare0" in (tmp_path / "churn0" / "commands.sh").read_text()
+    m = re.search(r"^goodput by pair ([0-9.]+)% ([0-9.]+)%; median ([0-9.]+)%$", proc.stdout, re.M)
+    assert m, proc.stdout[-2000:]
 
 
 @pytest.mark.timeout(300)

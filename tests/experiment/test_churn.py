@@ -28,11 +28,17 @@ from gossipgrad.experiment.churn import (
     StatusSample,
     mixing_progress,
 )
-from gossipgrad.experiment.churn_figures import figures, max_stall, redone_steps, window
+from gossipgrad.experiment.churn_figures import (
+    figures,
+    max_stall,
+    redone_steps,
+    survivor_cpu_seconds,
+    window,
+)
 from gossipgrad.experiment.churn_schedule import EVENT_KINDS, ChurnSchedule
 from gossipgrad.experiment.launch import LocalSwarm
 from gossipgrad.peer.metrics import PeerMetrics
-from gossipgrad.peer.records import PeerSummary, read_record
+from gossipgrad.peer.records import PeerSummary, read_record, write_record
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
@@ -381,6 +387,16 @@ def test_figures_of_a_synthetic_trace(tmp_path: Path) -> None:
     assert fig.new_lives[0].first_exchange_s is None
     trace.lives[2].first_exchange, trace.lives[2].first_mix_s = 8.0, 0.42
     assert figures(trace, tmp_path).new_lives[0].first_exchange_s == 0.42
+    # Survivors' CPU: only peer0 trained start to end in one life (peer1 restarted).
+    assert fig.survivor_cpu_s is None  # no summary written
+    for peer, cpu in ((0, 7.5), (1, 99.0)):
+        summary = PeerSummary(
+            id=f"peer{peer}", steps=20, metric="accuracy", final={}, train_loss=0.1,
+            params=10, cpu_seconds=cpu,
+        )  # fmt: skip
+        (tmp_path / f"peer{peer}").mkdir()
+        write_record(tmp_path / f"peer{peer}" / "summary.json", summary)
+    assert survivor_cpu_seconds(trace, tmp_path) == 7.5
 
 
 def test_mixing_progress_reads_the_peers_gauges() -> None:

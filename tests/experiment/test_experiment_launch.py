@@ -3,6 +3,7 @@ that ignores SIGTERM is killed at the deadline, and so is a child that outlives 
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -96,3 +97,27 @@ def test_a_swarm_needs_a_peer(tmp_path: Path) -> None:
     assert opts["--peer.bootstrap"] == "127.0.0.1:7070" and opts["--train.shard_index"] == "1"
     # Before its first write a peer reads as starting, under its own id.
     assert swarm.status(1).id == "peer1" and swarm.status(1).state == "starting"
+
+
+@pytest.mark.timeout(180)
+def test_a_swarm_confined_to_cpus_runs_every_process_and_thread_on_them(tmp_path: Path) -> None:
+    """``LocalSwarm(cpus=...)`` (bench_churn.py --side-by-side): peers and warm spares, and
+    every thread they start, run on the CPUs named and no other."""
+    with pytest.raises(ValueError, match="at least one CPU"):
+        LocalSwarm(tmp_path, 1, {}, cpus=[])
+    cpu = max(os.sched_getaffinity(0))
+    swarm = LocalSwarm(
+        tmp_path, 1, {"train.task": "digits", "train.steps": "100000"}, spares=1, cpus=[cpu]
+    )
+    try:
+        swarm.start()
+        swarm._wait_for_address(0)  # serving: its gRPC and training threads are up
+        assert len(psutil.Process(swarm.procs[0].pid).threads()) > 1
+        for pid in [swarm.procs[0].pid, *swarm.spare_pids]:
+            threads = psutil.Process(pid).threads()
+            assert {t.id: os.sched_getaffinity(t.id) for t in threads} == {
+                t.id: {cpu} for t in threads
+            }
+    finally:
+        swarm.stop(timeout=20)
+    assert f"taskset --cpu-list {cpu} " in (tmp_path / "commands.sh").read_text()

@@ -6,6 +6,7 @@ Sized for a 2-core machine: the digits task, a few hundred steps, one torch thre
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -75,6 +76,8 @@ def test_four_peer_ring_matches_centralized_accuracy(swarm_factory) -> None:
         assert acc >= central["accuracy"] - ACCURACY_TOLERANCE
     for p in result["peers"]:  # rounds block the training thread, but not all the time
         assert p["gossip_blocking_seconds"] > 0.0 and 0.0 < p["compute_utilization"] < 1.0, p
+        # The process's CPU time: all its threads, at most every core all the time.
+        assert 0.0 < p["cpu_seconds"] <= len(os.sched_getaffinity(0)) * p["wall_seconds"], p
     assert result["relative_consensus_distance"] < RELATIVE_CONSENSUS_BOUND
     for p in result["peers"]:
         assert p["steps"] == STEPS
