@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import datetime
 import random
+import socket
+import subprocess
+import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -38,7 +42,7 @@ from gossipgrad.experiment.churn_figures import (
 from gossipgrad.experiment.churn_schedule import EVENT_KINDS, ChurnSchedule
 from gossipgrad.experiment.launch import LocalSwarm
 from gossipgrad.peer.metrics import PeerMetrics
-from gossipgrad.peer.records import PeerSummary, read_record, write_record
+from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record, write_record
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
@@ -416,3 +420,44 @@ def test_max_stall_counts_the_window_edges() -> None:
     assert max_stall([], 0.0, 5.0) == 5.0
     assert max_stall([1.0, 2.0], 0.0, 4.5) == 2.5
     assert max_stall([0.5, 1.0, 1.5], 0.0, 2.0) == 0.5
+
+
+@pytest.mark.timeout(60)
+def test_a_new_life_whose_metrics_do_not_answer_does_not_pause_the_status_samples(
+    tmp_path: Path,
+) -> None:
+    """A new life on a busy core may take seconds to answer a scrape of its metrics; the
+    driver scrapes on a thread of its own, so its status samples go on meanwhile (when the
+    scrape ran inside the sampling, the samples paused for 2.6 s while every peer trained:
+    a stall of the driver, counted as one of the swarm)."""
+    silent = socket.socket()  # accepts connections (the backlog) and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    swarm = LocalSwarm(tmp_path, 1, dict(BASE))
+    swarm.procs[0] = proc
+    swarm.peer_dir(0).mkdir(parents=True)
+    status = PeerStatus(id="peer0", pid=proc.pid, state="training", step=5,
+                        metrics_port=silent.getsockname()[1])  # fmt: skip
+    write_record(swarm.peer_dir(0) / "status.json", status)
+    driver = ChurnDriver(swarm, None, steps=100)
+    stop = threading.Event()
+    scraper = threading.Thread(target=driver._scrape_loop, args=(stop,))
+    try:
+        driver._adopt(0, "join")  # a joiner: scraped until its first exchange
+        scraper.start()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2.0:
+            assert driver._sample() == [5]
+            time.sleep(0.05)
+        samples = [s for s in driver.trace.samples if s.peer == 0]
+        # 2 s of samples 0.05 s apart: dozens, where a sampling loop blocked in the scrape
+        # took one per scrape timeout (1 s).
+        assert len(samples) >= 15, len(samples)
+        assert driver.current[0].first_exchange is None  # the endpoint never answered
+    finally:
+        stop.set()
+        scraper.join(timeout=10)
+        proc.kill()
+        proc.wait()
+        silent.close()
