@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gossipgrad.experiment.analysis import consensus_distance
-from gossipgrad.experiment.churn import WORKING, ChurnTrace, StatusSample
+from gossipgrad.experiment.churn import WORKING, ChurnTrace, Life, StatusSample
 from gossipgrad.peer.records import PeerSummary, read_record
 
 SERVING = "serving gossip on"
@@ -108,14 +108,19 @@ def _advances(trace: ChurnTrace, start: float, end: float) -> tuple[int, list[fl
     return total, sorted(times), peer_seconds
 
 
+def _lives_by_peer(trace: ChurnTrace) -> dict[int, list[Life]]:
+    """Each peer's lives, in the order they began."""
+    by_peer: dict[int, list[Life]] = {}
+    for life in trace.lives:
+        by_peer.setdefault(life.peer, []).append(life)
+    return by_peer
+
+
 def redone_steps(trace: ChurnTrace) -> int:
     """Steps taken twice: a SIGKILLed life's last step minus the checkpoint step its peer's
     next life resumed from."""
     redone = 0
-    by_peer: dict[int, list] = {}
-    for life in trace.lives:
-        by_peer.setdefault(life.peer, []).append(life)
-    for lives in by_peer.values():
+    for lives in _lives_by_peer(trace).values():
         for before, after in itertools.pairwise(lives):
             if before.end == "sigkill" and after.start_step is not None:
                 redone += max(0, before.last_step - after.start_step)
@@ -228,11 +233,8 @@ def figures(trace: ChurnTrace, out: Path) -> ChurnFigures:
 
 def survivor_cpu_seconds(trace: ChurnTrace, out: Path) -> float | None:
     """Median ``cpu_seconds`` of the peers that trained to the end in their first life."""
-    lives: dict[int, list] = {}
-    for life in trace.lives:
-        lives.setdefault(life.peer, []).append(life)
     cpu = []
-    for peer, mine in lives.items():
+    for peer, mine in _lives_by_peer(trace).items():
         if len(mine) != 1 or mine[0].how != "start":
             continue
         summary = read_record(out / f"peer{peer}" / "summary.json", PeerSummary)

@@ -80,7 +80,7 @@ class LocalSwarm:
         self.spares = spares
         self._idle_spares: list[tuple[Path, subprocess.Popen]] = []  # (trigger, process)
         self.spare_pids: set[int] = set()  # every spare process started
-        self._prepared = self._spares_started = False
+        self._spares_started = False
         self.cpus = sorted(set(cpus)) if cpus is not None else None
         if self.cpus is not None and not self.cpus:
             raise ValueError("cpus: name at least one CPU")
@@ -146,10 +146,10 @@ class LocalSwarm:
     def start_spares(self, timeout: float = ADDRESS_TIMEOUT_S * 10) -> None:
         """Start ``spares`` standby processes and wait until every one is warm (``start``
         does it first if it was not done before)."""
-        self._prepare()
         if self._spares_started:
             return
         self._spares_started = True
+        self._prepare()
         spares_dir = self.out / "spares"
         spares_dir.mkdir(exist_ok=True)
         for k in range(self.spares):
@@ -217,10 +217,8 @@ class LocalSwarm:
         self.procs[i] = self._popen(self.command(i, bootstrap, extra), self.log_path[i])
 
     def _prepare(self) -> None:
-        """Once, before anything starts: a fresh commands.sh, no files of an earlier run."""
-        if self._prepared:
-            return
-        self._prepared = True
+        """Before anything starts (``start_spares``, once): a fresh commands.sh, no files of
+        an earlier run."""
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "commands.sh").write_text("#!/usr/bin/env bash\n")
         for i in range(self.n):
