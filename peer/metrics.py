@@ -312,6 +312,21 @@ class PeerMetrics:
                         out[f"{prefix}_{kind}_bytes"] += value
         return out
 
+    def bytes_by_neighbour(self) -> dict[str, dict[str, int]]:
+        """Bytes so far per neighbour, summed over message kinds:
+        ``{neighbour: {"sent": n, "received": n}}``. Heartbeats (unattributed) are left out;
+        departed neighbours are summed under :data:`DEPARTED`."""
+        out: dict[str, dict[str, int]] = {}
+        for direction, counter in (("sent", self.sent_bytes), ("received", self.received_bytes)):
+            for metric in counter.collect():
+                for sample in metric.samples:
+                    neighbour = sample.labels.get("neighbor")
+                    if not sample.name.endswith("_total") or neighbour in (None, UNATTRIBUTED):
+                        continue
+                    entry = out.setdefault(neighbour, {"sent": 0, "received": 0})
+                    entry[direction] += int(sample.value)
+        return out
+
     # --- failures ----------------------------------------------------------------------------
     def record_rejected(self, reason: str) -> None:
         """Count one refused message; ``reason`` must be in :data:`REJECT_REASONS`."""

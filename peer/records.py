@@ -139,6 +139,11 @@ class PeerSummary(TrafficTotals):
         description="1 - gossip_blocking_seconds / final_seconds: the share of training time "
         "spent computing rather than waiting for the network.",
     )
+    neighbours: dict[str, dict[str, int]] = Field(
+        default_factory=dict,
+        description="Bytes per neighbour at the end, ``{id: {sent, received}}`` (heartbeats "
+        "left out; departed neighbours summed under ``(departed)``).",
+    )
     site: SiteSummary | None = Field(None, description="Multi-rank sites only: this rank.")
 
 

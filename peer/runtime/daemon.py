@@ -218,18 +218,19 @@ class Daemon:
             gopt.sync_site()  # all ranks take the leader's state (resumed or joined)
 
     def _joined(self, gopt: GossipOptimizer, resumed: bool, started: float) -> bool:
-        """Take a donor's state: a fresh peer (JoinError if it finds no swarm or no donor
-        serves), or a resumed one the swarm has left ``join_after_steps`` behind (it keeps its
-        checkpoint when no donor is that far ahead or none serves)."""
+        """Find the swarm (JoinError if no bootstrap answers within ``peer.start_timeout``:
+        a resumed peer too, which would otherwise train its remaining steps alone and report
+        success), then take a donor's state: a fresh peer always (JoinError if no donor
+        serves), a resumed one only when the swarm has left it ``join_after_steps`` behind
+        (it keeps its checkpoint when no donor is that far ahead or none serves)."""
         membership = gopt.peer.membership
+        find_swarm(
+            membership, self.cfg.peer.start_timeout, started=started, stop=self.stop_requested
+        )
+        if self.stop_requested.is_set():
+            return False
         if not resumed:
-            find_swarm(
-                membership, self.cfg.peer.start_timeout, started=started, stop=self.stop_requested
-            )
-            if self.stop_requested.is_set():
-                return False
             return gopt.join_from_swarm()
-        membership.beat_once()
         try:
             return gopt.join_from_swarm(min_step=gopt.local_step + self.cfg.peer.join_after_steps)
         except JoinError as err:
@@ -278,6 +279,7 @@ class Daemon:
             "gossip_blocking_seconds": gopt.blocking_seconds,
             "compute_utilization": _utilization(gopt.blocking_seconds, final_seconds),
             **traffic,
+            "neighbours": gopt.metrics.bytes_by_neighbour(),
         }
         self._write_status(
             step=gopt.local_step, loss=loss_value, final=final, **traffic, **_consensus(gopt)

@@ -16,13 +16,19 @@ from gossipgrad.peer.records import PeerSummary, read_record
 def peer_result(
     i: int, run_dir: Path, ok: bool, history: list[Sample], edges: EdgeBytes
 ) -> PeerResult:
-    """Peer i's entry: its summary.json (when it wrote one) plus the sampled history."""
+    """Peer i's entry: its summary.json (when it wrote one) plus the sampled history.
+
+    Bytes per neighbour come from the summary (the final counts) when it has them, else
+    from the last scrape (``edges``: up to ``SCRAPE_EVERY_S`` old, empty for a run shorter
+    than that)."""
     summary = read_record(run_dir / "summary.json", PeerSummary)
     finished = summary is not None and not summary.stopped_early
     entry = PeerResult(id=f"peer{i}", ok=ok and finished, history=history, neighbours=edges)
     if summary is None:
         return entry
-    fields = set(PeerResult.model_fields) - {"ok", "history", "neighbours"}
+    fields = set(PeerResult.model_fields) - {"ok", "history"}
+    if not summary.neighbours:
+        fields.discard("neighbours")
     return entry.model_copy(update=summary.model_dump(include=fields))
 
 

@@ -115,8 +115,12 @@ def no_fault(tmp_path_factory) -> float:
 def fault_run(tmp_path_factory):
     """The issue's scenario scaled down: a ring of 6, two peers SIGKILLed mid-run, one of them
     restarted 3 s later with the same config (it resumes from its checkpoint). While it
-    starts, its metrics are polled every 20 ms for its first mixed exchange."""
-    swarm = LocalSwarm(tmp_path_factory.mktemp("fault"), PEERS, CONFIG)
+    starts, its metrics are polled every 20 ms for its first mixed exchange.
+
+    The restart goes to a warm spare (torch imported before the swarm starts): a cold start
+    took 10 s on a loaded host, by which time the survivors had trained their last step and
+    the restarted peer had no one to mix with."""
+    swarm = LocalSwarm(tmp_path_factory.mktemp("fault"), PEERS, CONFIG, spares=1)
     try:
         swarm.start()
         wait_for(lambda: swarm.status(2).step >= 150, 300, "peer2 at step 150")
@@ -143,7 +147,8 @@ def fault_run(tmp_path_factory):
                     first_exchange = time.time()
             time.sleep(0.02)
         assert swarm.wait(400), "the swarm did not finish"
-        log = (swarm.out / "peer2.log").read_text().splitlines()
+        assert swarm.log_path[2].parent.name == "spares", "the restart did not take the spare"
+        log = swarm.log_path[2].read_text().splitlines()
         started = [log_time(line) for line in log if "gossip server listening on" in line][-1]
         distance = relative_distance(final_params(swarm, [0, 1, 2, 3, 5]))
         resumed = [line for line in log if "resumed from checkpoint at step" in line]

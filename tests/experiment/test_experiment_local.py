@@ -42,7 +42,10 @@ def test_local_experiment_end_to_end(tmp_path: Path) -> None:
         assert 0 < p.sent_bytes < p.dense_bytes / 10
         assert p.received_bytes > 0 and (p.wall_seconds or 0) > 0
         assert len(p.history) >= 2 and p.history[-1].step > p.history[0].step
-        assert p.neighbours, "per-link bytes scraped from the metrics endpoint"
+        # Per-link bytes: the final counts from summary.json (a scrape every 2 s saw none
+        # when the run was shorter than that), every update byte on some link.
+        assert p.neighbours, "per-link bytes"
+        assert sum(c["sent"] for c in p.neighbours.values()) >= p.sent_update_bytes > 0
         # Evaluations every 50 steps on the training clock (evaluation excluded).
         assert [e["step"] for e in p.evals] == [50, 100, 150]
         secs = [e["seconds"] for e in p.evals]

@@ -285,6 +285,34 @@ def test_a_daemon_with_only_dead_bootstrap_addresses_exits_with_one_line_error(
     assert not (tmp_path / "peer" / "summary.json").exists()
 
 
+@pytest.mark.timeout(180)
+def test_a_resumed_daemon_whose_bootstrap_is_gone_exits_rather_than_training_alone(
+    tmp_path: Path,
+) -> None:
+    """A peer restarted after its swarm ended (or with a stale bootstrap) resumed from its
+    checkpoint, trained every remaining step alone and reported success with 0 bytes sent;
+    it now looks for the swarm like a fresh peer and exits with the one-line error."""
+    run_dir = tmp_path / "peer"
+    base = [sys.executable, "-m", "gossipgrad.peer", "--peer.run_dir", str(run_dir)]
+    base += ["--train.task", "digits", "--train.threads", "1", "--metrics.enabled", "false"]
+    base += ["--checkpoint.every", "10"]
+    first = subprocess.run([*base, "--train.steps", "20"], capture_output=True, text=True,
+                           timeout=100)  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    (run_dir / "summary.json").unlink()
+    with dead_addresses(1) as dead:
+        cmd = [*base, "--train.steps", "60", "--peer.bootstrap", dead[0]]
+        proc = subprocess.run([*cmd, "--peer.start_timeout", "3"], capture_output=True,
+                              text=True, timeout=100)  # fmt: skip
+    assert "resumed from checkpoint at step 20" in proc.stderr, proc.stderr
+    assert proc.returncode == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and f"no bootstrap peer answered: {dead[0]}" in errors[0], errors
+    status = read_record(run_dir / "status.json", PeerStatus)
+    assert status is not None and status.state == "starting"  # not one step alone
+    assert not (run_dir / "summary.json").exists()
+
+
 def wait_for_status(path: Path, state: str, timeout: float) -> PeerStatus:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

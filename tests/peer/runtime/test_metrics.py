@@ -332,8 +332,20 @@ def test_byte_counters_equal_sums_and_survive_the_text_format(evs) -> None:
         want[f"received_{kind}_bytes"] = sum(v for (_, k), v in want_recv.items() if k == kind)
     want["dense_bytes"] = 0
     assert m.traffic_totals() == want
+    # summary.json's bytes per neighbour: the same sums, per edge and direction.
+    per_edge = {
+        n: {
+            "sent": sum(v for (nb, _), v in want_sent.items() if nb == n),
+            "received": sum(v for (nb, _), v in want_recv.items() if nb == n),
+        }
+        for n in neighbors
+    }
+    assert m.bytes_by_neighbour() == per_edge
     m.remove_neighbor("n0")
     assert m.traffic_totals() == want
+    if "n0" in per_edge:
+        per_edge[DEPARTED] = per_edge.pop("n0")
+    assert m.bytes_by_neighbour() == per_edge
 
 
 @pytest.mark.timeout(30)
@@ -382,6 +394,8 @@ def test_experiment_runner_reads_edge_bytes_from_the_exposition() -> None:
     assert got["c"] == {"sent": 0, "received": 7}
     assert got[UNATTRIBUTED] == {"sent": 3, "received": 0}
     assert set(got) == {"b", "c", UNATTRIBUTED}
+    # summary.json's final counts: the same per neighbour, heartbeats to nobody left out.
+    assert m.bytes_by_neighbour() == {k: v for k, v in got.items() if k != UNATTRIBUTED}
 
 
 # --- dashboards -----------------------------------------------------------------------------

@@ -50,8 +50,8 @@ def scheduled_lr(swarm: LocalSwarm, step: int) -> float:
 def swarm_factory(tmp_path: Path):
     made: list[LocalSwarm] = []
 
-    def make(n: int, **overrides: str) -> LocalSwarm:
-        s = LocalSwarm(tmp_path / f"swarm{len(made)}", n, {**BASE, **overrides})
+    def make(n: int, spares: int = 0, **overrides: str) -> LocalSwarm:
+        s = LocalSwarm(tmp_path / f"swarm{len(made)}", n, {**BASE, **overrides}, spares=spares)
         made.append(s)
         return s
 
@@ -91,9 +91,12 @@ def test_four_peer_ring_matches_centralized_accuracy(swarm_factory) -> None:
 def test_killed_peer_others_go_on_and_it_resumes_from_checkpoint(swarm_factory) -> None:
     # The others go 150 steps on while it is down: with the default join_after_steps it
     # would rejoin from their state (tests/experiment/test_churn.py); here it resumes its
-    # checkpoint.
+    # checkpoint. The restart goes to a warm spare: cold, on a loaded host, it came up after
+    # the others had finished (a resumed peer that finds no swarm exits with an error).
     swarm = swarm_factory(
-        4, **{"train.steps": "700", "checkpoint.every": "50", "peer.join_after_steps": "100000"}
+        4,
+        spares=1,
+        **{"train.steps": "700", "checkpoint.every": "50", "peer.join_after_steps": "100000"},
     )
     swarm.start()
     wait_for(lambda: step_of(swarm, 2) >= 150, 120, "peer2 to reach step 150")
@@ -110,7 +113,8 @@ def test_killed_peer_others_go_on_and_it_resumes_from_checkpoint(swarm_factory) 
     swarm.spawn(2)
     assert swarm.wait(240), "swarm did not finish"
     assert swarm.failed() == []
-    log = (swarm.out / "peer2.log").read_text()
+    assert swarm.log_path[2].parent.name == "spares", "the restart did not take the spare"
+    log = swarm.log_path[2].read_text()
     assert "resumed from checkpoint at step" in log
     resumed_at = int(log.split("resumed from checkpoint at step ")[1].split()[0])
     assert resumed_at % 50 == 0 and 0 < resumed_at <= killed_at
