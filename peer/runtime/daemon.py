@@ -191,6 +191,7 @@ class Daemon:
                 gopt.load_state_dict(state)
                 resumed = True
                 log.info("resumed from checkpoint at step %d", gopt.local_step)
+                self._write_status(step=gopt.local_step)  # not 0 while it finds the swarm
         started = time.monotonic()
         # A peer resuming from its checkpoint rejoins a swarm that already trains: waiting
         # for expected_peers would leave its neighbours waiting for it (up to start_timeout,

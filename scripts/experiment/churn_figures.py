@@ -67,8 +67,9 @@ class ChurnFigures:
 
 def _by_life(trace: ChurnTrace) -> dict[int, list[StatusSample]]:
     """Each life's working samples (by pid), in time order. Samples below the step the life
-    started from are left out: a restarted or joined peer's first status.json writes still
-    say step 0 until its first step past the checkpoint or the downloaded state."""
+    started from are left out: a joined peer's first status.json writes say step 0, and a
+    restarted one's its checkpoint's step, until its first step past the state it trains
+    from (a restarted peer may take a donor's, further on)."""
     floor = {life.pid: life.start_step or 0 for life in trace.lives}
     out: dict[int, list[StatusSample]] = {}
     for s in trace.samples:

@@ -309,7 +309,8 @@ def test_a_resumed_daemon_whose_bootstrap_is_gone_exits_rather_than_training_alo
     errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and f"no bootstrap peer answered: {dead[0]}" in errors[0], errors
     status = read_record(run_dir / "status.json", PeerStatus)
-    assert status is not None and status.state == "starting"  # not one step alone
+    # Its checkpoint's step (not 0), and not one step alone.
+    assert status is not None and status.state == "starting" and status.step == 20
     assert not (run_dir / "summary.json").exists()
 
 
