@@ -60,8 +60,7 @@ class PeerSection(Section):
         gt=0,
         description="Seconds to wait at start: for expected_peers (then training anyway); "
         "for a peer with a bootstrap list (fresh or resumed), for any bootstrap address to "
-        "answer "
-        "(retried with backoff; counted together with the wait for expected_peers), then "
+        "answer (retried with backoff; counted together with the wait for expected_peers), then "
         "for a donor to send its state (busy or failing donors retried). Either running out "
         "is a one-line error naming what was tried and a non-zero exit.",
     )

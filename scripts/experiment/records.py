@@ -71,7 +71,8 @@ class PeerResult(_Open):
     )
     neighbours: dict[str, dict[str, int]] = Field(
         default_factory=dict,
-        description="Local mode: bytes per neighbour, ``{id: {sent, received}}``.",
+        description="Bytes per neighbour, ``{id: {sent, received}}``: the peer's final counts "
+        "(its summary.json), else the last scrape of its metrics (local mode).",
     )
 
 
