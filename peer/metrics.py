@@ -26,7 +26,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from gossipgrad.peer.metric_vocabulary import (
     COMPRESS_BUCKETS,
@@ -302,14 +302,10 @@ class PeerMetrics:
             out[f"{prefix}_bytes"] = 0
             if prefix != "dense":
                 out.update((f"{prefix}_{kind}_bytes", 0) for kind in MESSAGE_KINDS)
-            for metric in counter.collect():
-                for sample in metric.samples:
-                    if not sample.name.endswith("_total"):
-                        continue
-                    value = int(sample.value)
-                    out[f"{prefix}_bytes"] += value
-                    if kind := sample.labels.get("kind"):
-                        out[f"{prefix}_{kind}_bytes"] += value
+            for labels, value in _counts(counter):
+                out[f"{prefix}_bytes"] += value
+                if kind := labels.get("kind"):
+                    out[f"{prefix}_{kind}_bytes"] += value
         return out
 
     def bytes_by_neighbour(self) -> dict[str, dict[str, int]]:
@@ -318,13 +314,10 @@ class PeerMetrics:
         departed neighbours are summed under :data:`DEPARTED`."""
         out: dict[str, dict[str, int]] = {}
         for direction, counter in (("sent", self.sent_bytes), ("received", self.received_bytes)):
-            for metric in counter.collect():
-                for sample in metric.samples:
-                    neighbour = sample.labels.get("neighbor")
-                    if not sample.name.endswith("_total") or neighbour in (None, UNATTRIBUTED):
-                        continue
-                    entry = out.setdefault(neighbour, {"sent": 0, "received": 0})
-                    entry[direction] += int(sample.value)
+            for labels, value in _counts(counter):
+                neighbour = labels["neighbor"]
+                if neighbour != UNATTRIBUTED:
+                    out.setdefault(neighbour, {"sent": 0, "received": 0})[direction] += value
         return out
 
     # --- failures ----------------------------------------------------------------------------
@@ -447,6 +440,14 @@ class PeerMetrics:
         server.server_close()
         if thread is not None:
             thread.join(timeout=5)
+
+
+def _counts(counter: Counter) -> Iterator[tuple[dict[str, str], int]]:
+    """Each child's (labels, count) of a labelled counter (its ``_total`` samples)."""
+    for metric in counter.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                yield sample.labels, int(sample.value)
 
 
 def _move(counter: Counter, labels: dict[str, str], to: dict[str, str]) -> None:
