@@ -19,6 +19,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import torch
@@ -95,6 +96,20 @@ class ChocoGossip(GossipAlgorithm):
     def edge(self, peer: str) -> Edge:
         """The edge with ``peer`` (made on first use)."""
         return self.edges.edge(peer)
+
+    @contextlib.contextmanager
+    def _table_edge(self, peer: str) -> Iterator[Edge]:
+        """The table's edge with ``peer``, its lock held. A view change may prune the edge
+        between the lookup and the lock; an update applied to the pruned object would be lost
+        to the table (and the leader, whose opening it acknowledged, would wait in that
+        session for good), so the lookup is made again until the edge locked is the table's.
+        Pruned after the check, the edge is recorded as it is once the lock is let go."""
+        while True:
+            edge = self.edge(peer)
+            with edge.lock:
+                if self.edges.get(peer) is edge:
+                    yield edge
+                    return
 
     def forget(self, peer: str) -> None:
         self.edges.restart(peer)
@@ -192,14 +207,18 @@ class ChocoGossip(GossipAlgorithm):
         self.nb.submit(self._send, peer, edge, *update)
         return "pushed"
 
+    def _edge_state(self, peer: str) -> str:
+        """The edge with ``peer`` in one line (for the log of a round that waited it out)."""
+        edge = self.edges.get(peer)
+        return "no edge" if edge is None else edge.describe()
+
     # ------------------------------------------------------------------ receiving
 
     def handle_update(self, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
         """Apply one incoming update to its edge's mirror (server thread)."""
         self.nb.check(header, self.kinds)
         if header.kind == pb.FINAL:
-            edge = self.edge(header.sender)
-            with edge.lock:
+            with self._table_edge(header.sender) as edge:
                 edge.note_final(header.edge_epoch, header.seq)
             self.nb.heard(header.sender)
             return pb.PushReply(status=pb.PushReply.ACCEPTED, detail="final")
@@ -216,8 +235,7 @@ class ChocoGossip(GossipAlgorithm):
             raise UpdateRejected(
                 grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"weight {update.weight}"
             )
-        edge = self.edge(header.sender)
-        with edge.lock:
+        with self._table_edge(header.sender) as edge:
             verdict = edge.admit(update)
             if verdict is None:
                 try:
@@ -314,7 +332,11 @@ class ChocoGossip(GossipAlgorithm):
                     rnd.pushed.add(p)
 
         waited = self.nb.wait(
-            rnd.unfinished, self.settings.round_timeout, f"round {self._round}", progress
+            rnd.unfinished,
+            self.settings.round_timeout,
+            f"round {self._round}",
+            progress,
+            describe=self._edge_state,
         )
         stats = RoundStats(
             round=self._round,

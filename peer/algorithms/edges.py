@@ -163,6 +163,16 @@ class Edge:
         """Nothing of this session exchanged yet beyond (at most) our opening."""
         return self.sent <= 1 and self.acked == 0 and self.received == 0
 
+    def describe(self) -> str:
+        """The edge's state in one line: its session and where each direction stands."""
+        return (
+            f"{'leader' if self.leader else 'follower'} session {self.epoch}, sent {self.sent} "
+            f"acked {self.acked} received {self.received} mixed {self.mixed}"
+            f"{', push in flight' if self.busy else ''}"
+            f"{', held' if self.held is not None else ''}"
+            f"{', asked for a session' if self.requested else ''}, restarts {self.restarts}"
+        )
+
     # ------------------------------------------------------------------ sending
 
     def can_send(self) -> bool:

@@ -264,6 +264,7 @@ class Neighbourhood:
         what: str,
         on_wake: Callable[[], None] | None = None,
         final: bool = False,
+        describe: Callable[[str], str] | None = None,
     ) -> float:
         """Block until ``missing()`` names no live, non-lagging peer, at most ``timeout``.
 
@@ -272,7 +273,9 @@ class Neighbourhood:
         deadline is not waited for again until it is heard from: a slow neighbour paces this
         peer, only a silent one is left behind. ``final``: the last wait of a run, which waits
         for lagging neighbours too (their exchange may be on its way, and the other end would
-        mix it) and marks none. Returns the seconds spent.
+        mix it) and marks none. ``describe(peer)``: what the warning of a missed deadline says
+        of the peer's exchange (its edge's state), so a stuck edge shows in the log. Returns the
+        seconds spent.
         """
         t0 = time.monotonic()
         deadline = t0 + timeout
@@ -291,7 +294,11 @@ class Neighbourhood:
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    log.warning("%s: nothing from %s in %.1fs", what, waiting, timeout)
+                    log.warning(
+                        "%s: nothing from %s in %.1fs%s",
+                        what, waiting, timeout,
+                        "".join(f"; {p}: {describe(p)}" for p in waiting) if describe else "",
+                    )  # fmt: skip
                     for p in () if final else waiting:
                         self._lagging[p] = self._heard.get(p, 0)
                     break
