@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import json
 import logging
 import math
@@ -58,6 +59,7 @@ from gossipgrad.peer.tasks.training import (
     task_context,
     write_json_atomic,
 )
+from hivemind.optim.grad_averager import GradientAverager
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +239,11 @@ def make_hivemind_optimizer(
     """hivemind's Optimizer around the task's optimizer: one global step per
     ``world x batch_size`` samples, gradients averaged (no local updates)."""
     mm = args.matchmaking_time
+    # Loopback-sized: a group is complete once every rank joined, and a join request waits for
+    # the leader's answer less than the matchmaking window (hivemind: a longer wait can
+    # deadlock matchmaking). hivemind.Optimizer forwards ``averager_opts`` to its state
+    # averager only; the gradient averager takes them through its factory.
+    group = {"target_group_size": args.world, "request_timeout": mm / 2}
     return hivemind.Optimizer(
         dht=dht,
         run_id=RUN_ID,
@@ -247,9 +254,9 @@ def make_hivemind_optimizer(
         matchmaking_time=mm,
         averaging_timeout=args.averaging_timeout,
         verbose=True,
-        # Loopback-sized: a group is complete once every rank joined, and progress is
-        # re-read often enough to follow steps of a few milliseconds.
-        averager_opts={"target_group_size": args.world, "request_timeout": mm / 2},
+        averager_opts=group,
+        grad_averager_factory=functools.partial(GradientAverager, **group),
+        # Progress is re-read often enough to follow steps of a few milliseconds.
         tracker_opts={"min_refresh_period": 0.05, "max_refresh_period": 0.5,
                       "default_refresh_period": 0.1},
     )  # fmt: skip
