@@ -243,7 +243,7 @@ def make_hivemind_optimizer(
     # the leader's answer less than the matchmaking window (hivemind: a longer wait can
     # deadlock matchmaking). hivemind.Optimizer forwards ``averager_opts`` to its state
     # averager only; the gradient averager takes them through its factory.
-    group = {"target_group_size": args.world, "request_timeout": mm / 2}
+    matchmaking = {"target_group_size": args.world, "request_timeout": mm / 2}
     return hivemind.Optimizer(
         dht=dht,
         run_id=RUN_ID,
@@ -254,8 +254,8 @@ def make_hivemind_optimizer(
         matchmaking_time=mm,
         averaging_timeout=args.averaging_timeout,
         verbose=True,
-        averager_opts=group,
-        grad_averager_factory=functools.partial(GradientAverager, **group),
+        averager_opts=matchmaking,
+        grad_averager_factory=functools.partial(GradientAverager, **matchmaking),
         # Progress is re-read often enough to follow steps of a few milliseconds.
         tracker_opts={"min_refresh_period": 0.05, "max_refresh_period": 0.5,
                       "default_refresh_period": 0.1},
