@@ -29,6 +29,12 @@ half of the CPUs (``taskset``; the halves swap from pair to pair, and the churn 
 warm before either swarm starts). Runs one after the other see the shared host's speed drift
 by more than the goodput margin between them; side by side both see the same host.
 
+With ``--accelerator-ms MS`` every training step also waits MS milliseconds with the CPU free
+(:mod:`gossipgrad.experiment.emulated_accelerator`), as a site's host does while its
+accelerator computes: the swarm is no longer CPU-bound, so churn's own CPU work (a new life's
+start, a donor serving its state, dense resyncs) stops slowing the peers it does not touch,
+and goodput measures what the protocol loses (waits, rewires, peers down).
+
     python scripts/bench_churn.py --peers 16 --every-rounds 10 --steps 300 --out runs/churn
 """
 
@@ -47,7 +53,9 @@ from pathlib import Path
 from gossipgrad.experiment.churn import ChurnDriver, ChurnTrace
 from gossipgrad.experiment.churn_figures import ChurnFigures, figures
 from gossipgrad.experiment.churn_schedule import ChurnSchedule
+from gossipgrad.experiment.emulated_accelerator import BASE_TASK_ENV, TASK_NAME, WAIT_ENV
 from gossipgrad.experiment.launch import LocalSwarm
+from gossipgrad.peer.tasks.registry import BUILTIN_TASKS
 
 BASE = {
     "train.task": "digits",
@@ -230,7 +238,24 @@ def build_parser() -> argparse.ArgumentParser:
         "of this process's CPUs (the halves swap from pair to pair): both see the host as it "
         "is at that time, so its drift between runs falls out of the goodput",
     )
+    p.add_argument(
+        "--accelerator-ms",
+        type=float,
+        default=0.0,
+        help="every training step also waits this many ms with the CPU free, as a site's "
+        "host does while its accelerator computes (gossipgrad.experiment.emulated_accelerator;"
+        " 0: off): churn's CPU work then no longer comes out of the other peers' steps",
+    )
     return p
+
+
+def emulate_accelerator(overrides: dict[str, str], ms: float) -> None:
+    """Make the peers train ``overrides``' task on an emulated accelerator taking ``ms`` per
+    step: the task becomes the emulated one and the environment, which every peer and spare
+    inherits, names the built-in task and the wait."""
+    os.environ[BASE_TASK_ENV] = overrides["train.task"]
+    os.environ[WAIT_ENV] = repr(ms)
+    overrides["train.task"] = TASK_NAME
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--pairs must be at least 1")
     if args.side_by_side and args.only_churn:
         parser.error("--side-by-side runs both swarms; it does not go with --only-churn")
+    if not args.accelerator_ms >= 0:
+        parser.error("--accelerator-ms must be >= 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.min_live is None:
         args.min_live = max(2, args.peers - 3)
@@ -255,6 +282,12 @@ def main(argv: list[str] | None = None) -> int:
         if not sep:
             raise SystemExit(f"--set takes KEY=VALUE, got {item!r}")
         overrides[key] = value
+    if args.accelerator_ms > 0:
+        if overrides["train.task"] not in BUILTIN_TASKS:
+            parser.error(
+                f"--accelerator-ms runs a built-in task, not train.task={overrides['train.task']!r}"
+            )
+        emulate_accelerator(overrides, args.accelerator_ms)
     args.out.mkdir(parents=True, exist_ok=True)
     pairs: list[tuple[ChurnFigures, ChurnFigures]] = []
     halves = cpu_halves() if args.side_by_side else None
@@ -287,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                 "pairs": [{"steady": asdict(s), "churn": asdict(c)} for s, c in pairs],
                 "config": overrides,
                 "side_by_side": args.side_by_side,
+                "accelerator_ms": args.accelerator_ms,
             }
         )
     )

@@ -144,6 +144,29 @@ def test_bench_churn_side_by_side_runs_both_swarms_at_once_on_swapped_cpus(
     assert m, proc.stdout[-2000:]
 
 
+@pytest.mark.timeout(600)
+def test_bench_churn_on_an_emulated_accelerator_waits_in_every_peer_step(tmp_path: Path) -> None:
+    """--accelerator-ms 100: the peers (and the spare) train the emulated task, so no peer
+    makes more than 10 steps a second (digits alone: well over 50 on this machine)."""
+    proc = subprocess.run(
+        [
+            sys.executable, str(SCRIPTS / "bench_churn.py"), "--peers", "3", "--min-live", "2",
+            "--every-rounds", "20", "--steps", "150", "--timeout", "250", "--spares", "1",
+            "--accelerator-ms", "100", "--out", str(tmp_path),
+        ],
+        capture_output=True, text=True, timeout=550, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "churn.json").read_text())
+    assert result["accelerator_ms"] == 100
+    assert result["config"]["train.task"] == "gossipgrad.experiment.emulated_accelerator:task"
+    steady, churn = result["steady"], result["churn"]
+    assert churn["events"] >= 2
+    assert 0 < steady["per_peer_rate"] <= 10 and 0 < churn["per_peer_rate"] <= 10
+    log = (tmp_path / "steady" / "peer0.log").read_text()
+    assert "digits, 100 ms per step on an emulated accelerator" in log
+
+
 @pytest.mark.timeout(300)
 def test_bench_leave_measures_the_cpu_of_both_ways_to_exit() -> None:
     """One peer SIGTERMed each way: the fast exit and the interpreter's teardown."""

@@ -1,0 +1,64 @@
+"""The emulated-accelerator task (``gossipgrad.experiment.emulated_accelerator``): the same loss
+as the built-in task it wraps, a wait per step, and clear errors for bad settings."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from gossipgrad.experiment.emulated_accelerator import BASE_TASK_ENV, TASK_NAME, WAIT_ENV
+from gossipgrad.peer.tasks import build_task
+from gossipgrad.peer.tasks.base import TaskContext
+from support import ROOT
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_the_emulated_task_is_the_built_in_one_with_a_wait_per_loss(monkeypatch) -> None:
+    monkeypatch.setenv(BASE_TASK_ENV, "digits")
+    monkeypatch.setenv(WAIT_ENV, "60")
+    ctx = TaskContext(num_peers=2, peer_index=1, seed=3, batch_size=16)
+    emulated, plain = build_task(TASK_NAME, ctx), build_task("digits", ctx)
+    assert "60 ms per step" in emulated.name
+    # Same seeded model, shard and batches: the same loss, computed once per call.
+    batch = next(emulated.batches())
+    assert torch.equal(batch[0], next(plain.batches())[0])
+    t0 = time.monotonic()
+    loss = emulated.loss(emulated.model, batch)
+    waited = time.monotonic() - t0
+    assert torch.equal(loss, plain.loss(plain.model, batch))
+    assert waited >= 0.06
+    assert emulated.evaluate(emulated.model) == plain.evaluate(plain.model)
+    assert (emulated.metric, emulated.num_train_samples) == (plain.metric, plain.num_train_samples)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({WAIT_ENV: "fast"}, "GOSSIPGRAD_ACCELERATOR_MS must be milliseconds"),
+        ({WAIT_ENV: "-5"}, "GOSSIPGRAD_ACCELERATOR_MS must be >= 0"),
+        ({WAIT_ENV: "nan"}, "GOSSIPGRAD_ACCELERATOR_MS must be >= 0"),
+        ({BASE_TASK_ENV: "mnist"}, "GOSSIPGRAD_EMULATED_TASK='mnist' is not a built-in task"),
+    ],
+)
+def test_bad_settings_are_named_in_the_error(monkeypatch, env, message) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=message):
+        build_task(TASK_NAME, TaskContext())
+
+
+def test_bench_churn_refuses_an_emulated_accelerator_under_a_user_task(tmp_path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable, str(ROOT / "scripts" / "bench_churn.py"), "--accelerator-ms", "50",
+            "--set", "train.task=mypkg.tasks:make", "--out", str(tmp_path),
+        ],
+        capture_output=True, text=True, timeout=100, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "--accelerator-ms runs a built-in task, not train.task='mypkg.tasks:make'" in proc.stderr
+    assert not (tmp_path / "churn.json").exists()
