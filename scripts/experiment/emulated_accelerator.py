@@ -1,4 +1,4 @@
-"""A built-in task whose every training step also waits, as a host waits on its accelerator.
+"""A built-in task made to wait in every training step, as a host waits on its accelerator.
 
 The peers of a local swarm share this host's CPUs, so whatever one peer does besides training
 (a new life's start-up, serving its state to a joiner, a dense resync) comes out of every

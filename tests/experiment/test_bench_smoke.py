@@ -146,8 +146,8 @@ def test_bench_churn_side_by_side_runs_both_swarms_at_once_on_swapped_cpus(
 
 @pytest.mark.timeout(600)
 def test_bench_churn_on_an_emulated_accelerator_waits_in_every_peer_step(tmp_path: Path) -> None:
-    """--accelerator-ms 100: the peers (and the spare) train the emulated task, so no peer
-    makes more than 10 steps a second (digits alone: well over 50 on this machine)."""
+    """--accelerator-ms 100: the peers train the emulated task, so no peer makes more than 10
+    steps a second (digits alone: well over 50 on this machine)."""
     proc = subprocess.run(
         [
             sys.executable, str(SCRIPTS / "bench_churn.py"), "--peers", "3", "--min-live", "2",
