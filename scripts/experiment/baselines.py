@@ -11,6 +11,7 @@ collects what they measured into one summary per baseline.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -175,8 +176,17 @@ class BaselineRun:
                 out.append({"id": f"rank{r}", "state": "starting"})
         return out
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL, every rank still running; close the logs."""
+    def stop(self, timeout: float = 10.0, teardown: float = 30.0) -> None:
+        """SIGTERM, then SIGKILL, every rank still running; close the logs.
+
+        A rank that wrote its result first gets ``teardown`` seconds to exit on its own: it
+        may be ending processes of its own (a hivemind rank's DHT and averagers), and a rank
+        signalled or killed meanwhile would leave them to whoever adopts orphans."""
+        deadline = time.monotonic() + teardown
+        for r, p in enumerate(self.procs):
+            if self._finished(r):
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

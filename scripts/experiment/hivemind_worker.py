@@ -194,16 +194,18 @@ def reap() -> None:
             pass
 
 
-def end_children(grace: float = 3.0) -> None:
+def end_children(grace: float = 3.0, kill_wait: float = 20.0) -> None:
     """SIGTERM, then SIGKILL, the rest of this rank's process group: hivemind's DHT and
     averager processes and their p2p daemons, which would outlive the rank otherwise; then
     reap them, so none is left even as a zombie. By group, not by parent, so that a daemon
-    whose parent died first is not missed."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    whose parent died first is not missed. ``grace`` bounds the wait after SIGTERM;
+    ``kill_wait`` the one after SIGKILL, which no process can refuse but a loaded host can
+    take seconds to carry out (a rank that exits first leaves the dying to the orphan reaper)."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, kill_wait)):
         for pid in group_members():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-        deadline = time.monotonic() + grace
+        deadline = time.monotonic() + wait
         while group_members() and time.monotonic() < deadline:
             reap()
             time.sleep(0.05)

@@ -16,6 +16,7 @@ minutes of wall-clock (the timeouts allow for that).
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -282,3 +283,32 @@ def test_int8_pseudo_gradients_stay_close_to_fp32(diloco_run: tuple[Path, dict[s
     assert (int8 - fp32).norm() / moved < 0.02
     accuracy = [report["baselines"][n]["final"]["accuracy"] for n in DILOCO]
     assert abs(accuracy[0] - accuracy[1]) <= 0.03
+
+
+TEARING_DOWN_RANK = """
+import json, signal, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+signal.signal(signal.SIGTERM, lambda *_: ((out / "sigterm").write_text("x"), sys.exit(143)))
+(out / "rank0.json").write_text(json.dumps({"final": {}}))
+time.sleep(1.5)  # ending processes of its own, as a hivemind rank does after its result
+"""
+
+
+@pytest.mark.timeout(60)
+def test_stop_lets_a_rank_that_wrote_its_result_end_on_its_own(tmp_path: Path) -> None:
+    """A rank tearing down after its result is not signalled (a hivemind rank SIGTERMed or
+    killed then left its DHT or averager processes to the orphan reaper); one that has not
+    written its result is SIGTERMed at once."""
+    run = BaselineRun("ddp", 2, TrainSection(), tmp_path, RankPlacement())
+    tearing = subprocess.Popen([sys.executable, "-c", TEARING_DOWN_RANK, str(tmp_path)])
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    run.procs += [tearing, running]
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "rank0.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    run.stop(timeout=5.0)
+    assert tearing.returncode == 0 and not (tmp_path / "sigterm").exists()
+    assert running.returncode == -signal.SIGTERM
+    assert time.monotonic() - t0 < 20
