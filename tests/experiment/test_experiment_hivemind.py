@@ -83,9 +83,11 @@ def test_hivemind_baseline_end_to_end(tmp_path: Path) -> None:
     # Bytes from the p2p daemons' sockets: what one rank sends, the other receives, up to
     # the sampling (`ss` every second; each rank reads its last sample at its own moment, and
     # a connection's bytes after its last sample are not seen): 5.4% apart in one loaded CI
-    # run.
+    # run, 13% in another, where rank 0 waited out its last averaging round (10 s of DHT and
+    # averager traffic) after rank 1 had taken its last sample. A wrong socket or a double
+    # count is off by far more.
     r0, r1 = hm.ranks
     assert r0 is not None and r1 is not None
     assert (r0.sent_bytes or 0) > 0
-    assert r0.sent_bytes == pytest.approx(r1.received_bytes, rel=0.10)
+    assert r0.sent_bytes == pytest.approx(r1.received_bytes, rel=0.25)
     assert (hm.mean_sent_bytes or 0) > 0
