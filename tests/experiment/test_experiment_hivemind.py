@@ -67,9 +67,9 @@ def test_hivemind_baseline_end_to_end(tmp_path: Path) -> None:
     extra = hm.model_extra or {}  # hivemind's own figures: not declared, kept as they came
     assert hm.ok and len(hm.ranks) == 2 and hm.steps == 30
     assert hm.metric == "accuracy" and hm.higher_is_better
-    # 30 steps of hivemind's asynchronous averaging learn the 10 digits to 0.5-0.7 here:
-    # three times chance says it learned, without betting on how far it got.
-    assert (hm.final or {})["accuracy"] > 0.3 and (hm.wall_seconds or 0) > 0
+    # 30 steps of hivemind's asynchronous averaging learn the 10 digits to 0.27-0.7 (0.27, 0.41
+    # and 0.53 in three CI runs): twice chance says it learned, without betting on how far.
+    assert (hm.final or {})["accuracy"] > 0.2 and (hm.wall_seconds or 0) > 0
     # Global steps are hivemind epochs: each took at least one batch from every rank, and
     # most of them averaged gradients across both ranks.
     assert all(b >= 30 for b in extra["local_batches"])
