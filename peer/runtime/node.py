@@ -178,7 +178,10 @@ class Peer:
         self.neighbourhood: Neighbourhood | None = None
         self.algorithm: GossipAlgorithm | None = None
         self.buffer_average: BufferAverage | None = None
+        # Incarnations of the peers seen, and the lock over them: the membership-change
+        # handler runs on server, push and membership threads at once.
         self._incarnations: dict[str, int] = {}
+        self._membership_lock = threading.RLock()
         self.joining: StateDownload | None = None
         self._started = False
 
@@ -362,6 +365,13 @@ class Peer:
     # ------------------------------------------------------------------ membership events
 
     def _on_membership_change(self) -> None:
+        """Bring the algorithm, metrics and clients in line with the peer table. Called on
+        server, push and membership threads alike: one runs it at a time, so two threads
+        that see one peer leave drop it once (not a KeyError in the second)."""
+        with self._membership_lock:
+            self._apply_membership()
+
+    def _apply_membership(self) -> None:
         m = self.membership
         counts = m.counts()
         self.metrics.set_peers(
