@@ -60,6 +60,7 @@ class Daemon:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.stop_requested = threading.Event()
         self.status: dict[str, Any] = {}
+        self.stopped = False  # the stop decided (a site's ranks decide it together)
         self._last_status = 0.0  # when status.json was last rewritten (monotonic seconds)
 
     def _install_signal_handlers(self) -> None:
@@ -247,7 +248,7 @@ class Daemon:
         self._write_status(state="training")
         clock = TrainClock()
         loss_value, evals = self._train_steps(task, model, gopt, scheduler, local, batches, clock)
-        if not self.stop_requested.is_set():
+        if not self._stopping(gopt):
             gopt.finish()
         before_rounds = self._final_rounds(task, model, gopt, clock)
         final_seconds = clock.seconds()
@@ -267,7 +268,7 @@ class Daemon:
             "task": self.cfg.train.task,
             "steps": gopt.local_step,
             "rounds": gopt.round,
-            "stopped_early": self.stop_requested.is_set(),
+            "stopped_early": self.stopped,
             "final": final,
             "final_seconds": final_seconds,
             "final_before_final_rounds": before_rounds,
@@ -294,9 +295,16 @@ class Daemon:
         t = self.cfg.train
         loss_value = math.nan
         evals: list[dict[str, float]] = []
-        while gopt.local_step < t.steps and not self.stop_requested.is_set():
+        stop = self._stopping(gopt)
+        while gopt.local_step < t.steps and not stop:
             before = gopt.local_step
             loss_value = self._step(task, model, gopt, scheduler, local, next(batches))
+            stop, finite = self._verdict(gopt, math.isfinite(loss_value))
+            if not finite:
+                loss_text = (
+                    "not finite on another rank" if math.isfinite(loss_value) else loss_value
+                )
+                raise FloatingPointError(f"loss is {loss_text} at step {gopt.local_step}")
             step = gopt.local_step
             if step == before:
                 continue  # an fp16 step that overflowed: skipped, the scaler backs off
@@ -318,8 +326,9 @@ class Daemon:
     def _step(
         self, task, model, gopt: GossipOptimizer, scheduler, local: LocalStep, batch: Any
     ) -> float:
-        """One local step on ``batch``; its loss (a non-finite loss raises; an fp16 step whose
-        gradients overflow is skipped, as torch's loss scaler does, and nothing is sent)."""
+        """One local step on ``batch``; its loss (an fp16 step whose gradients overflow is
+        skipped, as torch's loss scaler does, and nothing is sent). The caller decides what a
+        non-finite loss means (``_verdict``: in a site, all ranks at once)."""
         gopt.zero_grad()
         loss, ok = local.backward(task, model, batch, gopt.optimizer)
         if ok:
@@ -327,9 +336,7 @@ class Daemon:
             scheduler.step()
         local.done()
         loss_value = float(loss.detach())
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"loss is {loss_value} at step {gopt.local_step}")
-        if ok:
+        if ok and math.isfinite(loss_value):
             gopt.metrics.record_step(loss_value, self.cfg.train.batch_size)
         return loss_value
 
@@ -337,18 +344,32 @@ class Daemon:
         self, task, model, gopt: GossipOptimizer, clock: TrainClock
     ) -> dict[str, float] | None:
         """``gossip.final_rounds`` gossip-only rounds; the evaluation before them (or None)."""
-        if not self.cfg.gossip.final_rounds or self.stop_requested.is_set():
+        if not self.cfg.gossip.final_rounds or self._stopping(gopt):
             return None
         with clock.paused():
             before_rounds = task.evaluate(model)
         for _ in range(self.cfg.gossip.final_rounds):
-            if self.stop_requested.is_set():
+            if self._stopping(gopt):
                 break
             gopt.gossip_round()
             gopt.peer.update_progress(gopt.local_step, gopt.round)
             if self._status_due():
                 self._write_status(state="final-rounds", **self._traffic(gopt), **_consensus(gopt))
         return before_rounds
+
+    def _verdict(self, gopt: GossipOptimizer, finite: bool = True) -> tuple[bool, bool]:
+        """(stop, loss finite) after a step: this process's own view, or in a site the view
+        all ranks share (``SiteOptimizer.agree``, a collective: every rank calls it at the same
+        points), so no rank leaves the loop while another waits in its next collective."""
+        stop = self.stop_requested.is_set()
+        if isinstance(gopt, SiteOptimizer):
+            stop, finite = gopt.agree(stop, finite)
+        self.stopped = self.stopped or stop
+        return stop, finite
+
+    def _stopping(self, gopt: GossipOptimizer) -> bool:
+        """Whether to stop now (see ``_verdict``; a collective in a site)."""
+        return self._verdict(gopt)[0]
 
     def _status_due(self) -> bool:
         """True at most every ``STATUS_EVERY_S`` seconds (status.json is rewritten then)."""

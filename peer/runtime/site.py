@@ -271,6 +271,21 @@ class SiteOptimizer:
                 error = err
         return share_outcome(error, result, what, self.flat.device)
 
+    def agree(self, stop: bool, finite: bool) -> tuple[bool, bool]:
+        """Collective, once per local step: (stop, loss finite) for the whole site.
+
+        Each rank reports its own view (a signal reaches the ranks at different moments; a
+        shard's loss can turn non-finite on one rank first); the site stops when any rank
+        was asked to, and fails when any rank's loss is not finite. One all-reduce of two
+        flags hands every rank that one decision, so no rank leaves the loop while another
+        waits for it in the next collective (NCCL would hang until its timeout).
+        """
+        flags = torch.tensor(
+            [int(stop), int(not finite)], dtype=torch.int32, device=self.flat.device
+        )
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0].item()), not bool(flags[1].item())
+
     def gossip_round(self) -> None:
         """One gossip-only round across sites: the leader gossips, every rank takes x."""
         self._on_leader("a gossip round", lambda: self.gopt.gossip_round())

@@ -89,3 +89,17 @@ def make_diverging_task(ctx: TaskContext) -> Task:
         eval_fn=classification_eval(test_x, test_y),
         name="diverging",
     )
+
+
+def make_shard_diverging_task(ctx: TaskContext) -> Task:
+    """The tiny task, except that the loss of shard 1 alone turns NaN at its step 15 (one
+    rank of a two-rank site: the other's loss is finite at that step)."""
+    x, y = _data(400, seed=1)
+    test_x, test_y = _data(200, seed=2)
+    return Task.from_parts(
+        ctx,
+        model=DivergesAfter(15 if ctx.peer_index == 1 else 10**9),
+        train_dataset=(x, y),
+        eval_fn=classification_eval(test_x, test_y),
+        name="shard-diverging",
+    )
