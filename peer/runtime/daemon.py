@@ -3,13 +3,17 @@
 Writes into ``peer.run_dir``:
   status.json      progress, rewritten atomically every few steps (read by gossipgrad-swarm
                    and the experiment runner)
-  checkpoint.pt    every ``checkpoint.every`` steps and at exit (atomic)
+  checkpoint.pt    every ``checkpoint.every`` steps and at exit (atomic; never with a NaN or
+                   infinity anywhere in it); beside the state it holds how many batches were
+                   drawn and the random generators' state, so a resumed peer goes on with
+                   the batch and the random draws an uninterrupted run would take next
   summary.json     final evaluation, steps, bytes, wall-clock seconds; ``evals`` (every
                    ``train.eval_every`` steps) and ``final_seconds`` carry ``seconds``: training
                    time since the loop started, evaluation time excluded (comparable with the
                    DDP baselines' clock)
   params.pt        the final flat parameter vector (true consensus distance across peers)
   buffers.pt       the model's final buffers by name (models with BatchNorm and the like)
+                   (both written atomically, as the checkpoint is)
 SIGTERM or SIGINT finishes the current step, checkpoints and leaves the swarm cleanly.
 
 Under torchrun with more than one rank, the job is one site (peer/runtime/site.py): ranks all-reduce
@@ -61,6 +65,8 @@ class Daemon:
         self.stop_requested = threading.Event()
         self.status: dict[str, Any] = {}
         self.stopped = False  # the stop decided (a site's ranks decide it together)
+        self.batches_drawn = 0  # of the task's batch order: where a resumed peer goes on
+        self._resume_rng: dict[str, Any] | None = None  # restored when training starts
         self._last_status = 0.0  # when status.json was last rewritten (monotonic seconds)
 
     def _install_signal_handlers(self) -> None:
@@ -75,13 +81,21 @@ class Daemon:
         signal.signal(signal.SIGINT, on_signal)
 
     def _save_checkpoint(self, gopt: GossipOptimizer) -> bool:
-        if not bool(torch.isfinite(gopt.flat.data).all()):
-            # Never overwrite the last good checkpoint with a diverged model: a restart would
-            # resume NaN and crash again.
-            log.error("parameters are not finite: checkpoint not written (the last one stays)")
+        state = gopt.state_dict()
+        bad = checkpoint.nonfinite(state)
+        if bad:
+            # Never overwrite the last good checkpoint with a diverged state (parameters,
+            # optimizer moments, the algorithm's anchor or residual): a restart would resume
+            # it and crash again, or train on with a poisoned optimizer.
+            log.error(
+                "state not finite at %s: checkpoint not written (the last one stays)",
+                ", ".join(bad[:4]),
+            )
             return False
+        state["data"] = {"batches": self.batches_drawn}
+        state["rng"] = checkpoint.rng_state()
         try:
-            checkpoint.save_atomic(self.run_dir / "checkpoint.pt", gopt.state_dict())
+            checkpoint.save_atomic(self.run_dir / "checkpoint.pt", state)
             return True
         except OSError as err:
             log.error("checkpoint failed, training goes on: %s", err)
@@ -186,11 +200,14 @@ class Daemon:
         """
         cfg, peer = self.cfg, gopt.peer
         resumed = False
+        checkpoint.remove_stale_temps(self.run_dir)
         if cfg.checkpoint.resume:
             state = checkpoint.load(self.run_dir / "checkpoint.pt", map_location=device)
             if state is not None:
                 gopt.load_state_dict(state)
                 resumed = True
+                self.batches_drawn = int(state.get("data", {}).get("batches", gopt.local_step))
+                self._resume_rng = state.get("rng")
                 log.info("resumed from checkpoint at step %d", gopt.local_step)
                 self._write_status(step=gopt.local_step)  # not 0 while it finds the swarm
         started = time.monotonic()
@@ -243,7 +260,9 @@ class Daemon:
         self, task, model, gopt: GossipOptimizer, scheduler, local: LocalStep
     ) -> dict[str, Any]:
         """The training steps, ``finish()``, the final gossip rounds; returns the summary."""
-        batches = task.batches()
+        batches = task.batches(start=self.batches_drawn)
+        if self._resume_rng is not None:  # as late as can be: the draws of training go on
+            checkpoint.set_rng_state(self._resume_rng)
         self._last_status = 0.0
         self._write_status(state="training")
         clock = TrainClock()
@@ -257,10 +276,10 @@ class Daemon:
         stats = gopt.last_round
         traffic = self._traffic(gopt)
         try:
-            torch.save(gopt.flat.data.detach().cpu(), self.run_dir / "params.pt")
+            checkpoint.save_atomic(self.run_dir / "params.pt", gopt.flat.data.detach().cpu())
             buffers = {n: b.detach().cpu() for n, b in persistent_buffers(model)}
             if buffers:
-                torch.save(buffers, self.run_dir / "buffers.pt")
+                checkpoint.save_atomic(self.run_dir / "buffers.pt", buffers)
         except OSError as err:
             log.error("final parameters not written to params.pt / buffers.pt: %s", err)
         summary = {
@@ -298,7 +317,9 @@ class Daemon:
         stop = self._stopping(gopt)
         while gopt.local_step < t.steps and not stop:
             before = gopt.local_step
-            loss_value = self._step(task, model, gopt, scheduler, local, next(batches))
+            batch = next(batches)
+            self.batches_drawn += 1
+            loss_value = self._step(task, model, gopt, scheduler, local, batch)
             stop, finite = self._verdict(gopt, math.isfinite(loss_value))
             if not finite:
                 loss_text = (

@@ -7,6 +7,8 @@ user tasks (``"package.module:factory"``) look the same to it.
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -102,18 +104,24 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     return batch
 
 
-def index_batches(num_items: int, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
+def index_batches(
+    num_items: int, batch_size: int, seed: int, start: int = 0
+) -> Iterator[torch.Tensor]:
     """Infinite stream of index batches: a fresh permutation each epoch, wrapping across
-    epochs so every batch has exactly ``batch_size`` indices (even for tiny shards)."""
+    epochs so every batch has exactly ``batch_size`` indices (even for tiny shards); from
+    batch ``start`` of that stream on (the ones before are drawn, not yielded)."""
     if num_items < 1:
         raise ValueError("cannot draw batches from an empty shard")
     gen = torch.Generator().manual_seed(seed)
     buf = torch.empty(0, dtype=torch.int64)
+    drawn = 0
     while True:
         while len(buf) < batch_size:
             buf = torch.cat([buf, torch.randperm(num_items, generator=gen)])
         out, buf = buf[:batch_size], buf[batch_size:]
-        yield out
+        drawn += 1
+        if drawn > start:
+            yield out
 
 
 def cross_entropy_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -163,6 +171,9 @@ class Task:
     Args:
         model: the model (already on its device; every peer must build it identically).
         batches: called by ``batches()``; returns an infinite iterator of training batches.
+            If it takes a ``start`` argument, it begins at batch ``start`` of that order
+            (a resumed peer's next batch) without building the ones before; otherwise those
+            are drawn and dropped.
         loss_fn: ``loss_fn(model, batch)`` -> scalar tensor.
         eval_fn: ``eval_fn(model)`` -> metrics on held-out data; called under ``no_grad`` in
             eval mode. Keep it quick (it runs every few rounds on every peer).
@@ -199,9 +210,15 @@ class Task:
         self._optimizer = optimizer
         self.name = name
 
-    def batches(self) -> Iterator[Batch]:
-        """An infinite iterator of this peer's training batches (on the task's device)."""
-        return self._batches()
+    def batches(self, start: int = 0) -> Iterator[Batch]:
+        """An infinite iterator of this peer's training batches (on the task's device), from
+        batch ``start`` of its order on: a peer resumed after ``start`` batches goes on where
+        it stopped instead of training again on the batches it saw."""
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
+        if "start" in inspect.signature(self._batches).parameters:
+            return self._batches(start=start)
+        return itertools.islice(self._batches(), start, None)
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """Scalar training loss of ``model`` on ``batch``."""
@@ -332,8 +349,8 @@ def _batch_source(
 
     seed = ctx.stream_seed(1)
 
-    def batches() -> Iterator[Batch]:
-        for idx in index_batches(len(mine), ctx.batch_size, seed):
+    def batches(start: int = 0) -> Iterator[Batch]:
+        for idx in index_batches(len(mine), ctx.batch_size, seed, start):
             batch = fetch(idx)
             if batch_transform is not None:
                 batch = batch_transform(batch)

@@ -140,13 +140,16 @@ def _blocks(works: dict[str, bytes]) -> tuple[list[np.ndarray], list[np.ndarray]
 
 
 def _window_batches(
-    blocks: torch.Tensor, batch_size: int, context: int, seed: int
+    blocks: torch.Tensor, batch_size: int, context: int, seed: int, start: int = 0
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Infinite (inputs, targets) batches of windows inside blocks (num_blocks, BLOCK_CHARS)."""
+    """Infinite (inputs, targets) batches of windows inside blocks (num_blocks, BLOCK_CHARS),
+    from batch ``start`` on (the offsets of the ones before are drawn, not used)."""
     gen = torch.Generator().manual_seed(seed ^ 0x5EED)  # offsets; rows use ``seed``
     span = blocks.shape[1] - context
     offsets = torch.arange(context + 1)
-    for rows in index_batches(len(blocks), batch_size, seed):
+    for _ in range(start):
+        torch.randint(0, span, (batch_size, 1), generator=gen)
+    for rows in index_batches(len(blocks), batch_size, seed, start):
         starts = torch.randint(0, span, (batch_size, 1), generator=gen)
         windows = blocks[rows.unsqueeze(1), starts + offsets].long()
         yield windows[:, :-1], windows[:, 1:]
@@ -165,8 +168,8 @@ def shakespeare_task(ctx: TaskContext) -> Task:
     model = seeded_model(ctx, CharTransformer)
     seed = ctx.stream_seed(2)
 
-    def batches() -> Iterator[Batch]:
-        for batch in _window_batches(shard, ctx.batch_size, CONTEXT, seed):
+    def batches(start: int = 0) -> Iterator[Batch]:
+        for batch in _window_batches(shard, ctx.batch_size, CONTEXT, seed, start):
             yield to_device(batch, ctx.device)
 
     return Task(
