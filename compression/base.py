@@ -109,6 +109,19 @@ class Codec(abc.ABC):
         return engine.decode(self, data, device=device, max_numel=max_numel, out=out)
 
     @torch.no_grad()
+    def inspect(
+        self, data: bytes, *, max_numel: int | None = None
+    ) -> tuple[tuple[int, ...], torch.dtype]:
+        """Validate ``data`` exactly as ``decode`` does, without building the dense tensor, and
+        return its shape and dtype: a receiver can check a message on arrival and keep only
+        its bytes until it applies them (``decode_add_``).
+
+        Raises:
+            DecodeError: as ``decode``.
+        """
+        return engine.inspect(self, data, max_numel)
+
+    @torch.no_grad()
     def decode_add_(self, data: bytes, out: torch.Tensor, *, alpha: float = 1.0) -> torch.Tensor:
         """``out += alpha * decode(data)`` in place, and return ``out``.
 

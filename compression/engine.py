@@ -19,7 +19,7 @@ from gossipgrad.compression.finite import all_finite
 if TYPE_CHECKING:
     from gossipgrad.compression.base import Codec, Quantizer
 
-__all__ = ["CHUNK", "decode", "decode_add", "encode"]
+__all__ = ["CHUNK", "decode", "decode_add", "encode", "inspect"]
 
 #: Dense tensors are (de)quantized in chunks of this many elements: bounded temporaries, cache
 #: friendly, and a multiple of every block size and of 8 (so packed bits concatenate).
@@ -124,6 +124,16 @@ def decode_add(codec: Codec, data: bytes, out: torch.Tensor, *, alpha: float) ->
     if not out.is_contiguous():
         out.add_(target.view(out.shape))
     return out
+
+
+def inspect(
+    codec: Codec, data: bytes, max_numel: int | None
+) -> tuple[tuple[int, ...], torch.dtype]:
+    """Validate ``data`` as ``decode`` would, without building the dense tensor; returns the
+    payload's shape and dtype (see :meth:`.Codec.inspect`)."""
+    env = wire.parse_envelope(data, codec.spec, max_numel)
+    _read(codec, env, torch.device("cpu"))
+    return env.shape, env.dtype
 
 
 def _read(codec: Codec, env: wire.Envelope, dev: torch.device) -> tuple:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from gossipgrad.compression.base import Codec
+from gossipgrad.compression.engine import CHUNK
 from gossipgrad.compression.finite import all_finite
 from gossipgrad.compression.spec import from_spec
 
@@ -77,6 +78,48 @@ class ErrorFeedback:
             raise
         self.codec.decode_add_(data, e, alpha=-1.0)
         self._residuals[name] = e
+        return data
+
+    def compress_difference(
+        self, name: str, a: torch.Tensor, b: torch.Tensor, seed: int | None = None
+    ) -> bytes:
+        """``compress(name, a - b)`` without a tensor the size of ``a - b``.
+
+        The difference (DiLoCo's pseudo-gradient: anchor minus parameters) goes into the
+        residual one slice of ``CHUNK`` elements at a time, so a model-sized vector costs no
+        model-sized temporary and no extra pass.
+
+        Raises:
+            ValueError: shapes or devices differ, or ``a - b`` is not finite (the slices
+                already added are taken out again, up to float rounding).
+        """
+        if a.shape != b.shape or a.device != b.device or not a.is_floating_point():
+            raise ValueError(
+                f"{name!r}: cannot subtract {tuple(b.shape)} on {b.device} from "
+                f"{tuple(a.shape)} {a.dtype} on {a.device}"
+            )
+        e = self._residuals.get(name)
+        if e is None:
+            dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
+            e = self._residuals[name] = torch.zeros(a.shape, dtype=dtype, device=a.device)
+        elif e.shape != a.shape or e.device != a.device:
+            raise ValueError(
+                f"{name!r}: {tuple(a.shape)} on {a.device} does not match the residual "
+                f"{tuple(e.shape)} on {e.device}"
+            )
+        fa, fb, fe = a.reshape(-1), b.reshape(-1), e.view(-1)
+        scratch = torch.empty(min(CHUNK, fe.numel()), dtype=a.dtype, device=a.device)
+        for lo in range(0, fe.numel(), CHUNK):
+            hi = min(fe.numel(), lo + CHUNK)
+            d = torch.sub(fa[lo:hi], fb[lo:hi], out=scratch[: hi - lo])
+            if not all_finite(d):
+                for done in range(0, lo, CHUNK):
+                    end = min(fe.numel(), done + CHUNK)
+                    fe[done:end].sub_(fa[done:end]).add_(fb[done:end])
+                raise ValueError(f"{name!r}: the difference has NaN or infinite values")
+            fe[lo:hi].add_(d)
+        data = self.codec.encode(e, seed)
+        self.codec.decode_add_(data, e, alpha=-1.0)
         return data
 
     def residual(self, name: str) -> torch.Tensor:

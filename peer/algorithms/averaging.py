@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import grpc
 import torch
-from gossipgrad.compression import DecodeError, ErrorFeedback, from_spec
+from gossipgrad.compression import Codec, DecodeError, ErrorFeedback, from_spec
 from gossipgrad.peer.algorithms.neighbours import Neighbourhood
 from gossipgrad.peer.network.errors import UpdateRejected
 from gossipgrad.proto import gossip_pb2 as pb
@@ -53,6 +53,26 @@ class Ticket:
     ids: list[str]
     neighbors: list[str]
     payload_bytes: int
+
+
+@dataclass(frozen=True)
+class Average:
+    """Σ_k w_k decode(c_k), kept as the compressed messages and their weights.
+
+    Nothing model-sized holds it: ``add_to_`` decodes each message straight into its
+    destination (the anchor, a momentum buffer, a gradient), in the order given, which is the
+    same at every peer.
+    """
+
+    codec: Codec
+    terms: tuple[tuple[bytes, float], ...]
+
+    def add_to_(self, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        """``out += alpha · Σ_k w_k decode(c_k)`` in place; returns ``out``."""
+        for payload, w in self.terms:
+            if w:
+                self.codec.decode_add_(payload, out, alpha=alpha * w)
+        return out
 
 
 @dataclass
@@ -97,10 +117,12 @@ class CompressedAverage:
         self.nb = neighbourhood
         self.round_timeout = round_timeout
         self.metrics = metrics
-        self._like = like
-        self.mine = torch.zeros_like(like)  # decode(c) of the last exchange
-        self._avg = torch.zeros_like(like)
-        self._inbox: dict[str, deque[torch.Tensor]] = {}
+        self._like = torch.empty(0, dtype=like.dtype, device=like.device)
+        self.shape = tuple(like.shape)
+        self.numel = like.numel()
+        self._mine = b""  # c_i of the last exchange, as sent: the own term of the average
+        self._dense: torch.Tensor | None = None  # the dense average, for collect() only
+        self._inbox: dict[str, deque[bytes]] = {}
         self._last_seq: dict[str, int] = {}  # per sender, the exchange it sent last
         self._lock = threading.Lock()
         self.step = 0
@@ -112,8 +134,16 @@ class CompressedAverage:
     def residual(self) -> torch.Tensor:
         """e: what the codec has dropped so far and will send later (zeros without EF)."""
         if self.feedback is None or _NAME not in self.feedback.names():
-            return torch.zeros_like(self._like, dtype=torch.float32)
+            return torch.zeros(self.shape, dtype=torch.float32, device=self._like.device)
         return self.feedback.residual(_NAME)
+
+    @property
+    def mine(self) -> torch.Tensor:
+        """decode(c_i) of the last exchange, as a new dense tensor (zeros before the first)."""
+        out = torch.zeros(self.shape, dtype=self._like.dtype, device=self._like.device)
+        if self._mine:
+            self.codec.decode_add_(self._mine, out)
+        return out
 
     def state_dict(self, for_joiner: bool = False) -> dict:
         if for_joiner or self.feedback is None:
@@ -151,16 +181,32 @@ class CompressedAverage:
     # ------------------------------------------------------------------ sending
 
     def compress(self, v: torch.Tensor) -> bytes:
-        """Step 1: c = Q(e + v), keep what was dropped; ``self.mine`` = decode(c)."""
+        """Step 1: c = Q(e + v), keep what was dropped; c is the own term of the average."""
+        return self._compressed(
+            lambda seed: (
+                self.feedback.compress(_NAME, v, seed=seed)
+                if self.feedback is not None
+                else self.codec.encode(v, seed=seed)
+            )
+        )
+
+    def compress_difference(self, a: torch.Tensor, b: torch.Tensor) -> bytes:
+        """``compress(a − b)`` with no model-sized ``a − b`` where error feedback is on (the
+        difference goes into the residual a slice at a time)."""
+        return self._compressed(
+            lambda seed: (
+                self.feedback.compress_difference(_NAME, a, b, seed=seed)
+                if self.feedback is not None
+                else self.codec.encode(a - b, seed=seed)
+            )
+        )
+
+    def _compressed(self, encode) -> bytes:
         t0 = time.perf_counter()
-        if self.feedback is not None:
-            payload = self.feedback.compress(_NAME, v, seed=self.step + 1)
-        else:
-            payload = self.codec.encode(v, seed=self.step + 1)
-        self.codec.decode(payload, out=self.mine)
+        self._mine = encode(self.step + 1)
         if self.metrics is not None:
             self.metrics.observe_compress(time.perf_counter() - t0)
-        return payload
+        return self._mine
 
     def _send(self, peer: str, header: pb.UpdateHeader, payload: bytes) -> None:
         if not self.nb.view.is_alive(peer):
@@ -187,18 +233,18 @@ class CompressedAverage:
     def handle_update(self, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
         """Validate and queue one neighbour's vector (server thread)."""
         self.nb.check(header, (self.kind,))
-        like = self._like
+        v = bytes(payload)
         try:
-            v = self.codec.decode(bytes(payload), device=like.device, max_numel=like.numel())
+            shape, dtype = self.codec.inspect(v, max_numel=max(self.numel, 1))
         except DecodeError as err:
             raise UpdateRejected(
                 grpc.StatusCode.INVALID_ARGUMENT, "decode_error", str(err)
             ) from None
-        if v.shape != like.shape or v.dtype != like.dtype:
+        if shape != self.shape or dtype != self._like.dtype:
             raise UpdateRejected(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "malformed",
-                f"vector {list(v.shape)} {v.dtype} does not fit {like.numel()} values",
+                f"vector {list(shape)} {dtype} does not fit {self.numel} values",
             )
         with self._lock:
             if self._last_seq.get(header.sender) == header.seq:
@@ -217,7 +263,13 @@ class CompressedAverage:
     def start(self, v: torch.Tensor, round_: int) -> Ticket:
         """Steps 1-2 for vector ``v``: compress it and push it to this round's neighbours.
         ``round_`` picks the topology's round. ``collect`` the ticket before the next start."""
-        payload = self.compress(v)
+        return self._launch(self.compress(v), round_)
+
+    def start_difference(self, a: torch.Tensor, b: torch.Tensor, round_: int) -> Ticket:
+        """``start(a − b, round_)`` without a model-sized ``a − b`` (``compress_difference``)."""
+        return self._launch(self.compress_difference(a, b), round_)
+
+    def _launch(self, payload: bytes, round_: int) -> Ticket:
         ids = self.nb.ids()
         neighbors = self.nb.neighbors_at(round_, ids)
         self.send(payload, neighbors, round_)
@@ -225,18 +277,28 @@ class CompressedAverage:
         self.step += 1
         return ticket
 
-    def own_share(self, ticket: Ticket) -> torch.Tensor:
-        """This peer's part of the average of a started exchange, w_ii · decode(c_i) (a
-        buffer reused by the next call)."""
+    def own_share(self, ticket: Ticket) -> Average:
+        """This peer's part of the average of a started exchange, w_ii · decode(c_i)."""
         weights = self.nb.weights_at(ticket.round, ticket.ids)
         w_self = 1.0 - sum(weights.get(p, 0.0) for p in ticket.neighbors)
-        return self._avg.copy_(self.mine).mul_(w_self)
+        return Average(self.codec, ((self._mine, w_self),))
 
     def collect(
         self, ticket: Ticket, wait: bool = True, own: bool = True
     ) -> tuple[torch.Tensor, AverageStats]:
-        """Step 3: the neighbourhood's average (a buffer reused by the next call); without
-        ``wait``, over the vectors that have arrived (none is waited for or marked lagging).
+        """``collect_average`` as a dense tensor (a buffer reused by the next call): for
+        ef-gradient's gradients and the buffers' average, which need the vector itself."""
+        average, stats = self.collect_average(ticket, wait, own)
+        if self._dense is None:
+            self._dense = torch.empty(self.shape, dtype=self._like.dtype, device=self._like.device)
+        return average.add_to_(self._dense.zero_()), stats
+
+    def collect_average(
+        self, ticket: Ticket, wait: bool = True, own: bool = True
+    ) -> tuple[Average, AverageStats]:
+        """Step 3: the neighbourhood's average, as the messages and their weights (applied
+        where it is needed by ``Average.add_to_``); without ``wait``, over the vectors that
+        have arrived (none is waited for or marked lagging).
 
         The own vector averaged in is the last one ``start`` compressed, which need not be
         the ticket's (diloco's eager overlap mixes this phase's own vector with the
@@ -261,16 +323,12 @@ class CompressedAverage:
             }
         averaged = list(terms)
         if own:
-            terms[self.nb.me] = (self.mine, w_self)
+            terms[self.nb.me] = (self._mine, w_self)
         # One summation order (by peer id) at every peer: where the weights agree (a complete
         # graph), every peer computes the bit-identical average, and exact peers stay equal.
-        avg, total = self._avg.zero_(), 0.0
-        for peer in sorted(terms):
-            vec, w = terms[peer]
-            avg.add_(vec, alpha=w)
-            total += w
-        if own and total > 0:
-            avg.div_(total)
+        total = sum(w for _, w in terms.values()) if own else 1.0
+        scale = 1.0 / total if total > 0 else 0.0
+        avg = Average(self.codec, tuple((terms[p][0], terms[p][1] * scale) for p in sorted(terms)))
         stats = AverageStats(
             step=ticket.step,
             neighbors=neighbors,

@@ -26,17 +26,12 @@ import torch
 from gossipgrad.compression import Codec, DecodeError, from_spec
 from gossipgrad.peer.algorithms.base import GossipAlgorithm, RoundStats
 from gossipgrad.peer.algorithms.edges import Copies, Edge, EdgeTable, Incoming, Kind, Verdict
-from gossipgrad.peer.algorithms.mixing import (
-    Pair,
-    consensus_step,
-    neighbourhood_distance,
-    residual_norm,
-)
+from gossipgrad.peer.algorithms.mixing import Pair, consensus_step, residual_norm
 from gossipgrad.peer.algorithms.neighbours import Neighbourhood
 from gossipgrad.peer.algorithms.rounds import OpenRound
 from gossipgrad.peer.algorithms.settings import ChocoSettings
 from gossipgrad.peer.algorithms.wire_kinds import KINDS, REFUSED, STATUS, VERDICT, WIRE_KIND
-from gossipgrad.peer.flat import tensor_checksum
+from gossipgrad.peer.flat import SpilledTensor, tensor_checksum
 from gossipgrad.peer.network.errors import UpdateRejected
 from gossipgrad.proto import gossip_pb2 as pb
 
@@ -69,7 +64,7 @@ class ChocoGossip(GossipAlgorithm):
     def __init__(
         self,
         x: torch.Tensor,
-        initial: torch.Tensor,
+        initial: SpilledTensor,
         settings: ChocoSettings,
         neighbourhood: Neighbourhood,
         state_lock: threading.RLock,
@@ -85,7 +80,6 @@ class ChocoGossip(GossipAlgorithm):
         self.metrics = metrics
         self.edges = EdgeTable(x, neighbourhood.me)
         self._round = 0
-        self._direction = torch.zeros_like(x)
 
     @property
     def round(self) -> int:
@@ -284,10 +278,7 @@ class ChocoGossip(GossipAlgorithm):
                 due.append(edge)
             # Most calls (every wake of a round's wait) find nothing to mix: no pass over x.
             if pairs:
-                dist = neighbourhood_distance(self.x, pairs)
-                consensus_step(
-                    self.x, pairs, self.settings.gamma, self.settings.robust_clip, self._direction
-                )
+                dist = consensus_step(self.x, pairs, self.settings.gamma, self.settings.robust_clip)
             due = [(edge, edge.done_mixing()) for edge in due]
         for edge, held in due:
             if held is not None:

@@ -7,8 +7,8 @@ leaves the peer). At the end of phase r:
 1. Δ_i = s_i − θ_i, the phase's pseudo-gradient (s_i: θ_i at the phase's start, = a_i).
 2. Δ̄_i = the neighbourhood's Metropolis–Hastings average of error-feedback-compressed Δ's
    (peer/algorithms/averaging.py; SparseLoCo's error feedback on the pseudo-gradient).
-3. Outer step on the anchor, SGD with Nesterov momentum (peer/algorithms/outer.py):
-   m_i = μ m_i + Δ̄_i;  a_i −= η (Δ̄_i + μ m_i).
+3. Outer step on the anchor (peer/algorithms/outer.py): a_i −= η Δ̄_i, or with momentum μ > 0
+   SGD with (Nesterov) momentum: m_i = μ m_i + Δ̄_i;  a_i −= η (Δ̄_i + μ m_i).
 4. The anchors are kept together by a CHOCO round over them (compressed, public copies per
    edge, the sessions and agreed weights of peer/algorithms/edges.py): neighbourhood averages
    differ from peer to peer, and the anchors would otherwise drift apart.
@@ -63,14 +63,13 @@ class DiLoCo(GossipAlgorithm):
         state_lock: threading.RLock,
     ) -> None:
         self.flat = flat
-        self.anchor = anchor
+        self.anchor = anchor  # also s_i, θ at the phase's start: a phase starts on the anchor
         self.average = average
         self.anchors = anchors
         self.outer = outer
         self.state_lock = state_lock
-        self.momentum = torch.zeros_like(anchor)
-        self.start = flat.data.detach().clone()  # s: θ at the phase's start
-        self._delta = torch.zeros_like(anchor)
+        # Only an outer step with momentum has a buffer to keep.
+        self.momentum = torch.zeros_like(anchor) if outer.momentum > 0 else None
         self._phase = 0
         self._pending: Ticket | None = None
         self.last_exchange: AverageStats | None = None
@@ -90,22 +89,21 @@ class DiLoCo(GossipAlgorithm):
         docstring): this phase's own pseudo-gradient and the neighbours' of the phase
         before, whose exchange ran while this phase computed."""
         with torch.no_grad(), self.state_lock:
-            torch.sub(self.start, self.flat.data, out=self._delta)
-        ticket = self.average.start(self._delta, self._phase)
+            # Δ = a − θ goes straight into the error-feedback residual (no dense copy).
+            ticket = self.average.start_difference(self.anchor, self.flat.data, self._phase)
         if not overlap:
-            step, self.last_exchange = self.average.collect(ticket)
+            step, self.last_exchange = self.average.collect_average(ticket)
         else:
             previous, self._pending = self._pending, ticket
             if previous is None:  # the first phase: no neighbour's vector yet
                 step = self.average.own_share(ticket)
             else:
-                step, self.last_exchange = self.average.collect(previous)
+                step, self.last_exchange = self.average.collect_average(previous)
         with torch.no_grad(), self.state_lock:
             outer_step(self.anchor, step, self.momentum, self.outer)
         stats = self.anchors.step_round()
         with torch.no_grad(), self.state_lock:
             self.flat.data.copy_(self.anchor)
-            self.start.copy_(self.anchor)
         self._phase += 1
         return stats
 
@@ -122,7 +120,6 @@ class DiLoCo(GossipAlgorithm):
         stats = self.anchors.step_round()
         with torch.no_grad(), self.state_lock:
             self.flat.data.copy_(self.anchor)
-            self.start.copy_(self.anchor)
         return stats
 
     def finish(self) -> None:
@@ -130,23 +127,23 @@ class DiLoCo(GossipAlgorithm):
         so the parameters end on the anchor with every peer's progress averaged in."""
         if self._pending is not None:
             ticket, self._pending = self._pending, None
-            rest, self.last_exchange = self.average.collect(ticket, own=False)
+            rest, self.last_exchange = self.average.collect_average(ticket, own=False)
             with torch.no_grad(), self.state_lock:
-                self._delta.copy_(self.flat.data).sub_(self.start)  # since the phase began
+                progress = self.flat.data - self.anchor  # since the phase began (transient)
                 # The own share went into the last outer step: the rest is added as it is,
                 # without a momentum step of its own.
-                self.anchor.sub_(rest, alpha=self.outer.lr)
-                self.flat.data.copy_(self.anchor).add_(self._delta)
-                self.start.copy_(self.anchor)
+                rest.add_to_(self.anchor, alpha=-self.outer.lr)
             self.anchors.step_round()
+            with torch.no_grad(), self.state_lock:
+                self.flat.data.copy_(self.anchor).add_(progress)
+            del progress
         with torch.no_grad(), self.state_lock:
-            partial = not torch.equal(self.start, self.flat.data)
+            partial = not torch.equal(self.anchor, self.flat.data)
         if partial:
             self._outer_round(overlap=False)
         self.anchors.finish()  # the anchors' last exchange, mixed at both ends
         with torch.no_grad(), self.state_lock:
             self.flat.data.copy_(self.anchor)
-            self.start.copy_(self.anchor)
 
     def handle_update(self, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
         if header.kind == pb.GRADIENT:
@@ -155,20 +152,25 @@ class DiLoCo(GossipAlgorithm):
 
     def state_dict(self, for_joiner: bool = False) -> dict:
         with self.state_lock:
-            return {
+            state = {
                 "anchor": self.anchor.detach().clone(),
-                "momentum": self.momentum.detach().clone(),
-                "start": self.start.detach().clone(),
                 "phase": self._phase,
                 "average": self.average.state_dict(for_joiner),
                 "anchors": self.anchors.state_dict(for_joiner),
             }
+            if self.momentum is not None:
+                state["momentum"] = self.momentum.detach().clone()
+            return state
 
     def load_state_dict(self, state: dict) -> None:
         with torch.no_grad(), self.state_lock:
             self.anchor.copy_(state["anchor"])
-            self.momentum.copy_(state["momentum"])
-            self.start.copy_(state.get("start", state["anchor"]))
+            if self.momentum is not None:
+                momentum = state.get("momentum")
+                if momentum is None:
+                    self.momentum.zero_()
+                else:
+                    self.momentum.copy_(momentum)
             self._phase = int(state.get("phase", 0))
         self._pending = None
         self.average.load_state_dict(state.get("average", {}))

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 from gossipgrad.compression import Codec, DecodeError
-from gossipgrad.peer.flat import tensor_checksum
+from gossipgrad.peer.flat import SpilledTensor, tensor_checksum
 
 _last_epoch = 0
 _epoch_lock = threading.Lock()
@@ -75,11 +75,12 @@ class Kind(enum.Enum):
 @dataclass(frozen=True)
 class Copies:
     """How an edge's copies are coded: the codec of its increments, the dense one of its
-    resyncs, the shared initial value of its INIT openings, and error feedback on or off."""
+    resyncs, the shared initial value of its INIT openings (kept in a file: read only when an
+    edge opens), and error feedback on or off."""
 
     codec: Codec
     dense: Codec
-    initial: torch.Tensor
+    initial: SpilledTensor
     error_feedback: bool = True
 
 
@@ -204,7 +205,7 @@ class Edge:
         else a dense RESYNC of x), or q = Q(x − x̂) (error feedback off: Q(x − b), b being x at
         the previous send). Checksum and seq are the caller's to stamp."""
         if self.sent == 0 and self.restarts == 0 and early:
-            self.public.copy_(c.initial)
+            c.initial.copy_to(self.public)
             kind, payload = Kind.INIT, b""
         elif self.sent == 0:
             self.public.copy_(x)
@@ -222,7 +223,7 @@ class Edge:
         """Fold an admitted update into ``mirror`` and verify it (``finish``). Raises
         DecodeError for a payload that does not decode to this edge's shape."""
         if update.kind is Kind.INIT:
-            self.mirror.copy_(c.initial)
+            c.initial.copy_to(self.mirror)
         elif update.kind is Kind.RESYNC:
             dense = c.dense.decode(update.payload, max_numel=self.mirror.numel())
             if dense.shape != self.mirror.shape:

@@ -4,6 +4,11 @@ x_i += γ Σ_j w_ij (x̂_j − x̂_i)   (Koloskova, Stich, Jaggi, ICML 2019, Alg
 
 with optional self-centred clipping of each neighbour's pull (ClippedGossip, He, Karimireddy,
 Jaggi 2022): one neighbour moves x by at most γ·w·clip per round, whatever it sends.
+
+Every function here walks the model-sized vectors one slice of ``CHUNK`` elements at a time,
+with scratch of that size: a round allocates nothing model-sized, and the metrics (how far x
+is from its neighbourhood, what error feedback still has to send) come from the same slices
+the step reads anyway, while they are in cache, instead of from passes of their own.
 """
 
 from __future__ import annotations
@@ -13,6 +18,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+
+#: Elements per slice (4 MiB of fp32): small enough to stay in cache, large enough that the
+#: per-slice overhead of a torch call is noise.
+CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -24,52 +33,66 @@ class Pair:
     weight: float
 
 
-def clipped(diff: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """``diff`` scaled down in place to L2 norm ``max_norm`` if longer; a non-finite pull is
-    dropped entirely."""
-    norm = float(torch.linalg.vector_norm(diff))
+def _slices(n: int) -> Iterable[tuple[int, int]]:
+    for lo in range(0, n, CHUNK):
+        yield lo, min(n, lo + CHUNK)
+
+
+def _scratch(like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(min(CHUNK, like.numel()), dtype=like.dtype, device=like.device)
+
+
+def difference_norm(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a − b||, a slice at a time (no model-sized temporary)."""
+    d = _scratch(a)
+    total = 0.0
+    for lo, hi in _slices(a.numel()):
+        s = torch.sub(a[lo:hi], b[lo:hi], out=d[: hi - lo])
+        total += float(torch.dot(s, s))
+    return math.sqrt(total)
+
+
+def clip_scale(mirror: torch.Tensor, public: torch.Tensor, max_norm: float) -> float:
+    """The factor that brings the pull ``mirror − public`` to L2 norm ``max_norm`` if longer
+    (1 otherwise); a non-finite pull gets 0: it is dropped entirely."""
+    norm = difference_norm(mirror, public)
     if not math.isfinite(norm):
-        return diff.zero_()
-    if norm > max_norm:
-        diff.mul_(max_norm / norm)
-    return diff
+        return 0.0
+    return max_norm / norm if norm > max_norm else 1.0
 
 
 def consensus_step(
-    x: torch.Tensor,
-    pairs: Iterable[Pair],
-    gamma: float,
-    clip: float = 0.0,
-    direction: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Apply x += γ Σ w (mirror − public) in place; returns the direction Σ w (mirror − public).
+    x: torch.Tensor, pairs: Iterable[Pair], gamma: float, clip: float = 0.0
+) -> float:
+    """Apply x += γ Σ w (mirror − public) in place (pairs of weight <= 0 are skipped).
 
-    ``direction``: a preallocated buffer (zeroed here) so a round allocates nothing.
+    Returns ||Σ_j w_ij (x̂_j − x_i)||, how far x was from its neighbourhood's average before
+    the step (the consensus-distance metric), computed from the same slices. With ``clip``,
+    each neighbour's pull is scaled down to norm ``clip`` first (one more read of its copies).
     """
-    d = direction if direction is not None else torch.empty_like(x)
-    d.zero_()
-    for p in pairs:
-        if p.weight <= 0:
-            continue
-        if clip > 0:
-            d.add_(clipped(p.mirror - p.public, clip), alpha=p.weight)
-        else:
-            d.add_(p.mirror, alpha=p.weight).sub_(p.public, alpha=p.weight)
-    x.add_(d, alpha=gamma)
-    return d
-
-
-def neighbourhood_distance(x: torch.Tensor, pairs: Iterable[Pair]) -> float:
-    """||Σ_j w_ij (x̂_j − x_i)||: how far x_i is from its neighbourhood's average."""
-    acc = torch.zeros_like(x)
-    for p in pairs:
-        if p.weight > 0:
-            acc.add_(p.mirror - x, alpha=p.weight)
-    return float(torch.linalg.vector_norm(acc))
+    live = [p for p in pairs if p.weight > 0]
+    if not live:
+        return 0.0
+    scales = [clip_scale(p.mirror, p.public, clip) if clip > 0 else 1.0 for p in live]
+    total_w = sum(p.weight for p in live)
+    direction, toward = _scratch(x), _scratch(x)
+    dist2 = 0.0
+    for lo, hi in _slices(x.numel()):
+        d, m = direction[: hi - lo].zero_(), toward[: hi - lo].zero_()
+        xs = x[lo:hi]
+        for p, s in zip(live, scales, strict=True):
+            mirror = p.mirror[lo:hi]
+            m.add_(mirror, alpha=p.weight)
+            if s > 0:
+                d.add_(mirror, alpha=p.weight * s).sub_(p.public[lo:hi], alpha=p.weight * s)
+        m.sub_(xs, alpha=total_w)
+        dist2 += float(torch.dot(m, m))
+        xs.add_(d, alpha=gamma)
+    return math.sqrt(dist2)
 
 
 def residual_norm(x: torch.Tensor, publics: list[torch.Tensor]) -> float:
     """RMS over edges of ||x − x̂_{i->j}||: what error feedback still has to send."""
     if not publics:
         return 0.0
-    return (sum(float(torch.linalg.vector_norm(x - p)) ** 2 for p in publics) / len(publics)) ** 0.5
+    return (sum(difference_norm(x, p) ** 2 for p in publics) / len(publics)) ** 0.5

@@ -6,14 +6,23 @@ with lr 0.7 and Nesterov momentum 0.9; torch.optim.SGD(nesterov=True) computes t
     m = μ m + Δ;   a −= η (Δ + μ m)     (Nesterov)      a −= η m    (heavy ball)
 
 With η = 1 and μ = 0 it is a −= Δ: the anchor moves to the (averaged) inner result, i.e. plain
-periodic model averaging.
+periodic model averaging. Δ may be a dense tensor or an ``Average`` of compressed messages
+(peer/algorithms/averaging.py), which is decoded straight into the anchor and the momentum
+buffer: the step holds no dense copy of Δ.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+
+class PseudoGradient(Protocol):
+    """Anything that can add itself, scaled, into a tensor (``Average``)."""
+
+    def add_to_(self, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -28,14 +37,27 @@ class OuterSettings:
 
 
 def outer_step(
-    anchor: torch.Tensor, pseudo_grad: torch.Tensor, buf: torch.Tensor, s: OuterSettings
+    anchor: torch.Tensor,
+    pseudo_grad: torch.Tensor | PseudoGradient,
+    buf: torch.Tensor | None,
+    s: OuterSettings,
 ) -> None:
-    """One outer step in place on ``anchor`` with momentum buffer ``buf``."""
+    """One outer step in place on ``anchor`` with momentum buffer ``buf`` (None: μ = 0)."""
+
+    def add(out: torch.Tensor, alpha: float) -> None:
+        if isinstance(pseudo_grad, torch.Tensor):
+            out.add_(pseudo_grad, alpha=alpha)
+        else:
+            pseudo_grad.add_to_(out, alpha=alpha)
+
     if s.momentum == 0:
-        anchor.sub_(pseudo_grad, alpha=s.lr)
+        add(anchor, -s.lr)
         return
-    buf.mul_(s.momentum).add_(pseudo_grad)
+    if buf is None:
+        raise ValueError("an outer step with momentum needs its momentum buffer")
+    add(buf.mul_(s.momentum), 1.0)
     if s.nesterov:
-        anchor.sub_(pseudo_grad, alpha=s.lr).sub_(buf, alpha=s.lr * s.momentum)
+        add(anchor, -s.lr)
+        anchor.sub_(buf, alpha=s.lr * s.momentum)
     else:
         anchor.sub_(buf, alpha=s.lr)

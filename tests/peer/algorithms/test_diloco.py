@@ -183,7 +183,7 @@ def test_every_codec_keeps_anchors_together(codec: str, overlap: bool) -> None:
         finish_all(opts)  # concurrently, as a swarm's peers end their runs
         anchors_exact(opts)
         a, b = (o.algorithm.anchor for o in opts)
-        moved = float((a - opts[0].flat.initial).norm())
+        moved = float((a - opts[0].flat.initial.load()).norm())
         assert moved > 0
         assert float((a - b).norm()) < 0.5 * moved, (codec, float((a - b).norm()), moved)
         for o in opts:
@@ -212,7 +212,7 @@ def test_overlap_starts_each_phase_from_the_anchor_and_applies_every_vector_once
             for o in opts:
                 assert torch.equal(o.flat.data, o.algorithm.anchor)
         finish_all(opts)
-        moved = sum(opts[0].flat.initial - o.algorithm.anchor for o in opts)
+        moved = sum(opts[0].flat.initial.load() - o.algorithm.anchor for o in opts)
         assert torch.allclose(moved, total, atol=1e-5), float((moved - total).norm())
     finally:
         close(opts)
@@ -243,6 +243,7 @@ def test_checkpoint_resumes_outer_state_and_a_joiner_takes_no_residual() -> None
                 "metrics.enabled": False,
                 "gossip.algorithm": "diloco",
                 "gossip.codec": "topk:0.1+int8",
+                "gossip.outer_momentum": 0.9,
             },
         )
         with GossipOptimizer(model, torch.optim.SGD(model.parameters(), lr=1.0), cfg) as again:
@@ -261,7 +262,7 @@ def test_checkpoint_resumes_outer_state_and_a_joiner_takes_no_residual() -> None
 
 
 def test_late_joiner_downloads_the_anchor_over_grpc() -> None:
-    opts = start_diloco(2, topology="ring", codec="int8", local_steps=2)
+    opts = start_diloco(2, topology="ring", codec="int8", local_steps=2, outer_momentum=0.9)
     try:
         gen = torch.Generator().manual_seed(4)
         numel = opts[0].flat.numel
@@ -278,6 +279,7 @@ def test_late_joiner_downloads_the_anchor_over_grpc() -> None:
                 "metrics.enabled": False,
                 "membership.heartbeat_interval": 0.1,
                 "gossip.algorithm": "diloco",
+                "gossip.outer_momentum": 0.9,
             },
         )
         with GossipOptimizer(model, torch.optim.SGD(model.parameters(), lr=1.0), cfg) as joiner:
