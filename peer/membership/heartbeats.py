@@ -52,7 +52,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from gossipgrad.peer.membership.peers import DEAD, PeerTable
+from gossipgrad.peer.membership.peers import DEAD, MAX_PEERS, PeerTable
 from gossipgrad.proto import gossip_pb2 as pb
 
 if TYPE_CHECKING:
@@ -62,6 +62,13 @@ log = logging.getLogger(__name__)
 
 #: A peer whose address refused a call is probed every this many intervals (module docstring).
 GONE_PROBE_EVERY = 10
+#: Most entries a heartbeat's peer list may hold; a longer one is refused whole (the server
+#: counts it as ``too_large``).
+MAX_KNOWN = MAX_PEERS
+
+
+class PeerListTooLong(ValueError):
+    """A heartbeat whose peer list passes :data:`MAX_KNOWN` entries (refused whole)."""
 
 
 def death_agreed_within(cfg: MembershipSection, n: int) -> float:
@@ -132,12 +139,16 @@ class Membership(PeerTable):
     # ------------------------------------------------------------------ heartbeats
 
     def handle_heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
-        """Server side of Heartbeat: learn the sender and its view, answer with ours."""
-        self.observe(request.sender, direct=True)
-        for info in request.known:
-            self.observe(info, direct=False)
+        """Server side of Heartbeat: learn the sender and its view, answer with ours.
+
+        Raises PeerListTooLong, taking nothing from it, if its list passes ``MAX_KNOWN``."""
+        if len(request.known) > MAX_KNOWN:
+            raise PeerListTooLong(
+                f"peer list of {len(request.known)} entries exceeds the limit of {MAX_KNOWN}"
+            )
+        self.merge(own=[request.sender], hearsay=request.known)
         digest = self.view_digest()
-        known = [] if request.view_digest == digest else self.known_infos()
+        known = [] if request.view_digest == digest else self.known_infos()[:MAX_KNOWN]
         return pb.HeartbeatReply(responder=self.me, known=known, view_digest=digest)
 
     def _forget(self, peer_id: str) -> None:
@@ -173,7 +184,7 @@ class Membership(PeerTable):
         request = pb.HeartbeatRequest(
             swarm=self.swarm,
             sender=self.me,
-            known=[*self.known_infos(), *self.certificates()] if with_list else [],
+            known=self.peer_list() if with_list else [],
             view_digest=digest,
         )
         try:
@@ -187,9 +198,13 @@ class Membership(PeerTable):
             elif peer_id is not None:
                 self.unanswered(peer_id, sent_at)
             return None
-        self.observe(reply.responder, direct=True)
-        for info in reply.known:
-            self.observe(info, direct=False)
+        # Only the peer dialled at the address held for it speaks for itself; any other
+        # answer (someone else lives there now, a bootstrap address) is hearsay.
+        itself = peer_id is not None and reply.responder.id == peer_id
+        responder = [reply.responder]
+        self.merge(
+            own=responder if itself else (), hearsay=[*reply.known, *responder[: not itself]]
+        )
         with self._lock:
             # their digest, and ours as it stands after the merge (what it was compared to)
             self._their_digest[address] = (reply.view_digest, self.view_digest())
@@ -197,6 +212,11 @@ class Membership(PeerTable):
             self.unanswered(peer_id, sent_at)  # someone else lives at that address now
             return None
         return reply
+
+    def peer_list(self) -> list[pb.PeerInfo]:
+        """The peer list a heartbeat carries: self and the peers not dead, then the death
+        certificates, at most :data:`MAX_PEERS` (the receivers' cap) in all."""
+        return [*self.known_infos(), *self.certificates()][:MAX_PEERS]
 
     @property
     def heartbeat_timeout(self) -> float:
@@ -241,7 +261,7 @@ class Membership(PeerTable):
                 elif r.gone and not r.condemned:  # condemned: one heartbeat confirms the death
                     if gone_due and not r.info.leaving:
                         every.append(pid)
-                elif pid in near or r.unanswered_since is not None or r.condemned:
+                elif pid in near or r.unanswered_since is not None or r.condemned or r.recheck:
                     every.append(pid)
                 else:
                     far.add(pid)

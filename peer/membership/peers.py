@@ -9,14 +9,23 @@ for ``FORGET_DEAD_AFTER`` periods it is forgotten. Silence
 alone proves nothing here, because far peers are heartbeated only now and then
 (``heartbeats.py``): only a heartbeat that went unanswered starts the clock.
 
+What a peer says about itself and what others say about it are kept apart (``merge``). Its
+incarnation, address and departure are taken only from its own word: a heartbeat it sent
+(under mutual TLS the transport has matched the sender to its certificate) or its answer to
+a heartbeat sent to the address held here. Another peer's word (hearsay) can add a peer to
+probe, never kill it, move it or raise its incarnation, so one member, or one bug in one,
+cannot take others out of every table.
+
 A death travels as a certificate: the dead peer's PeerInfo with ``leaving`` set. A table that
-receives one for a peer it holds alive at that incarnation does not believe it at once; it
-marks the peer *condemned*, and the peer is dead here as soon as one of this table's own
-heartbeats to it goes unanswered (a live peer answers and the rumour is dropped), the
-"suspect, then confirm" rule of SWIM (Das, Gupta, Motivala, DSN 2002) with the confirmation
-made locally. A peer that restarts comes back with a higher incarnation number, which wins over
-anything said about its old self. The table holds no thread and sends nothing: the heartbeats
-feed it what they hear.
+receives one for a peer it holds alive does not believe it; it marks the peer *condemned*, and
+the peer is dead here as soon as one of this table's own heartbeats to it goes unanswered (a
+live peer answers and the rumour is dropped), the "suspect, then confirm" rule of SWIM (Das,
+Gupta, Motivala, DSN 2002) with the confirmation made locally. A restart heard second hand
+(another incarnation or address) is checked the same way: the peer is heartbeated at the
+address held here, and its own answer, or its silence, settles it; once its old life is dead
+or gone here, the new one is taken to probe. A restarted peer's own word wins over anything
+held about its old self, whether its new incarnation is higher or (a clock behind) lower.
+The table holds no thread and sends nothing: the heartbeats feed it what they hear.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,6 +48,9 @@ log = logging.getLogger(__name__)
 ALIVE, SUSPECT, DEAD = "alive", "suspect", "dead"
 #: A peer dead for this many ``dead_after`` periods is forgotten (no more probes).
 FORGET_DEAD_AFTER = 6
+#: Most peers a table holds: beyond it, peers heard of second hand are not added (a peer
+#: heard from directly always is). Also the cap on a heartbeat's peer list.
+MAX_PEERS = 4096
 
 
 @dataclass
@@ -56,6 +68,9 @@ class PeerRecord:
     #: A call found nothing listening at its address (its process is gone) and it has not
     #: answered since: calls to it go on channels closed after each (see ``gone_addresses``).
     gone: bool = False
+    #: Another peer said it lives at another incarnation or address: heartbeated once at the
+    #: address held here, whose answer (or silence) settles it.
+    recheck: bool = False
 
 
 class PeerTable:
@@ -153,60 +168,107 @@ class PeerTable:
     # ------------------------------------------------------------------ updates
 
     def observe(self, info: pb.PeerInfo, *, direct: bool) -> None:
-        """Merge what we heard about a peer (directly from it, or second hand).
+        """Merge what we heard about a peer: from the peer itself (``direct``) or second
+        hand (see :meth:`merge`)."""
+        if direct:
+            self.merge(own=[info])
+        else:
+            self.merge(hearsay=[info])
 
-        Second hand, a ``leaving`` PeerInfo at the incarnation we hold is a death certificate:
-        the peer is condemned, not dead (see the module docstring).
+    def merge(self, own: Iterable[pb.PeerInfo] = (), hearsay: Iterable[pb.PeerInfo] = ()) -> None:
+        """Merge PeerInfos, reporting at most one change to the owner (its rewire costs
+        O(n), so a long peer list costs one rewire, not one per entry).
+
+        ``own``: each is its peer's own word (the sender of a heartbeat, which the transport
+        matched against its certificate, or the answer of the peer heartbeated at the
+        address this table holds for it). Only that may set a peer's incarnation, address
+        or departure, and it may set a *lower* incarnation (a restart on a clock that is
+        behind). ``hearsay``: what another peer said. It only adds a peer to probe (up to
+        :data:`MAX_PEERS`), condemns one (a departure: dead here only if it then leaves one
+        of our heartbeats unanswered), or asks for one heartbeat to it (a new life: taken
+        second hand only once the old life is gone or dead here).
         """
-        if info.id == self.me.id or not info.id or not info.address:
-            return
         changed = False
-        now = time.monotonic()
         with self._lock:
-            rec = self._peers.get(info.id)
-            if rec is None:
-                if info.leaving and not direct:
-                    return  # the death of a peer we never knew: nothing to drop
-                self._peers[info.id] = PeerRecord(info=info, last_seen=now, heard_directly=direct)
-                changed = True
-                log.info("peer %s joined at %s", info.id, info.address)
-            elif info.incarnation > rec.info.incarnation:
-                log.info("peer %s restarted (incarnation %d)", info.id, info.incarnation)
-                rec.info, rec.last_seen, rec.state = info, now, ALIVE
-                rec.heard_directly = direct
-                rec.unanswered_since, rec.condemned, rec.gone = None, False, False
-                changed = True
-            elif info.incarnation == rec.info.incarnation and direct:
-                rec.info = info
-                rec.last_seen = now
-                rec.heard_directly = True
-                rec.unanswered_since, rec.condemned, rec.gone = None, False, False
-                # A goodbye is no return: it is handled below (dead at once), and a second
-                # one (its heartbeat loop and its farewell both say it) changes nothing.
-                if rec.state != ALIVE and not info.leaving:
-                    changed = True  # back from suspect or dead: the counts changed too
-                    log.info("peer %s is back (%s -> alive)", info.id, rec.state)
-                    rec.state = ALIVE
-            elif (
-                info.incarnation == rec.info.incarnation
-                and info.leaving
-                and rec.state != DEAD
-                and not rec.condemned
-            ):
-                log.info("peer %s reported dead; checking", info.id)
-                rec.condemned = True
-            rec = self._peers[info.id]
-            if rec.info.leaving and rec.state != DEAD:  # it said so itself: gone at once
-                log.info("peer %s left", info.id)
-                rec.state, changed = DEAD, True
+            now = time.monotonic()
+            for merge, infos in ((self._from_itself, own), (self._from_hearsay, hearsay)):
+                for info in infos:
+                    if info.id == self.me.id or not info.id or not info.address:
+                        continue
+                    changed = merge(info, now) or changed
         if changed:
             self._on_change()
+
+    def _from_itself(self, info: pb.PeerInfo, now: float) -> bool:
+        """Merge a peer's own word about itself (under the lock); whether anything changed."""
+        rec = self._peers.get(info.id)
+        if rec is None:
+            self._peers[info.id] = rec = PeerRecord(info=info, last_seen=now, heard_directly=True)
+            log.info("peer %s joined at %s", info.id, info.address)
+            changed = True
+        elif (info.incarnation, info.address) != (rec.info.incarnation, rec.info.address):
+            log.info(
+                "peer %s restarted (incarnation %d at %s)", info.id, info.incarnation, info.address
+            )
+            rec.info, rec.last_seen, rec.state = info, now, ALIVE
+            rec.heard_directly = True
+            rec.unanswered_since, rec.condemned, rec.gone, rec.recheck = None, False, False, False
+            changed = True
+        else:
+            rec.info = info
+            rec.last_seen = now
+            rec.heard_directly = True
+            rec.unanswered_since, rec.condemned, rec.gone, rec.recheck = None, False, False, False
+            changed = False
+            # A goodbye is no return: it is handled below (dead at once), and a second one
+            # (its heartbeat loop and its farewell both say it) changes nothing.
+            if rec.state != ALIVE and not info.leaving:
+                changed = True  # back from suspect or dead: the counts changed too
+                log.info("peer %s is back (%s -> alive)", info.id, rec.state)
+                rec.state = ALIVE
+        if rec.info.leaving and rec.state != DEAD:  # it said so itself: gone at once
+            log.info("peer %s left", info.id)
+            rec.state, changed = DEAD, True
+        return changed
+
+    def _from_hearsay(self, info: pb.PeerInfo, now: float) -> bool:
+        """Merge what another peer said of ``info.id`` (under the lock); whether anything
+        changed. Never kills, moves or restarts a peer this table holds."""
+        rec = self._peers.get(info.id)
+        if rec is None:
+            if info.leaving or len(self._peers) >= MAX_PEERS:
+                return False  # the death of a peer we never knew: nothing to drop
+            self._peers[info.id] = PeerRecord(info=info, last_seen=now)
+            log.info("peer %s joined at %s (second hand)", info.id, info.address)
+            return True
+        if info.incarnation < rec.info.incarnation or (rec.state == DEAD and info.leaving):
+            return False  # news of an older life, or of a death already taken
+        if info.leaving:
+            if not rec.condemned:
+                log.info("peer %s reported dead; checking", info.id)
+                rec.condemned = True
+            return False
+        if (info.incarnation, info.address) == (rec.info.incarnation, rec.info.address):
+            return False
+        if rec.state == DEAD or rec.gone:
+            # The old life is over here (dead, or nothing listens at its address): take the
+            # new one to probe. Should nobody answer there, it dies again, harming no one.
+            log.info("peer %s restarted (incarnation %d, second hand)", info.id, info.incarnation)
+            rec.info, rec.last_seen, rec.state = info, now, ALIVE
+            rec.heard_directly = False
+            rec.unanswered_since, rec.condemned, rec.gone, rec.recheck = None, False, False, False
+            return True
+        rec.recheck = True  # said to live elsewhere or anew: ask it where this table holds it
+        return False
 
     def unanswered(self, peer_id: str, since: float) -> None:
         """A heartbeat to ``peer_id`` sent at ``since`` (monotonic) got no answer from it."""
         with self._lock:
             rec = self._peers.get(peer_id)
-            if rec is not None and rec.unanswered_since is None:
+            if rec is None:
+                return
+            rec.recheck = False  # asked, and no word: suspicion as for any silence
+            if rec.unanswered_since is None:
                 rec.unanswered_since = since
 
     def refused(self, peer_id: str, since: float) -> None:

@@ -62,6 +62,10 @@ T = TypeVar("T")
 #: frees its thread and slots within this.
 PACE_SLICE_S = 0.1
 
+#: Largest heartbeat request accepted, bytes: a peer list at its entry cap (4096 entries of
+#: about 100 bytes) fits with room to spare; refused (``too_large``) before it is parsed.
+MAX_HEARTBEAT_BYTES = 1 << 20
+
 
 class GossipServer:
     """The gossip gRPC server of one peer, delegating every call to a handler.
@@ -295,6 +299,8 @@ class GossipServer:
 
     def _heartbeat(self, raw: bytes, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         identity = self._or_refuse(context, lambda: self.admission.authenticate(context))
+        if len(raw) > MAX_HEARTBEAT_BYTES:
+            self._refuse(context, _too_large("heartbeat", len(raw), MAX_HEARTBEAT_BYTES))
         request = self._or_refuse(context, lambda: parse_request(pb.HeartbeatRequest, raw))
         ticket = self._or_refuse(
             context, lambda: self.admission.enter(context, identity, request.sender.id, bulk=False)
@@ -348,6 +354,14 @@ class GossipServer:
         out.CopyFrom(header)
         out.payload_size = view.nbytes
         return out, view
+
+
+def _too_large(what: str, size: int, limit: int) -> UpdateRejected:
+    return UpdateRejected(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "too_large",
+        f"{what} of {size} bytes exceeds the limit of {limit}",
+    )
 
 
 def _readonly_prefix(buf: bytearray, size: int) -> memoryview:

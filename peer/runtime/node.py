@@ -26,7 +26,7 @@ from gossipgrad.peer.algorithms.buffers import BufferAverage
 from gossipgrad.peer.algorithms.neighbours import KIND_LABEL, neighbours_in
 from gossipgrad.peer.config import PeerConfig
 from gossipgrad.peer.flat import FlatParameters, FloatBuffers
-from gossipgrad.peer.membership.heartbeats import Membership
+from gossipgrad.peer.membership.heartbeats import Membership, PeerListTooLong
 from gossipgrad.peer.membership.topology import topology_from_name
 from gossipgrad.peer.metrics import UNATTRIBUTED, PeerMetrics
 from gossipgrad.peer.network import GossipServer, TransportError, TransportOptions, UpdateRejected
@@ -343,7 +343,13 @@ class Peer:
         self._check_swarm(request.swarm)
         if request.sender.id:
             self.metrics.record_received(UNATTRIBUTED, "heartbeat", request.ByteSize())
-        return self.membership.handle_heartbeat(request)
+        try:
+            return self.membership.handle_heartbeat(request)
+        except PeerListTooLong as err:
+            self.metrics.record_rejected("too_large")
+            raise UpdateRejected(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "too_large", str(err)
+            ) from None
 
     def handle_state_request(self, request: pb.StateRequest) -> tuple[pb.StateHeader, bytes]:
         self._check_swarm(request.swarm)
