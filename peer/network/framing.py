@@ -13,7 +13,9 @@ and both directions use the same three pieces:
    payload, each counted in a :class:`WireTally`.
 3. :func:`read_header` and :func:`receive_payload`, the receiving side: the first chunk must
    be the header; its declared size is checked against the receiver's cap *before* a buffer
-   is allocated, and the running total against the declared size on every chunk.
+   is allocated, the buffer grows with the bytes that arrive (a declared size alone pins at
+   most :data:`EAGER_BYTES`), and the running total is checked against the declared size on
+   every chunk.
 
 Receive-side problems raise :class:`FrameError` with a reject reason (``malformed`` or
 ``too_large``); each end maps it to its own status.
@@ -33,6 +35,10 @@ from gossipgrad.compression.varint import encode_varint, read_varint
 #: Bytes a message costs on top of its serialized size: gRPC's length-prefixed framing
 #: (1 compressed-flag byte + 4 length bytes). HTTP/2 frame headers are not counted.
 GRPC_FRAME_OVERHEAD = 5
+
+#: A payload up to this size gets its whole buffer at once; a larger one starts here and
+#: doubles as its bytes arrive (what a declared size alone can make a receiver hold).
+EAGER_BYTES = 4 << 20
 
 #: Wire tag of field 2 (``data``), length-delimited: (2 << 3) | 2.
 _DATA_TAG = 0x12
@@ -188,14 +194,17 @@ def receive_payload(
     allocate: Callable[[int], bytearray] = bytearray,
     release: Callable[[bytearray], object] | None = None,
     what: str = "payload",
+    eager: int | None = None,
 ) -> tuple[bytearray, int]:
     """Reassemble the data chunks after a header declaring ``size`` bytes, under ``limit``.
 
     Steps: 1. refuse ``size > limit`` (reason ``too_large``) before allocating anything;
-    2. ``allocate(size)`` a buffer (it may be larger); 3. copy each data chunk in, refusing a
-    second header, an undecodable chunk or a total past ``size`` as soon as it arrives;
-    4. refuse a total short of ``size``. On a refusal the buffer goes to ``release``
-    (FrameError, reason ``malformed``).
+    2. ``allocate`` a buffer of ``size`` bytes, or of ``eager`` (default
+    :data:`EAGER_BYTES`) if that is less, grown by doubling as the data arrives, so a
+    header that declares a huge size and sends nothing pins no more than ``eager`` bytes;
+    3. copy each data chunk in, refusing a second header, an undecodable chunk or a total
+    past ``size`` as soon as it arrives; 4. refuse a total short of ``size``. A buffer
+    outgrown or refused goes to ``release`` (FrameError, reason ``malformed``).
 
     Returns the buffer (its first ``size`` bytes are the payload) and the wire bytes of the
     data chunks received.
@@ -204,32 +213,61 @@ def receive_payload(
         raise FrameError(
             "too_large", f"{what} of {size} bytes exceeds the receiver's limit of {limit}"
         )
-    buf = allocate(size)
-    wire, why = _fill(buf, size, chunks, what)
+    fill = _Fill(allocate, release, size, EAGER_BYTES if eager is None else eager)
+    why = fill.take(chunks, what)
     if why is None:
-        return buf, wire
+        return fill.buf, fill.wire
     if release is not None:
-        release(buf)
+        release(fill.buf)
     raise FrameError("malformed", why)
 
 
-def _fill(buf: bytearray, size: int, chunks: Iterator[Any], what: str) -> tuple[int, str | None]:
-    """Copy data chunks into ``buf``: their wire bytes and why they do not add up (or None).
+class _Fill:
+    """A payload being copied in: its buffer, grown as bytes arrive, and the wire bytes."""
 
-    Returns rather than raises, so no traceback keeps this frame (and ``buf``) alive when
-    the caller hands the buffer back to a pool.
-    """
-    wire = offset = 0
-    with memoryview(buf) as view:
+    def __init__(
+        self,
+        allocate: Callable[[int], bytearray],
+        release: Callable[[bytearray], object] | None,
+        size: int,
+        eager: int,
+    ) -> None:
+        self._allocate = allocate
+        self._release = release
+        self.size = size
+        self.buf = allocate(min(size, max(eager, 1)))
+        self.wire = 0
+        self.offset = 0
+
+    def _grow(self, needed: int) -> None:
+        """A buffer of at least ``needed`` bytes (doubling, never past ``size``) holding
+        what arrived so far; the old one goes to ``release``."""
+        old = self.buf
+        new = self._allocate(min(self.size, max(needed, 2 * len(old))))
+        new[: self.offset] = memoryview(old)[: self.offset]
+        self.buf = new
+        if self._release is not None:
+            self._release(old)
+
+    def take(self, chunks: Iterator[Any], what: str) -> str | None:
+        """Copy data chunks in; why they do not add up, or None.
+
+        Returns rather than raises, so no traceback keeps this frame (and the buffer) alive
+        when the caller hands the buffer back to a pool.
+        """
+        size = self.size
         for part in chunks:
             if not isinstance(part, memoryview):
-                return wire, part.why if isinstance(part, Malformed) else "second header in stream"
-            end = offset + part.nbytes
+                return part.why if isinstance(part, Malformed) else "second header in stream"
+            end = self.offset + part.nbytes
             if end > size:
-                return wire, f"{what} longer than header.payload_size={size}"
-            view[offset:end] = part
-            wire += data_chunk_wire_bytes(part.nbytes)
-            offset = end
-    if offset != size:
-        return wire, f"{what} of {offset} bytes, header.payload_size={size}"
-    return wire, None
+                return f"{what} longer than header.payload_size={size}"
+            if end > len(self.buf):
+                self._grow(end)
+            with memoryview(self.buf) as view:
+                view[self.offset : end] = part
+            self.wire += data_chunk_wire_bytes(part.nbytes)
+            self.offset = end
+        if self.offset != size:
+            return f"{what} of {self.offset} bytes, header.payload_size={size}"
+        return None

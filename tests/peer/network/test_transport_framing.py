@@ -3,6 +3,8 @@ count, checks before allocation) and the receive buffer pool."""
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 from gossipgrad.compression.varint import encode_varint as varint
@@ -12,6 +14,7 @@ from gossipgrad.peer.network.framing import (
     FrameError,
     Malformed,
     WireTally,
+    data_chunk_wire_bytes,
     frames,
     read_header,
     receive_payload,
@@ -191,3 +194,37 @@ def test_pool_respects_its_byte_budget():
     off = BufferPool(max_bytes=0)
     x = off.acquire(100)
     assert len(x) == 100 and not off.release(x)
+
+
+@pytest.mark.timeout(60)
+def test_a_declared_size_alone_pins_no_big_buffer():
+    """Issue 40: a header declaring a size under the cap got a zeroed buffer of that size
+    before any byte came (a hostile pusher, or a donor, could pin 1 GiB per call). The
+    buffer now starts at EAGER_BYTES and grows with the bytes that arrive."""
+    from gossipgrad.peer.network.framing import EAGER_BYTES
+
+    allocated: list[int] = []
+
+    def allocate(n: int) -> bytearray:
+        allocated.append(n)
+        return bytearray(min(n, 2 * EAGER_BYTES))  # never really 1 GiB, even on old code
+
+    with pytest.raises(FrameError) as info:
+        receive_payload(iter([memoryview(b"ab")]), 1 << 30, limit=1 << 31, allocate=allocate)
+    assert info.value.reason == "malformed"
+    assert max(allocated) <= EAGER_BYTES, allocated
+
+
+@pytest.mark.timeout(60)
+def test_a_buffer_grown_as_bytes_arrive_holds_them_all_and_hands_back_the_outgrown_ones():
+    rng = random.Random(40)
+    data = bytes(rng.randrange(256) for _ in range(1000))
+    parts = [memoryview(data[i : i + 70]) for i in range(0, len(data), 70)]
+    released: list[int] = []
+    buf, wire = receive_payload(
+        iter(parts), len(data), limit=len(data), release=lambda b: released.append(len(b)),
+        eager=16,
+    )  # fmt: skip
+    assert bytes(buf) == data and len(buf) == len(data)
+    assert released == [16, 70, 140, 280, 560]  # each outgrown buffer, none kept twice
+    assert wire == sum(data_chunk_wire_bytes(p.nbytes) for p in parts)
