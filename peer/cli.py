@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gossipgrad-peer: config error: {err}", file=sys.stderr)
         return 2
     if args.print_config:
-        print(json.dumps(cfg.model_dump(mode="json"), indent=2))
+        print(json.dumps(printable_config(cfg), indent=2))
         return 0
     logging.basicConfig(
         level=args.log_level,
@@ -161,9 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     from gossipgrad.peer.runtime.joining import JoinError
 
     if args.standby is not None:
-        from gossipgrad.peer.runtime.standby import wait_for_trigger
+        from gossipgrad.peer.runtime.standby import NotAPipe, wait_for_trigger
 
-        args.set_items += wait_for_trigger(args.standby)
+        try:
+            args.set_items += wait_for_trigger(args.standby)
+        except NotAPipe as err:
+            print(f"gossipgrad-peer: {err}", file=sys.stderr)
+            return 2
         try:
             cfg = load_config(args.config, {**overrides, **overrides_from_args(args)})
         except ConfigError as err:
@@ -179,6 +183,19 @@ def main(argv: list[str] | None = None) -> int:
         "done: %d steps, %s, %d bytes sent", summary["steps"], final, summary.get("sent_bytes", 0)
     )
     return 0
+
+
+#: What ``--print-config`` prints in place of a secret that is set.
+REDACTED = "<redacted>"
+
+
+def printable_config(cfg: PeerConfig) -> dict:
+    """The merged config as JSON-ready data, the swarm token redacted: the output of
+    ``--print-config`` ends up in logs, tickets and shell histories."""
+    data = cfg.model_dump(mode="json")
+    if data.get("security", {}).get("token"):
+        data["security"]["token"] = REDACTED
+    return data
 
 
 def run() -> NoReturn:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,17 @@ def test_set_key_value_sets_any_key_as_the_other_tools_do(capsys) -> None:
         assert says in capsys.readouterr().err
 
 
+def test_print_config_redacts_the_swarm_token(capsys) -> None:
+    """Issue 40: ``--print-config`` printed ``security.token`` in clear (its output ends up
+    in logs and tickets). Redacted now; an unset token stays empty."""
+    assert main(["--set", "security.token=hunter2-swarm-secret", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "hunter2-swarm-secret" not in out
+    assert json.loads(out)["security"]["token"] == "<redacted>"
+    assert main(["--print-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["security"]["token"] == ""
+
+
 def test_cli_reports_config_errors_in_one_line(capsys) -> None:
     assert main(["--gossip.gamma", "2"]) == 2
     err = capsys.readouterr().err.strip()
@@ -110,7 +122,6 @@ def test_docs_config_reference_is_current() -> None:
 def test_both_tools_take_both_list_spellings(spelling: str, capsys) -> None:
     """One list syntax across tools: ``--set KEY=A,B`` and a TOML array ``["A", "B"]`` mean
     the same to gossipgrad-peer and to gossipgrad-experiment."""
-    import json
 
     from gossipgrad.experiment.cli import apply_overrides
     from gossipgrad.experiment.spec import parse_spec, tomllib

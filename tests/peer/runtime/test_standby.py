@@ -77,12 +77,26 @@ def test_a_warm_spare_waits_then_starts_with_the_keys_of_its_trigger(tmp_path: P
     assert summary is not None and summary.steps == 5 and not summary.stopped_early
 
 
-def test_keys_written_before_the_spare_is_warm_are_read_and_a_bad_one_is_one_line(
-    tmp_path: Path,
-) -> None:
-    trigger = tmp_path / "go"
-    pull(trigger, ["peer.id=site-a", "train.stepz=3"])  # a regular file: no spare waits yet
+def test_a_file_already_at_the_path_is_refused_and_left_alone(tmp_path: Path) -> None:
+    """Issue 40: a regular file at the trigger path was applied as the spare's keys (one left
+    from another run, or put there by anyone who can write the folder). It is refused now:
+    exit 2, one line, the file untouched, no peer started."""
+    trigger, run_dir = tmp_path / "go", tmp_path / "site-a"
+    pull(trigger, ["peer.id=site-a", f"peer.run_dir={run_dir}"])
+    planted = trigger.read_text()
     with started_spare(trigger) as spare:
+        out, _ = spare.communicate(timeout=90)
+    assert spare.returncode == 2, out
+    assert trigger.read_text() == planted and not is_pipe(trigger)
+    assert not run_dir.exists(), "a peer started from the planted file"
+    assert "standby: 2 keys on" not in out, out
+
+
+def test_a_bad_key_in_the_pipe_is_one_line(tmp_path: Path) -> None:
+    trigger = tmp_path / "go"
+    with started_spare(trigger) as spare:
+        wait_warm(spare, trigger)
+        pull(trigger, ["peer.id=site-a", "train.stepz=3"])
         out, _ = spare.communicate(timeout=90)
     assert spare.returncode == 2, out
     assert "standby: 2 keys on" in out, out
@@ -91,4 +105,4 @@ def test_keys_written_before_the_spare_is_warm_are_read_and_a_bad_one_is_one_lin
         f"gossipgrad-peer: config error (from {trigger}): --set train.stepz: unknown key "
         "(see --config-reference)"
     ], out
-    assert not trigger.exists(), "the spare left the keys' file behind"
+    assert not trigger.exists(), "the spare left its pipe behind"
