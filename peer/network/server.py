@@ -33,6 +33,7 @@ import grpc
 from gossipgrad.peer.network import protocol
 from gossipgrad.peer.network.admission import Admission
 from gossipgrad.peer.network.buffers import BufferPool
+from gossipgrad.peer.network.deadlines import CallDeadlines, Watch
 from gossipgrad.peer.network.errors import UpdateRejected, abort
 from gossipgrad.peer.network.framing import (
     FrameError,
@@ -65,6 +66,9 @@ PACE_SLICE_S = 0.1
 #: Largest heartbeat request accepted, bytes: a peer list at its entry cap (4096 entries of
 #: about 100 bytes) fits with room to spare; refused (``too_large``) before it is parsed.
 MAX_HEARTBEAT_BYTES = 1 << 20
+
+#: A state download whose reader takes no chunk for this long is cancelled (its slots freed).
+STATE_STALL_S = 10.0
 
 
 class GossipServer:
@@ -99,6 +103,8 @@ class GossipServer:
         self._pool = BufferPool(self.options.recv_pool_bytes)
         #: Paces the chunks of every state download this server streams (one shared budget).
         self.state_pacer = BytePacer(self.options.state_rate_bytes, self.options.chunk_size)
+        #: Cancels a push that outlives ``push_timeout`` and a download that stalls.
+        self.deadlines = CallDeadlines()
         self._server: grpc.Server | None = None
         self._port = 0
         self._lock = threading.Lock()
@@ -242,18 +248,23 @@ class GossipServer:
     # --- calls -----------------------------------------------------------------------------
 
     def _push_update(self, chunks: Iterator[Any], context: grpc.ServicerContext) -> pb.PushReply:
-        identity = self._or_refuse(context, lambda: self.admission.authenticate(context))
+        # Whatever the client's deadline (or none), the call ends by the server's own.
+        watch = self.deadlines.watch(context, self.options.push_timeout, protocol.PUSH)
         try:
-            header = read_header(chunks, UPDATE_CODEC)
-        except FrameError as err:
-            self._refuse_frame(context, err)
-        ticket = self._or_refuse(
-            context, lambda: self.admission.enter(context, identity, header.sender, bulk=True)
-        )
-        try:
-            return self._receive_and_deliver(header, chunks, context)
+            identity = self._or_refuse(context, lambda: self.admission.authenticate(context))
+            try:
+                header = read_header(chunks, UPDATE_CODEC)
+            except FrameError as err:
+                self._refuse_frame(context, err)
+            ticket = self._or_refuse(
+                context, lambda: self.admission.enter(context, identity, header.sender, bulk=True)
+            )
+            try:
+                return self._receive_and_deliver(header, chunks, context)
+            finally:
+                self.admission.leave(ticket)
         finally:
-            self.admission.leave(ticket)
+            self.deadlines.release(watch)
 
     def _push_whole_update(self, raw: bytes, context: grpc.ServicerContext) -> pb.PushReply:
         identity = self._or_refuse(context, lambda: self.admission.authenticate(context))
@@ -321,24 +332,30 @@ class GossipServer:
                 context, identity, request.requester, bulk=True, state=True
             ),
         )
+        # A reader that stops reading blocks this thread in gRPC's send: cancelled once no
+        # chunk has gone for STATE_STALL_S, which frees the thread and the state slot.
+        watch = self.deadlines.watch(context, STATE_STALL_S, protocol.STATE)
         try:
             header, view = self._guarded(protocol.STATE, context, lambda: self._state_for(request))
             for chunk in frames(STATE_CODEC.header_bytes(header), view, self.options.chunk_size):
-                if not self._paced(len(chunk), context):
+                if not self._paced(len(chunk), context, watch):
                     return
                 yield chunk
+                watch.extend(STATE_STALL_S)
         finally:
+            self.deadlines.release(watch)
             self.admission.leave(ticket)
 
-    def _paced(self, nbytes: int, context: grpc.ServicerContext) -> bool:
+    def _paced(self, nbytes: int, context: grpc.ServicerContext, watch: Watch) -> bool:
         """Wait until ``nbytes`` of state may go (``state_rate_bytes``); False if the caller
-        went away meanwhile (cancelled, deadline)."""
+        went away meanwhile (cancelled, deadline). Waiting on the pacer is no stall."""
         wait = self.state_pacer.reserve(nbytes)
         end = time.monotonic() + wait
         while wait > 0:
             if not context.is_active():
                 return False
             time.sleep(min(wait, PACE_SLICE_S))
+            watch.extend(STATE_STALL_S)
             wait = end - time.monotonic()
         return True
 

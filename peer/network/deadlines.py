@@ -1,0 +1,100 @@
+"""Server-side deadlines: a call that outlives its limit is cancelled, freeing its thread.
+
+gRPC's synchronous server gives each call a worker thread until the call ends, and a call
+ends by the client's deadline only if the client set one. A member that opens pushes and
+never sends, or a joiner that stops reading its state download, would otherwise hold threads
+and admission slots for good. :class:`CallDeadlines` keeps one thread for every watched call:
+at a call's deadline it cancels the call (its blocked read or write then fails and the
+handler's ``finally`` frees its slots). A watch can be pushed back (:meth:`Watch.extend`),
+so a long download that keeps moving is cut only when it stalls.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+class Watch:
+    """One watched call; :meth:`CallDeadlines.release` it when the call ends."""
+
+    __slots__ = ("context", "deadline", "done", "what")
+
+    def __init__(self, context: grpc.ServicerContext, deadline: float, what: str) -> None:
+        self.context = context
+        self.deadline = deadline
+        self.done = False
+        self.what = what
+
+    def extend(self, seconds: float) -> None:
+        """Move the deadline to ``seconds`` from now (progress was made)."""
+        self.deadline = time.monotonic() + seconds
+
+
+class CallDeadlines:
+    """Cancels watched server calls at their deadlines, from one daemon thread.
+
+    Example::
+
+        watch = deadlines.watch(context, 5.0, "push")
+        try:
+            ...  # read the stream
+        finally:
+            deadlines.release(watch)
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Watch]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        #: Calls cancelled at their deadline so far.
+        self.cancelled = 0
+
+    def watch(self, context: grpc.ServicerContext, seconds: float, what: str) -> Watch:
+        """Cancel the call of ``context`` unless released within ``seconds``."""
+        w = Watch(context, time.monotonic() + seconds, what)
+        with self._cond:
+            heapq.heappush(self._heap, (w.deadline, next(self._seq), w))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="call-deadlines", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+        return w
+
+    def release(self, watch: Watch) -> None:
+        """The call ended: no longer watched (it leaves the heap at its deadline)."""
+        watch.done = True
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap:
+                    self._cond.wait()
+                at, _, w = self._heap[0]
+                now = time.monotonic()
+                if at > now:
+                    self._cond.wait(at - now)
+                    continue
+                heapq.heappop(self._heap)
+                if w.done:
+                    continue
+                if w.deadline > now:  # extended meanwhile
+                    heapq.heappush(self._heap, (w.deadline, next(self._seq), w))
+                    continue
+                w.done = True
+                self.cancelled += 1
+            log.info("%s from %s outlived its deadline: cancelled", w.what, w.context.peer())
+            try:
+                w.context.cancel()
+            except Exception:  # the call may have ended under us
+                log.debug("cancelling %s failed", w.what, exc_info=True)
