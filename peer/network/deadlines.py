@@ -27,7 +27,7 @@ class Watch:
 
     __slots__ = ("context", "deadline", "done", "what")
 
-    def __init__(self, context: grpc.ServicerContext, deadline: float, what: str) -> None:
+    def __init__(self, context: grpc.ServicerContext | None, deadline: float, what: str) -> None:
         self.context = context
         self.deadline = deadline
         self.done = False
@@ -72,8 +72,11 @@ class CallDeadlines:
         return w
 
     def release(self, watch: Watch) -> None:
-        """The call ended: no longer watched (it leaves the heap at its deadline)."""
-        watch.done = True
+        """The call ended: no longer watched. It leaves the heap at its deadline; its context
+        is dropped now (gRPC counts a call as in flight while its context lives)."""
+        with self._cond:
+            watch.done = True
+            watch.context = None
 
     def _run(self) -> None:
         while True:
@@ -93,8 +96,9 @@ class CallDeadlines:
                     continue
                 w.done = True
                 self.cancelled += 1
-            log.info("%s from %s outlived its deadline: cancelled", w.what, w.context.peer())
+                context, w.context = w.context, None
+            log.info("%s from %s outlived its deadline: cancelled", w.what, context.peer())
             try:
-                w.context.cancel()
+                context.cancel()
             except Exception:  # the call may have ended under us
                 log.debug("cancelling %s failed", w.what, exc_info=True)
