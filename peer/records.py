@@ -85,6 +85,12 @@ class PeerStatus(TrafficTotals):
     final: dict[str, float] | None = Field(
         None, description="Final evaluation (metric name -> value), once training ended."
     )
+    algorithm: str | None = Field(None, description="The gossip algorithm (``gossip.algorithm``).")
+    algorithm_defaults: dict[str, Any] | None = Field(
+        None,
+        description="The ``[gossip]`` keys left unset that took the algorithm's recommended "
+        "value (key -> value; peer/config/recommended.py); a key set explicitly is not here.",
+    )
 
 
 class SiteSummary(_Open):

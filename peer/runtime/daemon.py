@@ -119,6 +119,12 @@ class Daemon:
         model = task.model.to(device)
         optimizer = make_optimizer(model.parameters(), t)
         self._install_signal_handlers()
+        chosen = self.cfg.gossip.chosen_defaults()
+        log.info(
+            "gossip %s; unset keys take its recommended values: %s",
+            self.cfg.gossip.algorithm,
+            ", ".join(f"{k}={v!r}" for k, v in chosen.items()) or "none",
+        )
         if site is None:
             gopt = GossipOptimizer(model, optimizer, self.cfg)
         else:
@@ -131,6 +137,8 @@ class Daemon:
             state="starting",
             step=0,
             steps=t.steps,
+            algorithm=self.cfg.gossip.algorithm,
+            algorithm_defaults=chosen,
         )
         t_start = time.monotonic()
         summary: dict[str, Any] = {}
