@@ -39,7 +39,8 @@ class Watch:
 
 
 class CallDeadlines:
-    """Cancels watched server calls at their deadlines, from one daemon thread.
+    """Cancels watched server calls at their deadlines, from one daemon thread that runs
+    while some call is watched.
 
     Example::
 
@@ -55,6 +56,7 @@ class CallDeadlines:
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._live = 0  # watches not yet released
         #: Calls cancelled at their deadline so far.
         self.cancelled = 0
 
@@ -63,6 +65,7 @@ class CallDeadlines:
         w = Watch(context, time.monotonic() + seconds, what)
         with self._cond:
             heapq.heappush(self._heap, (w.deadline, next(self._seq), w))
+            self._live += 1
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="call-deadlines", daemon=True
@@ -75,14 +78,34 @@ class CallDeadlines:
         """The call ended: no longer watched. It leaves the heap at its deadline; its context
         is dropped now (gRPC counts a call as in flight while its context lives)."""
         with self._cond:
+            if watch.context is not None:
+                self._live = max(0, self._live - 1)  # 0 already if closed meanwhile
             watch.done = True
             watch.context = None
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Stop the thread (the server stopped; its calls are cancelled anyway). A later
+        :meth:`watch` starts a new one."""
+        with self._cond:
+            thread, self._thread = self._thread, None
+            self._heap.clear()
+            self._live = 0
+            self._cond.notify_all()
+        if thread is not None:
+            thread.join(timeout=5)
 
     def _run(self) -> None:
+        me = threading.current_thread()
         while True:
             with self._cond:
-                while not self._heap:
-                    self._cond.wait()
+                if self._live == 0:
+                    self._heap.clear()  # only released watches left: nothing to cancel
+                if self._thread is not me:
+                    return
+                if not self._heap:  # idle: the next watch starts a thread again
+                    self._thread = None
+                    return
                 at, _, w = self._heap[0]
                 now = time.monotonic()
                 if at > now:
@@ -95,6 +118,7 @@ class CallDeadlines:
                     heapq.heappush(self._heap, (w.deadline, next(self._seq), w))
                     continue
                 w.done = True
+                self._live -= 1
                 self.cancelled += 1
                 context, w.context = w.context, None
             log.info("%s from %s outlived its deadline: cancelled", w.what, context.peer())

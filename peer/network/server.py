@@ -172,6 +172,7 @@ class GossipServer:
         if server is None:
             return
         server.stop(grace).wait()
+        self.deadlines.close()
         log.info("gossip server on %s stopped", self.address)
 
     def __enter__(self) -> GossipServer:
