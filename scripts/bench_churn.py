@@ -3,7 +3,7 @@
 Both runs use the same peers, seeds and config (digits, a ring, topk:0.01+int8, one torch
 thread per peer, ``--set`` keys on top). In the second, every ``--every-rounds`` rounds of the
 swarm one peer is SIGKILLed, SIGTERMed, restarted from its checkpoint or a brand-new peer joins
-(gossipgrad.experiment.churn), the live count kept within ``--min-live`` and ``--peers``.
+(gossipgrad.experiment.bench.churn), the live count kept within ``--min-live`` and ``--peers``.
 Printed for each run, over its steady window (every first peer training -> the first peer at
 ``--steps``):
 
@@ -30,7 +30,7 @@ warm before either swarm starts). Runs one after the other see the shared host's
 by more than the goodput margin between them; side by side both see the same host.
 
 With ``--accelerator-ms MS`` every training step also waits MS milliseconds with the CPU free
-(:mod:`gossipgrad.experiment.emulated_accelerator`), as a site's host does while its
+(:mod:`gossipgrad.experiment.bench.emulated_accelerator`), as a site's host does while its
 accelerator computes: the swarm is no longer CPU-bound, so churn's own CPU work (a new life's
 start, a donor serving its state, dense resyncs) stops slowing the peers it does not touch,
 and goodput measures what the protocol loses (waits, rewires, peers down).
@@ -50,10 +50,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
-from gossipgrad.experiment.churn import ChurnDriver, ChurnTrace
-from gossipgrad.experiment.churn_figures import ChurnFigures, figures
-from gossipgrad.experiment.churn_schedule import ChurnSchedule
-from gossipgrad.experiment.emulated_accelerator import BASE_TASK_ENV, TASK_NAME, WAIT_ENV
+from gossipgrad.experiment.bench.churn import ChurnDriver, ChurnTrace
+from gossipgrad.experiment.bench.churn_figures import ChurnFigures, figures
+from gossipgrad.experiment.bench.churn_schedule import ChurnSchedule
+from gossipgrad.experiment.bench.emulated_accelerator import BASE_TASK_ENV, TASK_NAME, WAIT_ENV
 from gossipgrad.experiment.launch import LocalSwarm
 from gossipgrad.peer.tasks.registry import BUILTIN_TASKS
 
@@ -243,8 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="every training step also waits this many ms with the CPU free, as a site's "
-        "host does while its accelerator computes (gossipgrad.experiment.emulated_accelerator;"
-        " 0: off): churn's CPU work then no longer comes out of the other peers' steps",
+        "host does while its accelerator computes "
+        "(gossipgrad.experiment.bench.emulated_accelerator; 0: off): churn's CPU work then "
+        "no longer comes out of the other peers' steps",
     )
     return p
 

@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from dashboards import build_dashboards, render
+from gossipgrad.experiment.dashboards import build_dashboards, render
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "grafana" / "dashboards"
 

@@ -159,7 +159,7 @@ def test_bench_churn_on_an_emulated_accelerator_waits_in_every_peer_step(tmp_pat
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads((tmp_path / "churn.json").read_text())
     assert result["accelerator_ms"] == 100
-    assert result["config"]["train.task"] == "gossipgrad.experiment.emulated_accelerator:task"
+    assert result["config"]["train.task"] == "gossipgrad.experiment.bench.emulated_accelerator:task"
     steady, churn = result["steady"], result["churn"]
     assert churn["events"] >= 2
     assert 0 < steady["per_peer_rate"] <= 10 and 0 < churn["per_peer_rate"] <= 10

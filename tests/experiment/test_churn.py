@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from gossipgrad.experiment.analysis import consensus_distance
-from gossipgrad.experiment.churn import (
+from gossipgrad.experiment.bench.churn import (
     ChurnDriver,
     ChurnEvent,
     ChurnTrace,
@@ -32,14 +32,14 @@ from gossipgrad.experiment.churn import (
     StatusSample,
     mixing_progress,
 )
-from gossipgrad.experiment.churn_figures import (
+from gossipgrad.experiment.bench.churn_figures import (
     figures,
     max_stall,
     redone_steps,
     survivor_cpu_seconds,
     window,
 )
-from gossipgrad.experiment.churn_schedule import EVENT_KINDS, ChurnSchedule
+from gossipgrad.experiment.bench.churn_schedule import EVENT_KINDS, ChurnSchedule
 from gossipgrad.experiment.launch import LocalSwarm
 from gossipgrad.peer.metrics import PeerMetrics
 from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record, write_record

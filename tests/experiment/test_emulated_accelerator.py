@@ -1,5 +1,5 @@
-"""The emulated-accelerator task (``gossipgrad.experiment.emulated_accelerator``): the same loss
-as the built-in task it wraps, a wait per step, and clear errors for bad settings."""
+"""The emulated-accelerator task (``gossipgrad.experiment.bench.emulated_accelerator``): the
+same loss as the built-in task it wraps, a wait per step, and clear errors for bad settings."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from gossipgrad.experiment.emulated_accelerator import BASE_TASK_ENV, TASK_NAME, WAIT_ENV
+from gossipgrad.experiment.bench.emulated_accelerator import BASE_TASK_ENV, TASK_NAME, WAIT_ENV
 from gossipgrad.peer.tasks import build_task
 from gossipgrad.peer.tasks.base import TaskContext
 from support import ROOT

@@ -1,4 +1,4 @@
-"""The figures of a churn run, from its :class:`~gossipgrad.experiment.churn.ChurnTrace`.
+"""The figures of a churn run, from its :class:`~gossipgrad.experiment.bench.churn.ChurnTrace`.
 
 * **Window**: from the moment every first-generation peer has trained a step to the moment the
   first peer reaches ``train.steps``. Start-up and the tail (peers finishing one by one) are
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gossipgrad.experiment.analysis import consensus_distance
-from gossipgrad.experiment.churn import WORKING, ChurnTrace, Life, StatusSample
+from gossipgrad.experiment.bench.churn import WORKING, ChurnTrace, Life, StatusSample
 from gossipgrad.peer.records import PeerSummary, read_record
 
 SERVING = "serving gossip on"

@@ -1,5 +1,5 @@
 """When churn happens and what it may do: the schedule a
-:class:`~gossipgrad.experiment.churn.ChurnDriver` follows (see that module for the events)."""
+:class:`~gossipgrad.experiment.bench.churn.ChurnDriver` follows (see that module for the events)."""
 
 from __future__ import annotations
 

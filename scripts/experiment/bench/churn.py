@@ -14,12 +14,13 @@ status.json as ``step // gossip.local_steps`` (a peer's rounds follow its steps:
   checkpoint, it downloads the swarm's state from the most advanced live peer.
 
 Events cycle through that order (or are drawn with a seeded RNG), skipping those that would
-take the live count outside ``[min_live, max_live]`` (:mod:`~gossipgrad.experiment.churn_schedule`);
+take the live count outside ``[min_live, max_live]``
+(:mod:`~gossipgrad.experiment.bench.churn_schedule`);
 victims are drawn with the same seed.
 Only processes this driver's swarm started are ever signalled. Each event is appended to
 ``events.jsonl`` as it happens (time, round, event, peer); the whole trace -- every peer life
 (spawn, end, how), every status sample, the events -- goes to ``trace.json`` at the end, and
-:mod:`gossipgrad.experiment.churn_figures` turns it into the figures.
+:mod:`gossipgrad.experiment.bench.churn_figures` turns it into the figures.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
-from gossipgrad.experiment.churn_schedule import ChurnSchedule
+from gossipgrad.experiment.bench.churn_schedule import ChurnSchedule
 from gossipgrad.experiment.launch import LocalSwarm
 from gossipgrad.peer.records import PeerStatus
 from prometheus_client.parser import text_string_to_metric_families

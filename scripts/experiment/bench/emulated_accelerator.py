@@ -10,7 +10,7 @@ wait ``GOSSIPGRAD_ACCELERATOR_MS`` milliseconds before it is returned, in ``time
 gives up the CPU as a thread blocked on its device does. Evaluation does not wait.
 
 Peers take it as a user task (``train.task`` =
-``"gossipgrad.experiment.emulated_accelerator:task"``), the environment giving the two
+``"gossipgrad.experiment.bench.emulated_accelerator:task"``), the environment giving the two
 settings; ``scripts/bench_churn.py --accelerator-ms MS`` sets all three.
 """
 
@@ -24,7 +24,7 @@ from gossipgrad.peer.tasks.base import Task, TaskContext
 from gossipgrad.peer.tasks.registry import BUILTIN_TASKS
 
 #: ``train.task`` of the emulated task.
-TASK_NAME = "gossipgrad.experiment.emulated_accelerator:task"
+TASK_NAME = "gossipgrad.experiment.bench.emulated_accelerator:task"
 #: Environment variable: the built-in task that runs on the emulated accelerator.
 BASE_TASK_ENV = "GOSSIPGRAD_EMULATED_TASK"
 #: Environment variable: milliseconds each step waits for the emulated accelerator.
