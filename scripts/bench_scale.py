@@ -1,0 +1,347 @@
+"""What gossip costs at the model sizes people train: memory, a round's CPU, the training
+thread's stall, start and state, per model size and algorithm.
+
+Each peer is its own process (``--peers``, a ring over 127.0.0.1) training a stack of square
+linear layers of the size asked for, with the user's optimizer (SGD) and gradients in place.
+A step's compute is an emulated accelerator: ``--accelerator-ms`` of waiting with the CPU free,
+as a site's host waits on its GPU, then the optimizer step; the gradients are set once and
+left, so the host's CPU does only what a site's host does. Every figure is a ratio against a
+baseline measured in the same process and run:
+
+* state/model: the gossip state (resident memory after the rounds, less the same process's
+  memory with the model, its gradients and its optimizer before gossip started), in model
+  bytes; peak/model the same at the high-water mark (start-up and rounds' transients).
+* round CPU/copy: the process's CPU time per round (every thread: encode, pushes, the
+  server's decode, mixing, checksums, heartbeats) less that of the same steps without gossip,
+  over the time of one ``copy_`` of the model.
+* stall/phase: the training thread's time blocked in gossip per round, over a phase's compute
+  (``local_steps`` x ``--accelerator-ms``); utilization: compute time over wall time.
+* start: building and starting the GossipOptimizer; state: ``state_dict()`` and saving it to
+  memory with ``torch.save``, over a ``torch.save`` of the same state alone.
+
+    python scripts/bench_scale.py --sizes 1M,10M,100M --algorithms choco,diloco
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import io
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from torch import nn
+
+WIDTH = 1024
+
+
+def parse_size(text: str) -> int:
+    """'10M' -> 10_000_000; '300k' -> 300_000; plain integers as they are."""
+    text = text.strip().upper()
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in "KMG" else text
+    try:
+        value = int(float(number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a model size: {text!r} (e.g. 10M)") from None
+    if value < WIDTH:
+        raise argparse.ArgumentTypeError(f"model size {text!r} is below {WIDTH} parameters")
+    return value
+
+
+def build_model(numel: int) -> nn.Module:
+    """Square linear layers, ``numel`` parameters in all (to within one layer's rounding)."""
+    width = min(WIDTH, int(numel**0.5))
+    layers = max(1, round(numel / width**2))
+    return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
+
+
+def memory_kib(field: str) -> int:
+    """A field of /proc/self/status in KiB (VmRSS: resident now; VmHWM: its high-water mark)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def reset_peak() -> None:
+    """Start VmHWM again from the current resident size (Linux 4.0+)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def copy_seconds(t: torch.Tensor) -> float:
+    """Best of three ``copy_`` of ``t`` into a buffer of its size."""
+    out = torch.empty_like(t)
+    out.copy_(t)  # page faults out of the way
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        out.copy_(t)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def peer_main(rank: int, args: dict, addresses, barrier, results) -> None:
+    """One peer: baseline, then gossip, then state; puts a dict of figures on ``results``."""
+    try:
+        results.put(_peer(rank, args, addresses, barrier))
+    except BaseException as err:  # reported by the parent, which then stops
+        results.put({"rank": rank, "error": f"{err!r}\n{traceback.format_exc()}"})
+
+
+def _peer(rank: int, a: dict, addresses, barrier) -> dict:
+    from gossipgrad.peer.config import build_config
+    from gossipgrad.peer.runtime.optimizer import GossipOptimizer
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)  # every peer builds the same initial model
+    model = build_model(a["numel"])
+    params = list(model.parameters())
+    gen = torch.Generator().manual_seed(100 + rank)
+    for p in params:
+        p.grad = 1e-3 * torch.randn(p.shape, generator=gen)
+    optimizer = torch.optim.SGD(params, lr=a["lr"])
+    optimizer.step()
+    numel = sum(p.numel() for p in params)
+    model_bytes = 4 * numel
+    copy_s = copy_seconds(torch.cat([p.detach().reshape(-1) for p in params]))
+    wait = a["accelerator_ms"] / 1000
+    steps = a["rounds"] * a["local_steps"]
+    # The same steps without gossip: the CPU that training itself takes. The parameters are
+    # put back after, so every peer starts gossip from the same initial model.
+    initial = [p.detach().clone() for p in params]
+    cpu0 = time.process_time()
+    for _ in range(steps):
+        time.sleep(wait)
+        optimizer.step()
+    cpu_plain = time.process_time() - cpu0
+    with torch.no_grad():
+        for p, p0 in zip(params, initial, strict=True):
+            p.copy_(p0)
+    del initial
+    gc.collect()
+    baseline_kib = memory_kib("VmRSS")
+    reset_peak()
+
+    overrides = {
+        "peer.id": f"p{rank}",
+        "peer.listen": "127.0.0.1:0",
+        "peer.bootstrap": [] if rank == 0 else [addresses.get(timeout=120)],
+        "metrics.enabled": False,
+        "gossip.algorithm": a["algorithm"],
+        "gossip.topology": "ring",
+        "gossip.local_steps": a["local_steps"],
+        **a["set"],
+    }
+    t0 = time.perf_counter()
+    gopt = GossipOptimizer(model, optimizer, build_config({}, overrides))
+    start_s = time.perf_counter() - t0
+    if rank == 0:
+        for _ in range(a["peers"] - 1):
+            addresses.put(gopt.peer.address)
+    if not gopt.wait_for_peers(a["peers"], 120):
+        raise RuntimeError("peers did not find each other in 120 s")
+    barrier.wait(timeout=120)
+    for _ in range(a["local_steps"]):  # the first round opens the edges: not measured
+        gopt.step()
+    barrier.wait(timeout=120)
+    stall0 = gopt.blocking_seconds
+    round0 = gopt.round
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    for _ in range(steps):
+        time.sleep(wait)
+        gopt.step()
+    wall = time.perf_counter() - t0
+    cpu_gossip = time.process_time() - cpu0
+    rounds = max(gopt.round - round0, 1)
+    gc.collect()
+    state_kib = memory_kib("VmRSS") - baseline_kib
+    peak_kib = memory_kib("VmHWM") - baseline_kib
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    trimmed_kib = memory_kib("VmRSS") - baseline_kib
+    stall_s = gopt.blocking_seconds - stall0
+
+    t0 = time.perf_counter()
+    state = gopt.state_dict()
+    state_dict_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    torch.save(state, io.BytesIO())
+    save_s = time.perf_counter() - t0
+    del state
+    gopt.finish()
+    gopt.close()
+    return {
+        "rank": rank,
+        "numel": numel,
+        "model_bytes": model_bytes,
+        "copy_s": copy_s,
+        "state_over_model": state_kib * 1024 / model_bytes,
+        "trimmed_over_model": trimmed_kib * 1024 / model_bytes,
+        "peak_over_model": peak_kib * 1024 / model_bytes,
+        "round_cpu_s": (cpu_gossip - cpu_plain) / rounds,
+        "round_cpu_over_copy": (cpu_gossip - cpu_plain) / rounds / copy_s,
+        "stall_per_round_s": stall_s / rounds,
+        "stall_over_phase": stall_s / rounds / max(wait * a["local_steps"], 1e-9),
+        "utilization": steps * wait / wall if wait else float("nan"),
+        "rounds": rounds,
+        "start_s": start_s,
+        "state_dict_s": state_dict_s,
+        "state_over_save": (state_dict_s + save_s) / save_s,
+    }
+
+
+def run_case(args: argparse.Namespace, numel: int, algorithm: str) -> list[dict]:
+    """One swarm of ``args.peers`` processes; their figures, or SystemExit on a failure."""
+    ctx = mp.get_context("spawn")
+    addresses, results, barrier = ctx.Queue(), ctx.Queue(), ctx.Barrier(args.peers)
+    settings = {
+        "numel": numel,
+        "algorithm": algorithm,
+        "peers": args.peers,
+        "rounds": args.rounds,
+        "local_steps": args.local_steps.get(algorithm, 1),
+        "accelerator_ms": args.accelerator_ms,
+        "lr": 1e-3,
+        "set": args.set,
+    }
+    procs = [
+        ctx.Process(target=peer_main, args=(r, settings, addresses, barrier, results), daemon=True)
+        for r in range(args.peers)
+    ]
+    for p in procs:
+        p.start()
+    out = []
+    try:
+        for _ in procs:
+            out.append(results.get(timeout=args.timeout))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    failed = [r for r in out if "error" in r]
+    if failed:
+        raise SystemExit(f"bench_scale: peer {failed[0]['rank']} failed:\n{failed[0]['error']}")
+    return sorted(out, key=lambda r: r["rank"])
+
+
+def summarise(numel: int, algorithm: str, peers: list[dict]) -> dict:
+    """The swarm's figures: memory at its worst peer, times at the median peer."""
+
+    def median(key: str) -> float:
+        return statistics.median(p[key] for p in peers)
+
+    return {
+        "size": numel,
+        "algorithm": algorithm,
+        "model_mb": peers[0]["model_bytes"] / 1e6,
+        "state_over_model": max(p["state_over_model"] for p in peers),
+        "peak_over_model": max(p["peak_over_model"] for p in peers),
+        "trimmed_over_model": max(p["trimmed_over_model"] for p in peers),
+        "copy_ms": 1000 * median("copy_s"),
+        "round_cpu_over_copy": median("round_cpu_over_copy"),
+        "stall_over_phase": median("stall_over_phase"),
+        "utilization": median("utilization"),
+        "start_s": median("start_s"),
+        "state_dict_s": median("state_dict_s"),
+        "state_over_save": median("state_over_save"),
+    }
+
+
+COLUMNS = [
+    ("size", "params", "{:,}"),
+    ("algorithm", "algorithm", "{}"),
+    ("model_mb", "model MB", "{:.0f}"),
+    ("state_over_model", "state/model", "{:.2f}"),
+    ("peak_over_model", "peak/model", "{:.2f}"),
+    ("trimmed_over_model", "trimmed/model", "{:.2f}"),
+    ("copy_ms", "copy ms", "{:.1f}"),
+    ("round_cpu_over_copy", "round CPU/copy", "{:.1f}"),
+    ("stall_over_phase", "stall/phase", "{:.3f}"),
+    ("utilization", "utilization", "{:.3f}"),
+    ("start_s", "start s", "{:.2f}"),
+    ("state_dict_s", "state_dict s", "{:.2f}"),
+    ("state_over_save", "state/save", "{:.2f}"),
+]
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| " + " | ".join(title for _, title, _ in COLUMNS) + " |")
+    print("|" + "|".join("---" for _ in COLUMNS) + "|")
+    for row in rows:
+        print("| " + " | ".join(fmt.format(row[key]) for key, _, fmt in COLUMNS) + " |")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--sizes", default="1M,10M,100M", help="model sizes, e.g. 1M,10M,100M")
+    p.add_argument("--algorithms", default="choco,diloco", help="comma-separated algorithms")
+    p.add_argument("--peers", type=int, default=3, help="peer processes on a ring (default 3)")
+    p.add_argument("--rounds", type=int, default=6, help="gossip rounds per case (default 6)")
+    p.add_argument(
+        "--local-steps",
+        default="choco=1,diloco=10,ef-gradient=1",
+        help="steps per round per algorithm (default choco=1,diloco=10,ef-gradient=1)",
+    )
+    p.add_argument(
+        "--accelerator-ms",
+        type=float,
+        default=200.0,
+        help="emulated compute per step, with the CPU free (default 200)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every peer (repeatable), e.g. gossip.codec=int8",
+    )
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
+    p.add_argument("--json", type=Path, help="also write the rows to this file")
+    args = p.parse_args(argv)
+    args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    args.algorithms = [s.strip() for s in args.algorithms.split(",") if s.strip()]
+    try:
+        args.local_steps = {k: int(v) for k, v in (kv.split("=") for kv in args.local_steps.split(","))}
+        args.set = dict(_override(kv) for kv in args.set)
+    except ValueError as err:
+        p.error(str(err))
+    if args.peers < 2:
+        p.error("--peers must be at least 2")
+    return args
+
+
+def _override(kv: str) -> tuple[str, object]:
+    key, sep, value = kv.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--set {kv!r}: expected KEY=VALUE")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rows = []
+    for numel in args.sizes:
+        for algorithm in args.algorithms:
+            print(f"bench_scale: {numel:,} parameters, {algorithm} ...", file=sys.stderr, flush=True)
+            rows.append(summarise(numel, algorithm, run_case(args, numel, algorithm)))
+    print_table(rows)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
