@@ -231,10 +231,32 @@ class TransportSection(Section):
         description="Streaming chunk size; an update whose header and payload fit in one "
         "chunk goes in one unary call.",
     )
-    max_payload_bytes: int = Field(
-        1 << 30, ge=1 << 16, description="Largest update or state a peer accepts."
+    max_payload_bytes: int | None = Field(
+        None,
+        ge=1 << 16,
+        description="Largest update a peer accepts, bytes. Unset: the model's dense copy "
+        "plus 1 MiB of envelope, the largest update an honest neighbour sends (a resync).",
     )
-    push_timeout: float = Field(30.0, gt=0, description="Deadline of one push, seconds.")
+    max_state_bytes: int | None = Field(
+        None,
+        ge=1 << 16,
+        description="Largest state download a joiner accepts, bytes. Unset: 8 times the "
+        "model's bytes plus 64 MiB (parameters, an optimizer with up to three moments, the "
+        "algorithm's anchor and momentum, the buffers).",
+    )
+    push_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="Deadline of one push, seconds, plus the payload's size over "
+        "min_rate_bytes: a push's deadline grows with what it carries.",
+    )
+    min_rate_bytes: float = Field(
+        1e6,
+        gt=0,
+        description="The slowest link the swarm must work over, bytes per second (1e6: 8 "
+        "Mbit/s). A push of S bytes may take push_timeout + S / min_rate_bytes seconds, at "
+        "both ends, so a dense resync of a large model is not cut off on a slow link.",
+    )
     retries: int = Field(3, ge=0, description="Retries of an idempotent call on UNAVAILABLE.")
     state_timeout: float = Field(
         120.0,

@@ -38,8 +38,11 @@ class TransportOptions:
     #: Largest single gRPC message either end sends or receives (one chunk plus framing).
     #: gRPC's default is 4 MiB; must exceed ``chunk_size``.
     max_message_bytes: int = 4 * MiB + 64 * 1024
-    #: Default deadline of a whole push, retries included.
+    #: Default deadline of a whole push, retries included, plus its payload's size over
+    #: ``min_rate_bytes`` (:meth:`push_deadline`).
     push_timeout: float = 30.0
+    #: The slowest link a push must get through, bytes per second.
+    min_rate_bytes: float = 1e6
     #: Default deadline of a heartbeat, retries included.
     heartbeat_timeout: float = 5.0
     #: Default deadline of a state download, retries included.
@@ -103,10 +106,18 @@ class TransportOptions:
     #: Receive buffers the server keeps for reuse between pushes, in bytes (0 disables).
     #: Reusing buffers avoids page-faulting a fresh buffer per push, the largest cost of a
     #: big push on a busy machine; a buffer the handler keeps a reference to is never reused.
-    recv_pool_bytes: int = 1 * GiB
+    #: Kept small: a pooled buffer the size of a dense resync would be a model-sized
+    #: allocation kept between rounds; sparse updates' buffers fit.
+    recv_pool_bytes: int = 64 * MiB
     #: Apply :func:`tune_malloc` when a server starts or a client is created (process-wide,
     #: glibc only). Cuts the receiver's CPU per GB by a fifth to a third (BENCHMARKS.md).
     tune_malloc: bool = True
+
+    def push_deadline(self, payload_bytes: int) -> float:
+        """Seconds a push of ``payload_bytes`` may take: ``push_timeout`` plus the time the
+        payload needs at ``min_rate_bytes``, so a dense resync of a large model over a slow
+        link is not cancelled (and sent again, forever) by a deadline sized for sparse ones."""
+        return self.push_timeout + payload_bytes / self.min_rate_bytes
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1:
@@ -121,6 +132,7 @@ class TransportOptions:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in (
             "push_timeout",
+            "min_rate_bytes",
             "heartbeat_timeout",
             "state_timeout",
             "keepalive_time",

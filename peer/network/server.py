@@ -257,6 +257,8 @@ class GossipServer:
                 header = read_header(chunks, UPDATE_CODEC)
             except FrameError as err:
                 self._refuse_frame(context, err)
+            # The body may take as long as its size needs (capped before any byte is read).
+            watch.extend(self.options.push_deadline(header.payload_size))
             ticket = self._or_refuse(
                 context, lambda: self.admission.enter(context, identity, header.sender, bulk=True)
             )

@@ -45,13 +45,21 @@ def package_version() -> str:
         return "0+unknown"
 
 
-def transport_options(cfg: PeerConfig) -> TransportOptions:
-    """TransportOptions from the [transport] and [security] sections."""
+#: What a dense update carries besides the model's values (envelope, headers), at most.
+ENVELOPE_BYTES = 1 << 20
+
+
+def transport_options(cfg: PeerConfig, model_bytes: int) -> TransportOptions:
+    """TransportOptions from the [transport] and [security] sections; the size caps left
+    unset follow the model: a dense copy plus its envelope for an update, 8 models plus
+    64 MiB for a state download."""
     t, s = cfg.transport, cfg.security
     return TransportOptions(
         chunk_size=t.chunk_bytes,
-        max_payload_bytes=t.max_payload_bytes,
+        max_payload_bytes=t.max_payload_bytes or model_bytes + ENVELOPE_BYTES,
+        max_state_bytes=t.max_state_bytes or 8 * model_bytes + (64 << 20),
         push_timeout=t.push_timeout,
+        min_rate_bytes=t.min_rate_bytes,
         state_timeout=t.state_timeout,
         max_state_downloads=t.max_state_downloads,
         state_rate_bytes=t.state_rate_bytes,
@@ -92,10 +100,12 @@ WILDCARD_HOSTS = ("0.0.0.0", "[::]", "::")
 class AddressedSender:
     """Pushes an update to a peer id: address from membership, client from the pool."""
 
-    def __init__(self, membership: Membership, clients: ClientPool, push_timeout: float) -> None:
+    def __init__(
+        self, membership: Membership, clients: ClientPool, options: TransportOptions
+    ) -> None:
         self._membership = membership
         self._clients = clients
-        self._timeout = push_timeout
+        self._options = options
 
     def push(
         self, peer: str, header: pb.UpdateHeader, payload: bytes, patience: float = 1.0
@@ -106,7 +116,8 @@ class AddressedSender:
         client = self._clients.get(address)
         sent_at = time.monotonic()
         try:
-            result = client.push_detailed(header, payload, timeout=self._timeout * patience)
+            timeout = self._options.push_deadline(len(payload)) * patience
+            result = client.push_detailed(header, payload, timeout=timeout)
         except TransportError as err:
             if err.refused:  # its process is gone: tell membership now, not heartbeats later
                 self._membership.refused(peer, sent_at)
@@ -144,7 +155,7 @@ class Peer:
         self._state_source = state_source
         self.state_lock = state_lock if state_lock is not None else threading.RLock()
         self.metrics = PeerMetrics(registry=registry)
-        self.options = transport_options(cfg)
+        self.options = transport_options(cfg, flat.nbytes)
         self.security = transport_security(cfg)
         if flat.nbytes + 1024 > self.options.max_payload_bytes:  # + the envelope
             raise ValueError(
@@ -248,7 +259,7 @@ class Peer:
         """The neighbour layer over membership, the algorithm on it, the buffers' average."""
         g = self.cfg.gossip
         identity = Identity(self.id, self.cfg.peer.swarm, self.flat.fingerprint, self.flat.nbytes)
-        sender = AddressedSender(self.membership, self.clients, self.options.push_timeout)
+        sender = AddressedSender(self.membership, self.clients, self.options)
         self.neighbourhood = Neighbourhood(
             identity, self.membership, self.topology, sender, self.metrics
         )

@@ -111,7 +111,7 @@ def test_state_serving_keys_are_validated(key: str, bad: str) -> None:
     name = key.split(".")[1]
     with pytest.raises(ConfigError, match=name):
         build_config({}, {key: bad})
-    assert getattr(transport_options(build_config({}, {key: "7"})), name) == 7
+    assert getattr(transport_options(build_config({}, {key: "7"}), 1 << 20), name) == 7
 
 
 # --------------------------------------------------------------------------- donor order

@@ -96,3 +96,66 @@ def test_a_download_whose_reader_stops_reading_frees_the_state_slot(
         finally:
             call.cancel()
             channel.close()
+
+
+def slow_push(channel: grpc.Channel, payload_bytes: int, pieces: int, pause: float):
+    """An honest push over a slow link: the header, then the payload in ``pieces`` chunks with
+    ``pause`` seconds between them. Returns the reply (raises the call's error)."""
+    header = pb.UpdateChunk(
+        header=pb.UpdateHeader(swarm="s", sender="slow", payload_size=payload_bytes)
+    )
+    piece = payload_bytes // pieces
+
+    def chunks():
+        yield header.SerializeToString()
+        for _ in range(pieces):
+            time.sleep(pause)
+            yield pb.UpdateChunk(data=bytes(piece)).SerializeToString()
+
+    call = channel.stream_unary(
+        METHOD + "PushUpdate",
+        request_serializer=None,
+        response_deserializer=pb.PushReply.FromString,
+    )
+    return call(chunks(), timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("min_rate_bytes", "cut_off"), [(0.5e6, False), (1e12, True)], ids=["slow-link", "no-room"]
+)
+def test_a_push_may_take_as_long_as_its_size_needs(min_rate_bytes: float, cut_off: bool) -> None:
+    """A 2 MiB push that takes 2 s over a slow link outlives a 0.5 s push_timeout: its
+    deadline is push_timeout plus its size over min_rate_bytes (4.7 s here), so a dense resync
+    of a large model is not cancelled and sent again forever. With no room for the size
+    (min_rate_bytes huge) the same push is cut off at push_timeout."""
+    options = TransportOptions(push_timeout=0.5, min_rate_bytes=min_rate_bytes, retries=0)
+    with GossipServer(Plain(), options=options) as server:
+        channel = grpc.insecure_channel(server.address)
+        try:
+            if cut_off:
+                with pytest.raises(grpc.RpcError) as err:
+                    slow_push(channel, 2 << 20, pieces=4, pause=0.5)
+                assert err.value.code() == grpc.StatusCode.CANCELLED
+                assert server.deadlines.cancelled == 1
+            else:
+                reply = slow_push(channel, 2 << 20, pieces=4, pause=0.5)
+                assert reply.status == pb.PushReply.ACCEPTED
+                assert server.deadlines.cancelled == 0
+        finally:
+            channel.close()
+
+
+def test_the_push_deadline_and_the_size_caps_follow_the_model() -> None:
+    """At 300M parameters (1.2 GB) an update still fits the default cap (it was a fixed
+    1 GiB: every model above 268M parameters was refused), and a 340 MB resync may take what
+    8 Mbit/s needs."""
+    from gossipgrad.peer.config import build_config
+    from gossipgrad.peer.runtime.node import ENVELOPE_BYTES, transport_options
+
+    model_bytes = 4 * 300_000_000
+    options = transport_options(build_config({}, {}), model_bytes)
+    assert options.max_payload_bytes == model_bytes + ENVELOPE_BYTES
+    assert options.max_state_bytes >= 8 * model_bytes
+    assert options.push_deadline(340_000_000) == pytest.approx(30.0 + 340.0)
+    pinned = transport_options(build_config({}, {"transport.max_payload_bytes": 1 << 20}), 4)
+    assert pinned.max_payload_bytes == 1 << 20
