@@ -122,7 +122,9 @@ class Codec(abc.ABC):
         return engine.inspect(self, data, max_numel)
 
     @torch.no_grad()
-    def decode_add_(self, data: bytes, out: torch.Tensor, *, alpha: float = 1.0) -> torch.Tensor:
+    def decode_add_(
+        self, data: bytes, out: torch.Tensor, *, alpha: float = 1.0, cast: bool = False
+    ) -> torch.Tensor:
         """``out += alpha * decode(data)`` in place, and return ``out``.
 
         Sparse codecs scatter-add only the kept entries. Everything is validated before ``out``
@@ -132,10 +134,15 @@ class Codec(abc.ABC):
         relies on it). Values are dequantized in a separate op before the add, so no fused
         multiply-add can make devices disagree; ``alpha`` of +-1 is exact.
 
+        ``cast``: ``out`` may have another floating dtype than the payload; the values are
+        rounded to ``out``'s dtype before the add (the same rounding at every end: a float16
+        copy of a float32 model stays bit-identical at both ends of an edge).
+
         Raises:
-            DecodeError: bad input, or ``out`` of another shape or dtype than the payload.
+            DecodeError: bad input, or ``out`` of another shape (or, without ``cast``, another
+                dtype) than the payload.
         """
-        return engine.decode_add(self, data, out, alpha=alpha)
+        return engine.decode_add(self, data, out, alpha=alpha, cast=cast)
 
 
 class Sparsifier(Codec):

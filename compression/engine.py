@@ -101,12 +101,14 @@ def decode(
     return out
 
 
-def decode_add(codec: Codec, data: bytes, out: torch.Tensor, *, alpha: float) -> torch.Tensor:
+def decode_add(
+    codec: Codec, data: bytes, out: torch.Tensor, *, alpha: float, cast: bool = False
+) -> torch.Tensor:
     """``out += alpha * decode(data)`` in place (see :meth:`.Codec.decode_add_`)."""
     env = wire.parse_envelope(data, codec.spec, max(out.numel(), 1))
     if env.shape != tuple(out.shape):
         raise DecodeError(f"payload shape {list(env.shape)} != out shape {list(out.shape)}")
-    if env.dtype != out.dtype:
+    if env.dtype != out.dtype and not (cast and out.is_floating_point()):
         raise DecodeError(f"payload dtype {env.dtype} != out dtype {out.dtype}")
     parts = _read(codec, env, out.device)
     sp, q = codec.stages()
@@ -116,11 +118,11 @@ def decode_add(codec: Codec, data: bytes, out: torch.Tensor, *, alpha: float) ->
         else torch.zeros(out.numel(), dtype=out.dtype, device=out.device)
     )
     if sp is None:
-        _apply_dense(q, parts, target, alpha=alpha)
+        _apply_dense(q, parts, target, alpha=alpha, dtype=env.dtype)
     else:
         idx, vals = parts
         if idx.numel():
-            target.index_add_(0, idx, vals, alpha=alpha)
+            target.index_add_(0, idx, vals.to(target.dtype), alpha=alpha)
     if not out.is_contiguous():
         out.add_(target.view(out.shape))
     return out
@@ -167,13 +169,23 @@ def _read(codec: Codec, env: wire.Envelope, dev: torch.device) -> tuple:
     return idx, vals
 
 
-def _apply_dense(q: Quantizer, parts: tuple, flat: torch.Tensor, *, alpha: float | None) -> None:
+def _apply_dense(
+    q: Quantizer,
+    parts: tuple,
+    flat: torch.Tensor,
+    *,
+    alpha: float | None,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Dequantize into ``flat`` a chunk at a time (``dtype``: the payload's, when ``flat``
+    has another; each chunk is rounded to ``flat``'s dtype before it is added)."""
     values, scales = parts
     n = flat.numel()
+    dtype = flat.dtype if dtype is None else dtype
     for lo in range(0, n, CHUNK):
         hi = min(n, lo + CHUNK)
-        v, s = _chunk_inputs(q, values, scales, lo, hi, flat.dtype)
-        d = q.dequantize(v, s, hi - lo, flat.dtype)
+        v, s = _chunk_inputs(q, values, scales, lo, hi, dtype)
+        d = q.dequantize(v, s, hi - lo, dtype).to(flat.dtype)
         if alpha is None:
             flat[lo:hi].copy_(d)
         else:

@@ -100,22 +100,25 @@ class SpilledTensor:
             os.pwrite(self._fd, view[lo : lo + _IO_BLOCK], lo)
 
     def copy_to(self, out: torch.Tensor) -> torch.Tensor:
-        """Write the stored values into ``out`` (same shape and dtype; any device). Thread-safe:
-        reads use positioned I/O, so concurrent readers do not share a file offset."""
-        if tuple(out.shape) != self.shape or out.dtype != self.dtype:
+        """Write the stored values into ``out`` (same shape; any floating dtype, rounded to
+        it; any device). Thread-safe: reads use positioned I/O, so concurrent readers do not
+        share a file offset."""
+        if tuple(out.shape) != self.shape or not out.is_floating_point():
             raise ValueError(
                 f"spilled tensor is {list(self.shape)} {self.dtype}, out is "
                 f"{list(out.shape)} {out.dtype}"
             )
         flat = out.view(-1)
-        if flat.device.type == "cpu" and out.is_contiguous():
+        if flat.device.type == "cpu" and out.is_contiguous() and out.dtype == self.dtype:
             self._read_into(_bytes_of(flat), 0)
             return out
-        step = _IO_BLOCK // out.element_size()
+        # Another device or dtype: through a bounded staging buffer, rounded on the copy.
+        size = torch.empty(0, dtype=self.dtype).element_size()
+        step = _IO_BLOCK // size
         staging = torch.empty(min(step, self.numel), dtype=self.dtype)
         for lo in range(0, self.numel, step):
             part = staging[: min(step, self.numel - lo)]
-            self._read_into(_bytes_of(part), lo * out.element_size())
+            self._read_into(_bytes_of(part), lo * size)
             flat[lo : lo + part.numel()].copy_(part)
         return out
 

@@ -74,11 +74,12 @@ class ChocoGossip(GossipAlgorithm):
         self.settings = settings
         self.codec: Codec = from_spec(settings.codec)
         self.dense_codec: Codec = from_spec(DENSE_SPEC)
-        self.copies = Copies(self.codec, self.dense_codec, initial, settings.error_feedback)
+        dtype = getattr(torch, settings.copy_dtype)
+        self.copies = Copies(self.codec, self.dense_codec, initial, settings.error_feedback, dtype)
         self.nb = neighbourhood
         self.state_lock = state_lock
         self.metrics = metrics
-        self.edges = EdgeTable(x, neighbourhood.me)
+        self.edges = EdgeTable(x, neighbourhood.me, dtype)
         self._round = 0
 
     @property

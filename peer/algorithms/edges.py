@@ -82,6 +82,10 @@ class Copies:
     dense: Codec
     initial: SpilledTensor
     error_feedback: bool = True
+    #: The copies' dtype. Narrower than the model's (float16) halves their memory: every
+    #: increment is rounded to it the same way at both ends, so the copies stay identical,
+    #: and what rounding drops stays in x − x̂, which error feedback sends later.
+    dtype: torch.dtype = torch.float32
 
 
 @dataclass
@@ -213,7 +217,7 @@ class Edge:
         else:
             base = self.public if c.error_feedback or self.last_sent is None else self.last_sent
             payload = c.codec.encode(x - base, seed=self.sent + 1)
-            c.codec.decode_add_(payload, self.public)
+            c.codec.decode_add_(payload, self.public, cast=True)
             kind = Kind.DELTA
         if not c.error_feedback:
             self.mark_sent(self.public if kind is not Kind.DELTA else x)
@@ -230,9 +234,14 @@ class Edge:
                 raise DecodeError(
                     f"resync of {dense.numel()} values, expected {self.mirror.numel()}"
                 )
+            if dense.dtype != self.mirror.dtype:
+                raise DecodeError(
+                    f"resync of {dense.dtype} copies, ours are {self.mirror.dtype}: "
+                    "gossip.copy_dtype must be the same at every peer"
+                )
             self.mirror.copy_(dense)
         else:
-            c.codec.decode_add_(update.payload, self.mirror)
+            c.codec.decode_add_(update.payload, self.mirror, cast=True)
         return self.finish(update)
 
     def patience(self) -> float:
@@ -373,9 +382,10 @@ class EdgeTable(dict):
     prunes the edge at its next view change).
     """
 
-    def __init__(self, like: torch.Tensor, me: str) -> None:
+    def __init__(self, like: torch.Tensor, me: str, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self._like = like
+        self._dtype = like.dtype if dtype is None else dtype
         self._me = me
         self._dropped: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -386,8 +396,8 @@ class EdgeTable(dict):
             e = self.get(peer)
             if e is None:
                 e = self[peer] = Edge(
-                    public=torch.zeros_like(self._like),
-                    mirror=torch.zeros_like(self._like),
+                    public=torch.zeros_like(self._like, dtype=self._dtype),
+                    mirror=torch.zeros_like(self._like, dtype=self._dtype),
                     leader=self._me < peer,
                     dropped=self._dropped.pop(peer, 0),
                 )

@@ -18,6 +18,7 @@ class ChocoSettings:
     round_timeout: float
     error_feedback: bool
     robust_clip: float
+    copy_dtype: str
 
     @classmethod
     def from_config(cls, g: GossipSection, **override) -> ChocoSettings:

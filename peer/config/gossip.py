@@ -86,6 +86,14 @@ class GossipSection(Section):
         "a dense codec precise enough for a large anchor_gamma: 1-bit sign did as well as "
         "int2 at 80% of its bytes, top-k anchors drifted apart.",
     )
+    copy_dtype: Literal["float32", "float16"] = Field(
+        default_factory=default_for("copy_dtype"),
+        description="Precision of the public copies CHOCO keeps per edge (two per edge: "
+        "choco's of the parameters, diloco's of the anchors). float16 halves their memory: "
+        "both ends round every increment alike, so an edge's copies stay identical, and what "
+        "rounding drops (2^-11 of a value) stays in x − x̂ for error feedback to send later. "
+        "Every peer of a swarm must use the same.",
+    )
     buffers: Literal["average", "local"] = Field(
         "average",
         description="A model's floating-point buffers (BatchNorm running statistics): average "

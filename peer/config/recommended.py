@@ -25,8 +25,8 @@ from typing import Any
 DEFAULT_ALGORITHM = "choco"
 
 RECOMMENDED: dict[str, dict[str, Any]] = {
-    "choco": {"local_steps": 1, "codec": "topk:0.01+int8"},
-    "ef-gradient": {"local_steps": 1, "codec": "topk:0.01+int8"},
+    "choco": {"local_steps": 1, "codec": "topk:0.01+int8", "copy_dtype": "float32"},
+    "ef-gradient": {"local_steps": 1, "codec": "topk:0.01+int8", "copy_dtype": "float32"},
     "diloco": {
         "local_steps": 10,
         "codec": "topk:0.2+int2",
@@ -34,6 +34,7 @@ RECOMMENDED: dict[str, dict[str, Any]] = {
         "anchor_gamma": 0.5,
         "outer_lr": 1.0,
         "outer_momentum": 0.0,
+        "copy_dtype": "float16",
     },
 }
 """algorithm -> {key: recommended value}; a key missing from a row does not apply to that

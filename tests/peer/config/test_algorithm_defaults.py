@@ -24,6 +24,7 @@ DILOCO = {
     "anchor_gamma": 0.5,
     "outer_lr": 1.0,
     "outer_momentum": 0.0,
+    "copy_dtype": "float16",
 }
 
 
@@ -39,8 +40,12 @@ def test_diloco_alone_takes_its_recommended_values() -> None:
 
 def test_choco_keeps_its_values_and_chooses_only_its_own_keys() -> None:
     g = gossip()
-    assert (g.local_steps, g.codec) == (1, "topk:0.01+int8")
-    assert g.chosen_defaults() == {"local_steps": 1, "codec": "topk:0.01+int8"}
+    assert (g.local_steps, g.codec, g.copy_dtype) == (1, "topk:0.01+int8", "float32")
+    assert g.chosen_defaults() == {
+        "local_steps": 1,
+        "codec": "topk:0.01+int8",
+        "copy_dtype": "float32",
+    }
 
 
 def test_a_key_set_to_the_recommended_value_counts_as_set(tmp_path: Path) -> None:
