@@ -98,6 +98,7 @@ def peer_main(rank: int, args: dict, addresses, barrier, results) -> None:
 
 
 def _peer(rank: int, a: dict, addresses, barrier) -> dict:
+    from gossipgrad.peer.algorithms.footprint import gossip_state_bytes
     from gossipgrad.peer.config import build_config
     from gossipgrad.peer.runtime.optimizer import GossipOptimizer
 
@@ -105,29 +106,50 @@ def _peer(rank: int, a: dict, addresses, barrier) -> dict:
     torch.manual_seed(0)  # every peer builds the same initial model
     model = build_model(a["numel"])
     params = list(model.parameters())
-    gen = torch.Generator().manual_seed(100 + rank)
+    # The objective: peer i pulls its parameters towards a target of its own, a shared one
+    # plus 10 % of its own noise, f_i = ||θ − t_i||² / 2; the gradient θ − t_i is one pass,
+    # as cheap as a gradient can be (the step's compute is the emulated accelerator's wait).
+    shared, own = torch.Generator().manual_seed(1), torch.Generator().manual_seed(100 + rank)
+    targets = [
+        torch.randn(p.shape, generator=shared).add_(torch.randn(p.shape, generator=own), alpha=0.1)
+        for p in params
+    ]
     for p in params:
-        p.grad = 1e-3 * torch.randn(p.shape, generator=gen)
+        p.grad = torch.empty_like(p)
+
+    def set_gradients() -> None:
+        with torch.no_grad():
+            for p, t in zip(params, targets, strict=True):
+                torch.sub(p, t, out=p.grad)
+
+    def loss() -> float:
+        with torch.no_grad():
+            return (
+                sum(float(torch.dist(p, t)) ** 2 for p, t in zip(params, targets, strict=True)) / 2
+            )
+
     optimizer = torch.optim.SGD(params, lr=a["lr"])
-    optimizer.step()
     numel = sum(p.numel() for p in params)
     model_bytes = 4 * numel
     copy_s = copy_seconds(torch.cat([p.detach().reshape(-1) for p in params]))
     wait = a["accelerator_ms"] / 1000
     steps = a["rounds"] * a["local_steps"]
-    # The same steps without gossip: the CPU that training itself takes. The parameters are
-    # put back after, so every peer starts gossip from the same initial model.
+    # The same steps without gossip: the CPU that training itself takes. Every peer starts
+    # gossip from the same model, so the parameters are put back after.
     initial = [p.detach().clone() for p in params]
     cpu0 = time.process_time()
     for _ in range(steps):
         time.sleep(wait)
+        set_gradients()
         optimizer.step()
     cpu_plain = time.process_time() - cpu0
     with torch.no_grad():
         for p, p0 in zip(params, initial, strict=True):
             p.copy_(p0)
     del initial
+    initial_loss = loss()
     gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the steps above freed is not baseline
     baseline_kib = memory_kib("VmRSS")
     reset_peak()
 
@@ -151,14 +173,19 @@ def _peer(rank: int, a: dict, addresses, barrier) -> dict:
         raise RuntimeError("peers did not find each other in 120 s")
     barrier.wait(timeout=120)
     for _ in range(a["local_steps"]):  # the first round opens the edges: not measured
+        set_gradients()
         gopt.step()
     barrier.wait(timeout=120)
     stall0 = gopt.blocking_seconds
     round0 = gopt.round
     cpu0, t0 = time.process_time(), time.perf_counter()
+    mixed = 0
     for _ in range(steps):
         time.sleep(wait)
+        set_gradients()
+        before = gopt.round
         gopt.step()
+        mixed += gopt.round > before and bool(gopt.last_round and gopt.last_round.mixed)
     wall = time.perf_counter() - t0
     cpu_gossip = time.process_time() - cpu0
     rounds = max(gopt.round - round0, 1)
@@ -168,6 +195,9 @@ def _peer(rank: int, a: dict, addresses, barrier) -> dict:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     trimmed_kib = memory_kib("VmRSS") - baseline_kib
     stall_s = gopt.blocking_seconds - stall0
+    degree = min(2, a["peers"] - 1)  # a ring
+    formula = gossip_state_bytes(gopt.config.gossip, degree, model_bytes) / model_bytes
+    final_loss = loss()
 
     t0 = time.perf_counter()
     state = gopt.state_dict()
@@ -183,6 +213,10 @@ def _peer(rank: int, a: dict, addresses, barrier) -> dict:
         "numel": numel,
         "model_bytes": model_bytes,
         "copy_s": copy_s,
+        "formula_over_model": formula,
+        "initial_loss": initial_loss,
+        "final_loss": final_loss,
+        "rounds_mixed": mixed,
         "state_over_model": state_kib * 1024 / model_bytes,
         "trimmed_over_model": trimmed_kib * 1024 / model_bytes,
         "peak_over_model": peak_kib * 1024 / model_bytes,
@@ -209,7 +243,7 @@ def run_case(args: argparse.Namespace, numel: int, algorithm: str) -> list[dict]
         "rounds": args.rounds,
         "local_steps": args.local_steps.get(algorithm, 1),
         "accelerator_ms": args.accelerator_ms,
-        "lr": 1e-3,
+        "lr": 0.2,
         "set": args.set,
     }
     procs = [
@@ -243,6 +277,7 @@ def summarise(numel: int, algorithm: str, peers: list[dict]) -> dict:
         "size": numel,
         "algorithm": algorithm,
         "model_mb": peers[0]["model_bytes"] / 1e6,
+        "formula_over_model": peers[0]["formula_over_model"],
         "state_over_model": max(p["state_over_model"] for p in peers),
         "peak_over_model": max(p["peak_over_model"] for p in peers),
         "trimmed_over_model": max(p["trimmed_over_model"] for p in peers),
@@ -260,6 +295,7 @@ COLUMNS = [
     ("size", "params", "{:,}"),
     ("algorithm", "algorithm", "{}"),
     ("model_mb", "model MB", "{:.0f}"),
+    ("formula_over_model", "formula", "{:.2f}"),
     ("state_over_model", "state/model", "{:.2f}"),
     ("peak_over_model", "peak/model", "{:.2f}"),
     ("trimmed_over_model", "trimmed/model", "{:.2f}"),
@@ -310,7 +346,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     args.algorithms = [s.strip() for s in args.algorithms.split(",") if s.strip()]
     try:
-        args.local_steps = {k: int(v) for k, v in (kv.split("=") for kv in args.local_steps.split(","))}
+        args.local_steps = {
+            k: int(v) for k, v in (kv.split("=") for kv in args.local_steps.split(","))
+        }
         args.set = dict(_override(kv) for kv in args.set)
     except ValueError as err:
         p.error(str(err))
@@ -334,7 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for numel in args.sizes:
         for algorithm in args.algorithms:
-            print(f"bench_scale: {numel:,} parameters, {algorithm} ...", file=sys.stderr, flush=True)
+            print(
+                f"bench_scale: {numel:,} parameters, {algorithm} ...", file=sys.stderr, flush=True
+            )
             rows.append(summarise(numel, algorithm, run_case(args, numel, algorithm)))
     print_table(rows)
     if args.json:

@@ -1,0 +1,49 @@
+"""What each byte of a peer's gossip state is for: the memory an algorithm keeps beside the
+model, its gradients and the user's optimizer, as a formula of the model's size.
+
+Per peer, with M the model's bytes (float32 parameters), d the edges the peer keeps (its
+neighbours: 2 on a ring of 3 or more, 1 on a ring of 2, n - 1 on a complete graph, and on a
+time-varying graph every partner met since the last membership change) and c the copies'
+size relative to the model (1 for ``gossip.copy_dtype = "float32"``, 1/2 for float16):
+
+* choco: 2 d c M -- per edge, the public copy x̂_{i->j} and the mirror of x̂_{j->i}.
+* diloco: M (the anchor, which is also the phase's start) + M (the pseudo-gradient's
+  error-feedback residual; none with ``error_feedback = false``) + M (the outer momentum, only
+  with ``outer_momentum > 0``) + 2 d c M (the anchors' CHOCO copies). The neighbours'
+  pseudo-gradients stay compressed until they are decoded into the anchor.
+* ef-gradient: M (residual) + M (DGC velocity, only with ``ef_momentum > 0``) + M (the dense
+  average written into the gradients) + 2 d c M (the consensus copies).
+
+A round adds transients on top, freed when it ends: one model-sized difference x − x̂ while
+an update is encoded and, for top-k codecs, its magnitudes (2 M). A dense resync adds its
+payload and the receiver's buffer (2 M) while it is in flight. The initial model, from which
+edges opened in a swarm's first rounds start, lives in a temporary file, not in memory.
+"""
+
+from __future__ import annotations
+
+from gossipgrad.peer.config import GossipSection
+
+#: Bytes of a copy's element per dtype name (``gossip.copy_dtype``).
+COPY_BYTES = {"float32": 4, "float16": 2}
+
+
+def gossip_state_bytes(g: GossipSection, degree: int, model_bytes: int) -> int:
+    """The gossip state a peer keeps between rounds (module docstring), in bytes.
+
+    Args:
+        g: the [gossip] section the peer runs with.
+        degree: the edges the peer keeps.
+        model_bytes: the model's float32 parameters, in bytes.
+    """
+    if degree < 0 or model_bytes < 0:
+        raise ValueError(f"need degree >= 0 and model_bytes >= 0, got {degree}, {model_bytes}")
+    copies = 2 * degree * model_bytes * COPY_BYTES[g.copy_dtype] // 4
+    if g.algorithm == "choco":
+        return copies
+    residual = model_bytes if g.error_feedback else 0
+    if g.algorithm == "diloco":
+        momentum = model_bytes if g.outer_momentum > 0 else 0
+        return model_bytes + residual + momentum + copies
+    velocity = model_bytes if g.ef_momentum > 0 else 0
+    return residual + velocity + model_bytes + copies
