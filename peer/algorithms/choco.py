@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ import torch
 from gossipgrad.compression import Codec, DecodeError, from_spec
 from gossipgrad.peer.algorithms.base import GossipAlgorithm, RoundStats
 from gossipgrad.peer.algorithms.edges import Copies, Edge, EdgeTable, Incoming, Kind, Verdict
-from gossipgrad.peer.algorithms.mixing import Pair, consensus_step, residual_norm
+from gossipgrad.peer.algorithms.mixing import Pair, consensus_step, difference_norm
 from gossipgrad.peer.algorithms.neighbours import Neighbourhood
 from gossipgrad.peer.algorithms.rounds import OpenRound
 from gossipgrad.peer.algorithms.settings import ChocoSettings
@@ -81,6 +82,7 @@ class ChocoGossip(GossipAlgorithm):
         self.metrics = metrics
         self.edges = EdgeTable(x, neighbourhood.me, dtype)
         self._round = 0
+        self._scratch: torch.Tensor | None = None  # x − x̂ while a round encodes
 
     @property
     def round(self) -> int:
@@ -118,7 +120,11 @@ class ChocoGossip(GossipAlgorithm):
     def _encode(self, peer: str, edge: Edge, weight: float) -> tuple[pb.UpdateHeader, bytes]:
         """The edge's next update with its header (edge lock and state lock held)."""
         t0 = time.perf_counter()
-        kind, payload = edge.encode_next(self.x, self.copies, early=self._round < INIT_ROUNDS)
+        if self._scratch is None:  # one difference buffer for the round's edges, then freed
+            self._scratch = torch.empty_like(self.x)
+        kind, payload = edge.encode_next(
+            self.x, self.copies, early=self._round < INIT_ROUNDS, scratch=self._scratch
+        )
         if self.metrics is not None:
             if kind is Kind.RESYNC:
                 self.metrics.record_resync(peer)
@@ -339,6 +345,7 @@ class ChocoGossip(GossipAlgorithm):
             consensus_distance=rnd.distance,
             residual_norm=self._residual_norm(neighbors),
         )
+        self._scratch = None
         if self.metrics is not None:
             self.metrics.observe_round(time.perf_counter() - t_round)
             if stats.mixed:
@@ -401,10 +408,18 @@ class ChocoGossip(GossipAlgorithm):
             log.debug("final notice to %s failed: %s", peer, err)
 
     def _residual_norm(self, peers: list[str]) -> float:
-        """RMS over edges of ||x − x̂_{i->j}||: what error feedback still has to send."""
-        with torch.no_grad(), self.state_lock:
-            sent = [e.public for p in peers if (e := self.edges.get(p)) is not None and e.sent]
-            return residual_norm(self.x, sent)
+        """RMS over edges of ||x − x̂_{i->j}||, what error feedback still has to send, as of
+        each edge's last update (taken then from the difference it encoded: no extra pass;
+        without error feedback, a pass per edge)."""
+        edges = [e for p in peers if (e := self.edges.get(p)) is not None and e.sent]
+        norms = [e.residual for e in edges]
+        if not all(math.isfinite(n) for n in norms):
+            with torch.no_grad(), self.state_lock:
+                norms = [
+                    n if math.isfinite(n) else difference_norm(self.x, e.public)
+                    for n, e in zip(norms, edges, strict=True)
+                ]
+        return (sum(n * n for n in norms) / len(norms)) ** 0.5 if norms else 0.0
 
     # ------------------------------------------------------------------ interface
 

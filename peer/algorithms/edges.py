@@ -120,6 +120,7 @@ class Edge:
     proposed: float = 0.0  # our weight proposal for exchange `sent`
     opened_round: int = 0  # the gossip round that opened exchange `sent` (max_staleness)
     last_sent: torch.Tensor | None = None  # error feedback off: x at the last send
+    residual: float = float("nan")  # ||x − public|| after our last update (error feedback)
     busy: bool = False  # a push is in flight
     timeouts: int = 0  # pushes in a row that ran past their deadline (each doubles the next)
     idle: threading.Event = field(default_factory=threading.Event)
@@ -203,21 +204,35 @@ class Edge:
         else:
             self.last_sent.copy_(x)
 
-    def encode_next(self, x: torch.Tensor, c: Copies, early: bool) -> tuple[Kind, bytes]:
+    def encode_next(
+        self, x: torch.Tensor, c: Copies, early: bool, scratch: torch.Tensor | None = None
+    ) -> tuple[Kind, bytes]:
         """The next update of this edge, folded into ``public``: the session's opening (INIT
         while ``early`` and this edge never restarted, peers sharing the seeded initial model;
         else a dense RESYNC of x), or q = Q(x − x̂) (error feedback off: Q(x − b), b being x at
-        the previous send). Checksum and seq are the caller's to stamp."""
+        the previous send). Checksum and seq are the caller's to stamp.
+
+        ``scratch``: a buffer of x's shape and dtype for the difference (one per round, so
+        the edges of a round share one model-sized temporary). ``residual`` becomes
+        ||x − x̂|| after the update, read off the difference already in hand."""
         if self.sent == 0 and self.restarts == 0 and early:
             c.initial.copy_to(self.public)
             kind, payload = Kind.INIT, b""
+            self.residual = float("nan")
         elif self.sent == 0:
             self.public.copy_(x)
             kind, payload = Kind.RESYNC, c.dense.encode(self.public)
+            self.residual = 0.0
         else:
             base = self.public if c.error_feedback or self.last_sent is None else self.last_sent
-            payload = c.codec.encode(x - base, seed=self.sent + 1)
+            diff = torch.sub(x, base, out=scratch) if scratch is not None else x - base
+            payload = c.codec.encode(diff, seed=self.sent + 1)
             c.codec.decode_add_(payload, self.public, cast=True)
+            if c.error_feedback:  # what stays to send: x − x̂ = diff − decode(q)
+                c.codec.decode_add_(payload, diff, alpha=-1.0)
+                self.residual = float(torch.linalg.vector_norm(diff))
+            else:
+                self.residual = float("nan")
             kind = Kind.DELTA
         if not c.error_feedback:
             self.mark_sent(self.public if kind is not Kind.DELTA else x)

@@ -89,10 +89,3 @@ def consensus_step(
         dist2 += float(torch.dot(m, m))
         xs.add_(d, alpha=gamma)
     return math.sqrt(dist2)
-
-
-def residual_norm(x: torch.Tensor, publics: list[torch.Tensor]) -> float:
-    """RMS over edges of ||x − x̂_{i->j}||: what error feedback still has to send."""
-    if not publics:
-        return 0.0
-    return (sum(difference_norm(x, p) ** 2 for p in publics) / len(publics)) ** 0.5

@@ -1,0 +1,70 @@
+"""The codec calls that let a peer keep model-sized work out of memory: a difference encoded
+without materialising it, a message validated without decoding it, an increment added to a
+copy of narrower dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gossipgrad.compression import DecodeError, ErrorFeedback, from_spec
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("spec", ["topk:0.1+int8", "topk:0.2+int2", "sign", "none"])
+def test_compress_difference_is_compress_of_the_difference(
+    spec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same bytes, same residual as ``compress(a − b)``, over several slices (CHUNK = 1000)."""
+    monkeypatch.setattr("gossipgrad.compression.error_feedback.CHUNK", 1000)
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4321, generator=gen), torch.randn(4321, generator=gen)
+    one, other = ErrorFeedback(from_spec(spec)), ErrorFeedback(from_spec(spec))
+    for seed in (1, 2, 3):
+        assert one.compress_difference("v", a, b, seed=seed) == other.compress("v", a - b, seed)
+        assert torch.equal(one.residual("v"), other.residual("v"))
+        a.add_(torch.randn(4321, generator=gen), alpha=0.1)
+
+
+def test_a_non_finite_difference_is_refused_and_leaves_the_residual(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("gossipgrad.compression.error_feedback.CHUNK", 1000)
+    ef = ErrorFeedback(from_spec("topk:0.1+int8"))
+    a, b = torch.randn(4321), torch.randn(4321)
+    ef.compress_difference("v", a, b, seed=1)
+    before = ef.residual("v").clone()
+    a[3500] = float("nan")  # in the fourth slice: three were added before it was seen
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        ef.compress_difference("v", a, b, seed=2)
+    torch.testing.assert_close(ef.residual("v"), before)
+
+
+@pytest.mark.parametrize("spec", ["topk:0.1+int8", "randomk:0.1+int4", "sign", "int8", "none"])
+def test_inspect_validates_as_decode_does(spec: str) -> None:
+    codec = from_spec(spec)
+    data = codec.encode(torch.randn(3, 700), seed=5)
+    assert codec.inspect(data) == ((3, 700), torch.float32)
+    with pytest.raises(DecodeError):
+        codec.inspect(data, max_numel=100)
+    corrupted = bytearray(data)
+    corrupted[len(data) // 2] ^= 0xFF
+    with pytest.raises(DecodeError):
+        codec.decode(bytes(corrupted))
+    with pytest.raises(DecodeError):
+        codec.inspect(bytes(corrupted))
+
+
+@pytest.mark.parametrize("spec", ["topk:0.1+int8", "int8", "none"])
+def test_a_cast_add_rounds_like_adding_then_storing(spec: str) -> None:
+    """``decode_add_(cast=True)`` into float16 adds the payload's values rounded to float16,
+    the same at every end; without ``cast`` another dtype is refused."""
+    codec = from_spec(spec)
+    gen = torch.Generator().manual_seed(3)
+    data = codec.encode(torch.randn(5000, generator=gen), seed=1)
+    copy = torch.randn(5000, generator=gen).half()
+    expected = copy + codec.decode(data).half()
+    out = codec.decode_add_(data, copy.clone(), cast=True)
+    assert out.dtype == torch.float16 and torch.equal(out, expected)
+    with pytest.raises(DecodeError, match="dtype"):
+        codec.decode_add_(data, copy.clone())

@@ -1,0 +1,138 @@
+"""The pieces that keep a peer's gossip state small at model size: the initial model in a
+file, averages kept as messages, a consensus step in slices, float16 copies kept exact."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from gossipgrad.compression import from_spec
+from gossipgrad.peer.algorithms import mixing
+from gossipgrad.peer.algorithms.averaging import Average
+from gossipgrad.peer.algorithms.edges import Copies, Edge, Incoming, Kind, Verdict
+from gossipgrad.peer.algorithms.mixing import Pair, consensus_step
+from gossipgrad.peer.flat import SpilledTensor, tensor_checksum
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_a_spilled_tensor_reads_back_bit_for_bit_from_many_threads() -> None:
+    t = torch.randn(300_001, generator=torch.Generator().manual_seed(0))
+    spilled = SpilledTensor(t)
+    outs = [torch.empty_like(t) for _ in range(4)]
+    threads = [threading.Thread(target=spilled.copy_to, args=(o,)) for o in outs]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=30)
+    assert all(torch.equal(o, t) for o in outs)
+    assert torch.equal(spilled.load(), t)
+    half = spilled.copy_to(torch.empty(t.shape, dtype=torch.float16))
+    assert torch.equal(half, t.half())  # rounded as a copy_ would
+    with pytest.raises(ValueError, match="spilled tensor"):
+        spilled.copy_to(torch.empty(7))
+    spilled.close()
+
+
+def test_an_average_of_messages_adds_what_the_dense_sum_would() -> None:
+    gen = torch.Generator().manual_seed(1)
+    codec = from_spec("topk:0.3+int8")
+    vectors = [torch.randn(5000, generator=gen) for _ in range(3)]
+    weights = [0.5, 0.3, 0.2]
+    payloads = [codec.encode(v, seed=i + 1) for i, v in enumerate(vectors)]
+    dense = torch.zeros(5000)
+    for p, w in zip(payloads, weights, strict=True):
+        dense.add_(codec.decode(p), alpha=w)
+    average = Average(codec, tuple(zip(payloads, weights, strict=True)))
+    out = average.add_to_(torch.ones(5000), alpha=-2.0)
+    torch.testing.assert_close(out, 1.0 - 2.0 * dense)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    numel=st.integers(1, 40),
+    pairs=st.integers(0, 3),
+    gamma=st.floats(0.05, 1.0),
+    clip=st.sampled_from([0.0, 0.5, 100.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_consensus_step_in_slices_is_the_step_in_one(
+    numel: int, pairs: int, gamma: float, clip: float, seed: int
+) -> None:
+    """Slices of 7 elements (any length over and under a slice): x moves by
+    γ Σ w (mirror − public), each pull clipped to ``clip``, and the distance returned is
+    ||Σ w (mirror − x)|| of x before the step."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=gen, dtype=torch.float64)
+    ps = [
+        Pair(
+            torch.randn(numel, generator=gen, dtype=torch.float64),
+            torch.randn(numel, generator=gen, dtype=torch.float64),
+            float(torch.rand(1, generator=gen)),
+        )
+        for _ in range(pairs)
+    ]
+    expected, toward = x.clone(), torch.zeros_like(x)
+    for p in ps:
+        pull = p.mirror - p.public
+        if clip > 0 and float(pull.norm()) > clip:
+            pull = pull * (clip / float(pull.norm()))
+        expected += gamma * p.weight * pull
+        toward += p.weight * (p.mirror - x)
+    old = mixing.CHUNK
+    mixing.CHUNK = 7
+    try:
+        distance = consensus_step(x, ps, gamma, clip)
+    finally:
+        mixing.CHUNK = old
+    torch.testing.assert_close(x, expected)
+    assert distance == pytest.approx(float(toward.norm()) if ps else 0.0, rel=1e-9, abs=1e-12)
+
+
+def track(spec: str, dtype: torch.dtype) -> tuple[float, float]:
+    """Leader and follower of one edge, copies in ``dtype``, x moved by training between 60
+    updates: after every update the follower's mirror equals the leader's public copy bit
+    for bit (the checksum holds). Returns max |x − x̂| and max |x| at the end."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(20_000, generator=gen)
+    c = Copies(from_spec(spec), from_spec("none"), SpilledTensor(x), dtype=dtype)
+
+    def copies() -> dict:
+        return dict(
+            public=torch.zeros(x.shape, dtype=dtype), mirror=torch.zeros(x.shape, dtype=dtype)
+        )
+
+    leader, follower = Edge(**copies(), leader=True), Edge(**copies(), leader=False)
+    for seq in range(1, 61):
+        x.add_(torch.randn(x.shape, generator=gen), alpha=1e-3)
+        kind, payload = leader.encode_next(x, c, early=True)
+        assert kind is (Kind.INIT if seq == 1 else Kind.DELTA)
+        update = Incoming(
+            epoch=leader.epoch,
+            seq=seq,
+            kind=kind,
+            checksum=tensor_checksum(leader.public),
+            weight=0.5,
+            payload=payload,
+        )
+        leader.record_sent(update, 0.5, seq)
+        assert follower.admit(update) is None
+        assert follower.apply(update, c) is Verdict.ACCEPTED
+        assert torch.equal(follower.mirror, leader.public)
+        follower.done_mixing()
+        leader.answered(leader.epoch, seq, Verdict.ACCEPTED)
+        leader.done_mixing()
+    return float((x - leader.public.float()).abs().max()), float(x.abs().max())
+
+
+@pytest.mark.parametrize("spec", ["topk:0.05+int8", "sign", "int8"])
+def test_float16_copies_stay_identical_at_both_ends_and_track_x(spec: str) -> None:
+    """float16 copies stay bit-identical across the edge, and error feedback keeps them as
+    close to x as float32 copies are, up to two float16 steps at x's largest value: the
+    rounding is sent later, never lost."""
+    (full, _), (half, largest) = track(spec, torch.float32), track(spec, torch.float16)
+    step = float(torch.finfo(torch.float16).eps) * largest
+    assert half <= full + 2 * step, (half, full, step)
