@@ -112,12 +112,14 @@ class Codec(abc.ABC):
     def inspect(
         self, data: bytes, *, max_numel: int | None = None
     ) -> tuple[tuple[int, ...], torch.dtype]:
-        """Validate ``data`` exactly as ``decode`` does, without building the dense tensor, and
-        return its shape and dtype: a receiver can check a message on arrival and keep only
-        its bytes until it applies them (``decode_add_``).
+        """Check ``data`` on arrival and return its shape and dtype, without building the
+        dense tensor or decoding sparse indices (the costly part): the envelope, its CRC,
+        the element count and every section's size and values. A receiver keeps only the
+        bytes until it applies them; ``decode_add_`` then checks the indices themselves
+        (sorted, in range) before it writes anything.
 
         Raises:
-            DecodeError: as ``decode``.
+            DecodeError: for anything but a bad index coding, as ``decode``.
         """
         return engine.inspect(self, data, max_numel)
 

@@ -131,15 +131,31 @@ def decode_add(
 def inspect(
     codec: Codec, data: bytes, max_numel: int | None
 ) -> tuple[tuple[int, ...], torch.dtype]:
-    """Validate ``data`` as ``decode`` would, without building the dense tensor; returns the
-    payload's shape and dtype (see :meth:`.Codec.inspect`)."""
+    """Check ``data``'s envelope and sections as ``decode`` would, short of decoding sparse
+    indices; returns the payload's shape and dtype (see :meth:`.Codec.inspect`)."""
     env = wire.parse_envelope(data, codec.spec, max_numel)
-    _read(codec, env, torch.device("cpu"))
+    _sections(codec, env, torch.device("cpu"))
     return env.shape, env.dtype
 
 
 def _read(codec: Codec, env: wire.Envelope, dev: torch.device) -> tuple:
     """Validate and decode the sections. Dense: (values u8, scales); sparse: (idx, vals)."""
+    values, scales, raw = _sections(codec, env, dev)
+    sp, q = codec.stages()
+    if sp is None:
+        return values, scales
+    n, count = env.numel, env.count
+    if raw is not None:
+        idx = sp.decode_indices(wire.bytes_to_tensor(raw, dev), env.index_bits, count, n)
+    else:
+        idx = sp.indices_for(n, env.seed, dev)
+    vals = _dequantize_chunked(q, values, scales, count, env.dtype)
+    return idx, vals
+
+
+def _sections(codec: Codec, env: wire.Envelope, dev: torch.device) -> tuple:
+    """Check every section against what the codec requires, short of decoding the indices
+    (the costly part of a sparse payload): (values u8, scales, raw index bytes or None)."""
     sp, q = codec.stages()
     n, count = env.numel, env.count
     if sp is None and count != n:
@@ -157,16 +173,11 @@ def _read(codec: Codec, env: wire.Envelope, dev: torch.device) -> tuple:
     carries_indices = bool(env.index_bits or env.msg.indices.raw_size)
     if carries_indices and (sp is None or not sp.sends_indices):
         raise DecodeError(f"{codec.spec} payload must not carry indices")
-    if sp is None:
-        return values, scales
-    if sp.sends_indices:
+    raw = None
+    if sp is not None and sp.sends_indices:
         limit = sp.max_index_bytes(count, n, env.index_bits)
         raw = wire.read_section(env, "indices", limit=limit)
-        idx = sp.decode_indices(wire.bytes_to_tensor(raw, dev), env.index_bits, count, n)
-    else:
-        idx = sp.indices_for(n, env.seed, dev)
-    vals = _dequantize_chunked(q, values, scales, count, env.dtype)
-    return idx, vals
+    return values, scales, raw
 
 
 def _apply_dense(

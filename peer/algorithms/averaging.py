@@ -68,10 +68,16 @@ class Average:
     terms: tuple[tuple[bytes, float], ...]
 
     def add_to_(self, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-        """``out += alpha · Σ_k w_k decode(c_k)`` in place; returns ``out``."""
+        """``out += alpha · Σ_k w_k decode(c_k)`` in place; returns ``out``. A message whose
+        indices do not decode (they are checked here, not on arrival) is left out, as a lost
+        one would be, and logged."""
         for payload, w in self.terms:
-            if w:
+            if not w:
+                continue
+            try:
                 self.codec.decode_add_(payload, out, alpha=alpha * w)
+            except DecodeError as err:
+                log.warning("a vector of the average did not decode, left out: %s", err)
         return out
 
 

@@ -53,6 +53,10 @@ class GossipAlgorithm(abc.ABC):
         """Called after optimizer step ``local_step`` (1-based); returns a round's stats if
         one ran."""
 
+    def round_due(self, local_step: int) -> bool:
+        """Whether ``after_step(local_step)`` runs a round (True by default: it decides)."""
+        return True
+
     @abc.abstractmethod
     def consensus_round(self) -> RoundStats:
         """One gossip-only round now (no training step: ``gossip.final_rounds``)."""

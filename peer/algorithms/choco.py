@@ -118,7 +118,7 @@ class ChocoGossip(GossipAlgorithm):
     # ------------------------------------------------------------------ sending
 
     def _encode(self, peer: str, edge: Edge, weight: float) -> tuple[pb.UpdateHeader, bytes]:
-        """The edge's next update with its header (edge lock and state lock held)."""
+        """The edge's next update with its header (edge lock held)."""
         t0 = time.perf_counter()
         if self._scratch is None:  # one difference buffer for the round's edges, then freed
             self._scratch = torch.empty_like(self.x)
@@ -200,8 +200,10 @@ class ChocoGossip(GossipAlgorithm):
                 update = edge.unacked  # not acknowledged: the same bytes again
             elif edge.can_send() and turn.get(peer) != edge.epoch:
                 turn[peer] = edge.epoch
-                with self.state_lock:
-                    update = self._encode(peer, edge, weight)
+                # x is only read here (the state lock guards its writers: the optimizer
+                # and mixing), so a training step may go on meanwhile; an x read halfway
+                # through a step is as good a point to send from as any.
+                update = self._encode(peer, edge, weight)
             else:
                 return ""
             edge.claim()
@@ -423,8 +425,11 @@ class ChocoGossip(GossipAlgorithm):
 
     # ------------------------------------------------------------------ interface
 
+    def round_due(self, local_step: int) -> bool:
+        return local_step % self.settings.local_steps == 0
+
     def after_step(self, local_step: int) -> RoundStats | None:
-        if local_step % self.settings.local_steps:
+        if not self.round_due(local_step):
             return None
         return self.step_round()
 

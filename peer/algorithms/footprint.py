@@ -15,8 +15,12 @@ size relative to the model (1 for ``gossip.copy_dtype = "float32"``, 1/2 for flo
   average written into the gradients) + 2 d c M (the consensus copies).
 
 A round adds transients on top, freed when it ends: one model-sized difference x − x̂ while
-an update is encoded and, for top-k codecs, its magnitudes (2 M). A dense resync adds its
-payload and the receiver's buffer (2 M) while it is in flight. The initial model, from which
+an update is encoded and, for top-k codecs, its magnitudes (2 M); the codec's index coding
+adds about 64 bytes per kept value (0.2 M at top-1 %, 3 M at top-20 %: diloco's default), and
+so does decoding a neighbour's message. A dense resync adds its payload and the receiver's
+buffer (2 M) while it is in flight. Compressed messages held between rounds (the last one
+sent until acknowledged, neighbours' vectors until applied, receive buffers) add their
+compressed size, a tenth of a model or so at top-20 %. The initial model, from which
 edges opened in a swarm's first rounds start, lives in a temporary file, not in memory.
 """
 

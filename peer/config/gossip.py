@@ -86,6 +86,14 @@ class GossipSection(Section):
         "a dense codec precise enough for a large anchor_gamma: 1-bit sign did as well as "
         "int2 at 80% of its bytes, top-k anchors drifted apart.",
     )
+    background_rounds: bool = Field(
+        False,
+        description="choco: run each round (encode, pushes, waits, mixing) on a thread of its "
+        "own while training computes the next steps; the training thread waits only for the "
+        "round before, when the next is due. Needs a core free for gossip. A round's mixing "
+        "then lands a few steps after the step it started from (CHOCO tolerates such delay, "
+        "as it does max_staleness).",
+    )
     copy_dtype: Literal["float32", "float16"] = Field(
         default_factory=default_for("copy_dtype"),
         description="Precision of the public copies CHOCO keeps per edge (two per edge: "
@@ -200,6 +208,16 @@ class GossipSection(Section):
         from gossipgrad.compression import from_spec
 
         return from_spec(spec).spec
+
+    @model_validator(mode="after")
+    def _background_needs_choco(self) -> GossipSection:
+        if self.background_rounds and self.algorithm != "choco":
+            raise ValueError(
+                "background_rounds runs choco's rounds beside training; ef-gradient needs its "
+                "average before the step and diloco restarts the parameters from the anchor, "
+                "so both need their round in the training thread"
+            )
+        return self
 
     @model_validator(mode="after")
     def _topology_known(self) -> GossipSection:

@@ -38,6 +38,7 @@ import torch
 from gossipgrad.peer.algorithms import GossipAlgorithm, RoundStats
 from gossipgrad.peer.config import PeerConfig
 from gossipgrad.peer.flat import FlatParameters, FloatBuffers, persistent_buffers
+from gossipgrad.peer.runtime.background import BackgroundRound
 from gossipgrad.peer.runtime.checkpoint import params_digest
 from gossipgrad.peer.runtime.node import Peer
 from torch import nn
@@ -74,6 +75,9 @@ class GossipOptimizer:
         self.local_step = 0
         self.last_round: RoundStats | None = None
         self.blocking_seconds = 0.0  # training-thread time spent blocked in gossip
+        self._background: BackgroundRound[RoundStats | None] | None = (
+            BackgroundRound() if config.gossip.background_rounds else None
+        )
         # The training thread's optimizer steps vs. the algorithm's reads and writes of the
         # parameters vs. state downloads.
         self.state_lock = threading.RLock()
@@ -161,14 +165,38 @@ class GossipOptimizer:
             self.metrics.record_blocking(seconds)
 
     def after_local_step(self) -> RoundStats | None:
-        """What the algorithm does after step ``local_step`` (a round, when one is due)."""
+        """What the algorithm does after step ``local_step`` (a round, when one is due).
+
+        With ``gossip.background_rounds`` a due round is handed to a thread of its own and
+        training goes on; the training thread waits only for the round before it (returned
+        here, its stats, when it finished), so one round overlaps the next phase's compute.
+        """
+        step = self.local_step
+        if self._background is not None:
+            stats = None
+            if self.algorithm.round_due(step):
+                stats = self._wait_for_round()
+                self._background.start(lambda: self.algorithm.after_step(step))
+        else:
+            with self._blocking():
+                stats = self.algorithm.after_step(step)
+            self._record(stats)
+        self.peer.update_progress(self.local_step, self.round)
+        return stats
+
+    def _wait_for_round(self) -> RoundStats | None:
+        """Wait for the round running in the background, if any, and record it."""
+        if self._background is None:
+            return None
         with self._blocking():
-            stats = self.algorithm.after_step(self.local_step)
+            stats = self._background.wait()
+        self._record(stats)
+        return stats
+
+    def _record(self, stats: RoundStats | None) -> None:
         if stats is not None:
             self.last_round = stats
             self._average_buffers(stats)
-        self.peer.update_progress(self.local_step, self.round)
-        return stats
 
     def _average_buffers(self, stats: RoundStats) -> None:
         if self.peer.buffer_average is not None:
@@ -176,6 +204,7 @@ class GossipOptimizer:
 
     def gossip_round(self) -> RoundStats:
         """One gossip-only round now (``gossip.final_rounds``)."""
+        self._wait_for_round()
         with self._blocking():
             self.last_round = self.algorithm.consensus_round()
         self._average_buffers(self.last_round)
@@ -184,6 +213,7 @@ class GossipOptimizer:
 
     def finish(self) -> None:
         """Training is over: apply what is still in flight (diloco's last exchange)."""
+        self._wait_for_round()
         with self._blocking():
             self.algorithm.finish()
 
@@ -205,6 +235,7 @@ class GossipOptimizer:
             }
 
     def load_state_dict(self, state: dict) -> None:
+        self._wait_for_round()  # a round handed over before is over before the state changes
         if state.get("fingerprint") != self.flat.fingerprint:
             raise ValueError(
                 f"state is for another model (fingerprint {state.get('fingerprint')!r}, "
@@ -279,7 +310,10 @@ class GossipOptimizer:
 
     def close(self) -> None:
         """Leave the swarm cleanly (also on ``with`` exit)."""
-        self.peer.close()
+        try:
+            self._wait_for_round()
+        finally:
+            self.peer.close()
 
     def __enter__(self) -> GossipOptimizer:
         return self

@@ -8,7 +8,8 @@ the two sizes, per byte of model, with the formula's: within 10 % for choco; wit
 diloco, whose compressed messages held between rounds (its own pseudo-gradient, the
 neighbours' until they are applied, an anchor update until acknowledged, and their receive
 buffers: a tenth of a model or so at top-20 %) grow with the model too. The rounds' transients
-(peak) stay within the formula plus the documented 2 models of a round's encoding. And the
+(peak) stay within the formula plus what footprint.py documents for a round: 2 models of the
+difference and its magnitudes, and for diloco's top-20 % codec 2 more of index coding. And the
 training converges while gossip runs: every peer's loss falls to under half, and every
 measured round mixed with the neighbour.
 """
@@ -40,10 +41,11 @@ def swarm(numel: int, algorithm: str) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("algorithm", "formula", "tolerance"), [("choco", 2.0, 0.10), ("diloco", 3.0, 0.15)]
+    ("algorithm", "formula", "tolerance", "transient"),
+    [("choco", 2.0, 0.10, 2.5), ("diloco", 3.0, 0.15, 4.5)],
 )
 def test_gossip_state_grows_with_the_model_as_the_formula_says(
-    algorithm: str, formula: float, tolerance: float
+    algorithm: str, formula: float, tolerance: float, transient: float
 ) -> None:
     """choco on a ring of 2 (one edge, float32 copies): 2 models; diloco (anchor, residual,
     one edge of float16 anchor copies, no momentum): 1 + 1 + 1 = 3 models."""
@@ -57,4 +59,4 @@ def test_gossip_state_grows_with_the_model_as_the_formula_says(
         grown -= s["trimmed_over_model"] * s["model_bytes"]
         per_model_byte = grown / (big["model_bytes"] - s["model_bytes"])
         assert per_model_byte == pytest.approx(formula, rel=tolerance), (s, big)
-        assert big["peak_over_model"] <= formula + 2.5, big
+        assert big["peak_over_model"] <= formula + transient, big
