@@ -22,6 +22,7 @@ from gossipgrad.compression.bitpack import (
     rice_encode,
     rice_max_bytes,
 )
+from gossipgrad.compression.engine import Encoded
 from gossipgrad.compression.errors import DecodeError
 from gossipgrad.compression.finite import all_finite
 from gossipgrad.compression.stage_args import StageArgs
@@ -85,6 +86,13 @@ class Codec(abc.ABC):
             ValueError: unsupported dtype, or non-finite values in ``t``.
         """
         return engine.encode(self, t, seed)
+
+    @torch.no_grad()
+    def encode_parts(self, t: torch.Tensor, seed: int | None = None) -> tuple[bytes, Encoded]:
+        """``encode``, and what it built: ``Encoded.add_to_`` applies the payload exactly as
+        ``decode_add_`` of its bytes would, without decoding its indices again (an encoder
+        that takes what it sent out of an error-feedback residual)."""
+        return engine.encode_parts(self, t, seed)
 
     @torch.no_grad()
     def decode(

@@ -9,6 +9,7 @@ imports none of them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,7 +20,7 @@ from gossipgrad.compression.finite import all_finite
 if TYPE_CHECKING:
     from gossipgrad.compression.base import Codec, Quantizer
 
-__all__ = ["CHUNK", "decode", "decode_add", "encode", "inspect"]
+__all__ = ["CHUNK", "Encoded", "decode", "decode_add", "encode", "encode_parts", "inspect"]
 
 #: Dense tensors are (de)quantized in chunks of this many elements: bounded temporaries, cache
 #: friendly, and a multiple of every block size and of 8 (so packed bits concatenate).
@@ -29,6 +30,30 @@ _SEED_MAX = (1 << 63) - 1
 
 def encode(codec: Codec, t: torch.Tensor, seed: int | None) -> bytes:
     """Compress ``t`` with ``codec`` into a serialized envelope (see :meth:`.Codec.encode`)."""
+    return encode_parts(codec, t, seed)[0]
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """What an encoder built, kept: applying it is ``decode_add`` of its bytes, bit for bit
+    (the same dequantization, the same add), without decoding the indices again."""
+
+    codec: Codec
+    dtype: torch.dtype
+    count: int
+    idx: torch.Tensor | None  # None for a dense codec
+    values: torch.Tensor
+    scales: torch.Tensor | None
+
+    def add_to_(self, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        """``out += alpha * decode(bytes)`` in place (same shape; its dtype or, rounded to it,
+        another floating one); returns ``out``."""
+        _apply(self.codec, self.idx, self.values, self.scales, self.count, self.dtype, out, alpha)
+        return out
+
+
+def encode_parts(codec: Codec, t: torch.Tensor, seed: int | None) -> tuple[bytes, Encoded]:
+    """``encode`` that also returns what it built (see :class:`Encoded`)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in wire.DTYPE_TO_WIRE:
@@ -43,7 +68,7 @@ def encode(codec: Codec, t: torch.Tensor, seed: int | None) -> bytes:
     if not all_finite(flat):
         raise ValueError("cannot encode a tensor with NaN or infinite values")
     sp, q = codec.stages()
-    index_bits, idx_bytes = 0, None
+    index_bits, idx_bytes, idx = 0, None, None
     if sp is None:
         count, vals = flat.numel(), flat
     else:
@@ -53,7 +78,7 @@ def encode(codec: Codec, t: torch.Tensor, seed: int | None) -> bytes:
         if sp.sends_indices:
             index_bits, idx_bytes = sp.encode_indices(idx, flat.numel())
     values, scales = _quantize_chunked(q, vals, seed)
-    return wire.build_envelope(
+    data = wire.build_envelope(
         shape=tuple(t.shape),
         dtype=t.dtype,
         spec=codec.spec,
@@ -64,6 +89,7 @@ def encode(codec: Codec, t: torch.Tensor, seed: int | None) -> bytes:
         values=values,
         scales=scales,
     )
+    return data, Encoded(codec, t.dtype, count, idx, values, scales)
 
 
 def decode(
@@ -110,7 +136,27 @@ def decode_add(
         raise DecodeError(f"payload shape {list(env.shape)} != out shape {list(out.shape)}")
     if env.dtype != out.dtype and not (cast and out.is_floating_point()):
         raise DecodeError(f"payload dtype {env.dtype} != out dtype {out.dtype}")
-    parts = _read(codec, env, out.device)
+    values, scales, raw = _sections(codec, env, out.device)
+    sp, _ = codec.stages()
+    idx = None
+    if sp is not None:
+        idx = _indices(sp, env, raw, out.device)
+    _apply(codec, idx, values, scales, env.count, env.dtype, out, alpha)
+    return out
+
+
+def _apply(
+    codec: Codec,
+    idx: torch.Tensor | None,
+    values: torch.Tensor,
+    scales: torch.Tensor | None,
+    count: int,
+    dtype: torch.dtype,
+    out: torch.Tensor,
+    alpha: float,
+) -> None:
+    """``out += alpha * values`` (dequantized; at ``idx`` for a sparse codec): the one add
+    that ``decode_add`` and ``Encoded.add_to_`` share, so both give the same bits."""
     sp, q = codec.stages()
     target = (
         out.view(-1)
@@ -118,14 +164,12 @@ def decode_add(
         else torch.zeros(out.numel(), dtype=out.dtype, device=out.device)
     )
     if sp is None:
-        _apply_dense(q, parts, target, alpha=alpha, dtype=env.dtype)
-    else:
-        idx, vals = parts
-        if idx.numel():
-            target.index_add_(0, idx, vals.to(target.dtype), alpha=alpha)
+        _apply_dense(q, (values, scales), target, alpha=alpha, dtype=dtype)
+    elif idx is not None and idx.numel():
+        vals = _dequantize_chunked(q, values, scales, count, dtype)
+        target.index_add_(0, idx, vals.to(target.dtype), alpha=alpha)
     if not out.is_contiguous():
         out.add_(target.view(out.shape))
-    return out
 
 
 def inspect(
@@ -144,13 +188,18 @@ def _read(codec: Codec, env: wire.Envelope, dev: torch.device) -> tuple:
     sp, q = codec.stages()
     if sp is None:
         return values, scales
-    n, count = env.numel, env.count
-    if raw is not None:
-        idx = sp.decode_indices(wire.bytes_to_tensor(raw, dev), env.index_bits, count, n)
-    else:
-        idx = sp.indices_for(n, env.seed, dev)
-    vals = _dequantize_chunked(q, values, scales, count, env.dtype)
+    idx = _indices(sp, env, raw, dev)
+    vals = _dequantize_chunked(q, values, scales, env.count, env.dtype)
     return idx, vals
+
+
+def _indices(sp, env: wire.Envelope, raw, dev: torch.device) -> torch.Tensor:
+    """The kept entries' indices: decoded from the index section, or drawn from the seed."""
+    if raw is not None:
+        return sp.decode_indices(
+            wire.bytes_to_tensor(raw, dev), env.index_bits, env.count, env.numel
+        )
+    return sp.indices_for(env.numel, env.seed, dev)
 
 
 def _sections(codec: Codec, env: wire.Envelope, dev: torch.device) -> tuple:

@@ -72,11 +72,11 @@ class ErrorFeedback:
             raise ValueError(f"gradient {name!r} has NaN or infinite values; residual unchanged")
         e.add_(g)  # in place: a new residual per step would page-fault a model-sized buffer
         try:
-            data = self.codec.encode(e, seed)
+            data, sent = self.codec.encode_parts(e, seed)
         except ValueError:
             e.sub_(g)  # e + g overflowed; undo (best effort) and report
             raise
-        self.codec.decode_add_(data, e, alpha=-1.0)
+        sent.add_to_(e, alpha=-1.0)  # = decode_add_(data, e, alpha=-1), indices not decoded
         self._residuals[name] = e
         return data
 
@@ -118,8 +118,8 @@ class ErrorFeedback:
                     fe[done:end].sub_(fa[done:end]).add_(fb[done:end])
                 raise ValueError(f"{name!r}: the difference has NaN or infinite values")
             fe[lo:hi].add_(d)
-        data = self.codec.encode(e, seed)
-        self.codec.decode_add_(data, e, alpha=-1.0)
+        data, sent = self.codec.encode_parts(e, seed)
+        sent.add_to_(e, alpha=-1.0)
         return data
 
     def residual(self, name: str) -> torch.Tensor:

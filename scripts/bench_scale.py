@@ -15,7 +15,8 @@ baseline measured in the same process and run:
   server's decode, mixing, checksums, heartbeats) less that of the same steps without gossip,
   over the time of one ``copy_`` of the model.
 * stall/phase: the training thread's time blocked in gossip per round, over a phase's compute
-  (``local_steps`` x ``--accelerator-ms``); utilization: compute time over wall time.
+  (``local_steps`` x ``--accelerator-ms``); utilization: the wall time of the same steps
+  without gossip over their wall time with it (1: gossip costs the training nothing).
 * start: building and starting the GossipOptimizer; state: ``state_dict()`` and saving it to
   memory with ``torch.save``, over a ``torch.save`` of the same state alone.
 
@@ -137,12 +138,12 @@ def _peer(rank: int, a: dict, addresses, barrier) -> dict:
     # The same steps without gossip: the CPU that training itself takes. Every peer starts
     # gossip from the same model, so the parameters are put back after.
     initial = [p.detach().clone() for p in params]
-    cpu0 = time.process_time()
+    cpu0, t0 = time.process_time(), time.perf_counter()
     for _ in range(steps):
         time.sleep(wait)
         set_gradients()
         optimizer.step()
-    cpu_plain = time.process_time() - cpu0
+    cpu_plain, wall_plain = time.process_time() - cpu0, time.perf_counter() - t0
     with torch.no_grad():
         for p, p0 in zip(params, initial, strict=True):
             p.copy_(p0)
@@ -224,7 +225,7 @@ def _peer(rank: int, a: dict, addresses, barrier) -> dict:
         "round_cpu_over_copy": (cpu_gossip - cpu_plain) / rounds / copy_s,
         "stall_per_round_s": stall_s / rounds,
         "stall_over_phase": stall_s / rounds / max(wait * a["local_steps"], 1e-9),
-        "utilization": steps * wait / wall if wait else float("nan"),
+        "utilization": wall_plain / wall,
         "rounds": rounds,
         "start_s": start_s,
         "state_dict_s": state_dict_s,

@@ -38,6 +38,7 @@ import torch
 from gossipgrad.peer.algorithms import GossipAlgorithm, RoundStats
 from gossipgrad.peer.config import PeerConfig
 from gossipgrad.peer.flat import FlatParameters, FloatBuffers, persistent_buffers
+from gossipgrad.peer.network.malloc import trim_malloc
 from gossipgrad.peer.runtime.background import BackgroundRound
 from gossipgrad.peer.runtime.checkpoint import params_digest
 from gossipgrad.peer.runtime.node import Peer
@@ -197,6 +198,7 @@ class GossipOptimizer:
         if stats is not None:
             self.last_round = stats
             self._average_buffers(stats)
+            trim_malloc()  # the round's temporaries, back to the system
 
     def _average_buffers(self, stats: RoundStats) -> None:
         if self.peer.buffer_average is not None:

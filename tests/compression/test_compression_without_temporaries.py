@@ -68,3 +68,22 @@ def test_a_cast_add_rounds_like_adding_then_storing(spec: str) -> None:
     assert out.dtype == torch.float16 and torch.equal(out, expected)
     with pytest.raises(DecodeError, match="dtype"):
         codec.decode_add_(data, copy.clone())
+
+
+@pytest.mark.parametrize(
+    "spec", ["topk:0.1+int8", "topk:0.2+int2", "randomk:0.1+int4", "sign", "int8", "none"]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_what_the_encoder_built_adds_what_the_bytes_decode_to(
+    spec: str, dtype: torch.dtype
+) -> None:
+    """``Encoded.add_to_`` (the encoder's own parts, its indices not decoded again) gives the
+    bits ``decode_add_`` of the same bytes gives: an error-feedback residual reduced by it
+    agrees exactly with what every receiver applies."""
+    codec = from_spec(spec)
+    gen = torch.Generator().manual_seed(4)
+    data, sent = codec.encode_parts(torch.randn(3, 3001, generator=gen), seed=9)
+    base = torch.randn(3, 3001, generator=gen).to(dtype)
+    by_parts = sent.add_to_(base.clone(), alpha=-0.7)
+    by_bytes = codec.decode_add_(data, base.clone(), alpha=-0.7, cast=True)
+    assert torch.equal(by_parts, by_bytes)
