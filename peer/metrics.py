@@ -204,6 +204,13 @@ class PeerMetrics:
             ["neighbor"],
             registry=r,
         )
+        self.lane_dropped = Counter(
+            _name("push_lane_dropped"),
+            "Vectors dropped, oldest first, from a neighbour's push lane that was full (a "
+            "live but slow uplink: ef-gradient and diloco queue one per exchange).",
+            ["neighbor"],
+            registry=r,
+        )
         self.build_info = Gauge(
             _name("build_info"),
             "Always 1; labels say which version, algorithm, codec and topology this peer runs.",
@@ -234,6 +241,7 @@ class PeerMetrics:
         self.dense_bytes.labels(neighbor=neighbor)
         self.push_duration.labels(neighbor=neighbor)
         self.resyncs.labels(neighbor=neighbor)
+        self.lane_dropped.labels(neighbor=neighbor)
 
     def remove_neighbor(self, neighbor: str) -> None:
         """Drop a departed neighbour's series (keeps cardinality bounded under churn).
@@ -255,6 +263,7 @@ class PeerMetrics:
                     )
             _move(self.dense_bytes, {"neighbor": neighbor}, {"neighbor": DEPARTED})
             _move(self.resyncs, {"neighbor": neighbor}, {"neighbor": DEPARTED})
+            _move(self.lane_dropped, {"neighbor": neighbor}, {"neighbor": DEPARTED})
             self.push_duration.remove(neighbor)
 
     @property
@@ -325,6 +334,11 @@ class PeerMetrics:
         """Count one refused message; ``reason`` must be in :data:`REJECT_REASONS`."""
         _check_choice(reason, REJECT_REASONS, "reject reason")
         self.rejected_updates.labels(reason=reason).inc()
+
+    def record_lane_dropped(self, neighbor: str, count: int = 1) -> None:
+        """Count vectors dropped from ``neighbor``'s full push lane."""
+        self.add_neighbor(neighbor)
+        self.lane_dropped.labels(neighbor=neighbor).inc(count)
 
     def record_resync(self, neighbor: str) -> None:
         """Count one dense resync of the edge to ``neighbor``."""

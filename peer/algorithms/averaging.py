@@ -143,6 +143,12 @@ class CompressedAverage:
             return torch.zeros(self.shape, dtype=torch.float32, device=self._like.device)
         return self.feedback.residual(_NAME)
 
+    def _residual_norm(self) -> float:
+        """||e|| (0 without error feedback, with no model-sized zeros made for it)."""
+        if self.feedback is None or _NAME not in self.feedback.names():
+            return 0.0
+        return float(torch.linalg.vector_norm(self.feedback.residual(_NAME)))
+
     @property
     def mine(self) -> torch.Tensor:
         """decode(c_i) of the last exchange, as a new dense tensor (zeros before the first)."""
@@ -341,7 +347,7 @@ class CompressedAverage:
             averaged=averaged,
             waited_s=waited,
             payload_bytes=ticket.payload_bytes,
-            residual_norm=float(torch.linalg.vector_norm(self.residual)),
+            residual_norm=self._residual_norm(),
         )
         if self.metrics is not None:
             self.metrics.set_error_feedback_norm(stats.residual_norm)

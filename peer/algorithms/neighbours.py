@@ -8,6 +8,7 @@ blocking push to a peer); this module knows nothing of gRPC channels or heartbea
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -24,6 +25,10 @@ from gossipgrad.peer.network.errors import UpdateRejected
 from gossipgrad.proto import gossip_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+#: Jobs waiting in one neighbour's push lane before the oldest is dropped (the receiver
+#: keeps as many: peer/algorithms/averaging.py's MAX_QUEUED).
+MAX_LANE = 8
 
 #: The byte counters' ``kind`` label of an update kind (every other kind counts as "update").
 KIND_LABEL = {pb.RESYNC: "resync", pb.INIT: "resync", pb.BUFFERS: "buffers"}
@@ -97,9 +102,16 @@ class Neighbourhood:
         self._lagging: dict[str, int] = {}
         self._events = 0
         self._pool = ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="push")
-        # Jobs waiting per peer for submit_in_order; a key is present while one drains it.
+        # Jobs waiting per peer for submit_in_order; a key is present while its lane has a
+        # job running or is in line for a worker (``_ready``), never both.
         self._lanes: dict[str, deque[tuple[Callable[..., None], tuple]]] = {}
+        self._ready: deque[str] = deque()
+        self._lanes_running = 0
+        # Lanes never take the whole pool: CHOCO pushes and FINAL notices keep two workers.
+        self._lane_workers = max(1, pool_size - 2)
         self._lanes_lock = threading.Lock()
+        #: Jobs dropped from full lanes so far.
+        self.lane_dropped = 0
 
     @property
     def me(self) -> str:
@@ -169,27 +181,59 @@ class Neighbourhood:
     def submit_in_order(self, peer: str, fn: Callable[..., None], *args) -> None:
         """Like :meth:`submit`, but after every job submitted earlier for the same ``peer``
         has run: that peer receives the messages in the order they were sent, however the
-        pool's threads are scheduled (messages paired by arrival need it)."""
+        pool's threads are scheduled (messages paired by arrival need it).
+
+        A lane holds at most ``MAX_LANE`` waiting jobs: over a live but slow uplink the
+        oldest go first (counted in ``gossipgrad_push_lane_dropped_total``); the receiver
+        keeps no more than that either. Lanes take turns, one job each, on at most all but
+        two of the pool's workers, so a slow neighbour delays neither the other lanes nor
+        the pushes of :meth:`submit`.
+        """
+        dropped = 0
         with self._lanes_lock:
             lane = self._lanes.get(peer)
             if lane is not None:
                 lane.append((fn, args))
-                return
-            self._lanes[peer] = deque([(fn, args)])
-        self._pool.submit(self._drain, peer)
+                while len(lane) > MAX_LANE:
+                    lane.popleft()
+                    dropped += 1
+                self.lane_dropped += dropped
+                start = False
+            else:
+                self._lanes[peer] = deque([(fn, args)])
+                start = self._lanes_running < self._lane_workers
+                if start:
+                    self._lanes_running += 1
+                else:
+                    self._ready.append(peer)
+        if dropped:
+            log.warning("push lane to %s full: %d oldest vectors dropped", peer, dropped)
+            if self.metrics is not None:
+                self.metrics.record_lane_dropped(peer, dropped)
+        if start:
+            self._pool.submit(self._drain, peer)
 
     def _drain(self, peer: str) -> None:
-        while True:
-            with self._lanes_lock:
-                lane = self._lanes[peer]
-                if not lane:
-                    del self._lanes[peer]
-                    return
-                fn, args = lane.popleft()
-            try:
-                fn(*args)
-            except Exception:
-                log.exception("a push job to %s failed", peer)
+        """Run one job of ``peer``'s lane, then hand the worker to the next lane in line."""
+        with self._lanes_lock:
+            lane = self._lanes[peer]
+            fn, args = lane.popleft()
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("a push job to %s failed", peer)
+        with self._lanes_lock:
+            if lane:
+                self._ready.append(peer)  # more to send: to the back of the line
+            else:
+                del self._lanes[peer]
+            following = self._ready.popleft() if self._ready else None
+            if following is None:
+                self._lanes_running -= 1
+        if following is not None:
+            # RuntimeError: the pool was shut down (close), nothing more goes out.
+            with contextlib.suppress(RuntimeError):
+                self._pool.submit(self._drain, following)
 
     # ------------------------------------------------------------------ receiving
 
@@ -315,4 +359,5 @@ class Neighbourhood:
         with self._lanes_lock:
             for lane in self._lanes.values():
                 lane.clear()
+            self._ready.clear()
         self._pool.shutdown(wait=True, cancel_futures=True)
