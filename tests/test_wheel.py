@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -34,12 +35,20 @@ COMMANDS = {
 }
 
 
+#: What the copy the wheel is built from leaves out (environments, caches, build output).
+NOT_SOURCES = (".git", ".venv*", "build", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis")
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # Built from a copy: setuptools leaves build/ and *.egg-info beside the sources it builds,
+    # and in the checkout they were linted and copied by the other tests.
+    source = tmp_path_factory.mktemp("source") / "gossipgrad"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*NOT_SOURCES))
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(out), str(ROOT)],
+         "-w", str(out), str(source)],
         check=True, timeout=240, capture_output=True,
     )  # fmt: skip
     (found,) = out.glob("gossipgrad-*.whl")

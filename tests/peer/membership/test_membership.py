@@ -131,7 +131,7 @@ def test_a_refused_push_makes_its_receiver_suspect_before_any_heartbeat() -> Non
     }
     peers = start_peers(2, rare)
     crash(peers[1])
-    sender = AddressedSender(peers[0].membership, peers[0].clients, push_timeout=5.0)
+    sender = AddressedSender(peers[0].membership, peers[0].clients, peers[0].options)
     header = peers[0].neighbourhood.header("p1", pb.DELTA, b"x")
     t0 = time.monotonic()
     with pytest.raises(TransportError) as info:

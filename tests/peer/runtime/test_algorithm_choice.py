@@ -44,10 +44,11 @@ def test_status_records_the_keys_diloco_chose_and_not_those_set(tmp_path: Path) 
         "anchor_gamma": 0.5,
         "outer_lr": 1.0,
         "outer_momentum": 0.0,
+        "copy_dtype": "float16",
     }
 
 
 def test_status_of_a_choco_peer_records_choco_s_values(tmp_path: Path) -> None:
     status = run_alone(tmp_path / "choco", {"gossip.codec": "int8"})
     assert status.algorithm == "choco"
-    assert status.algorithm_defaults == {"local_steps": 1}
+    assert status.algorithm_defaults == {"local_steps": 1, "copy_dtype": "float32"}
