@@ -6,9 +6,9 @@ with optional self-centred clipping of each neighbour's pull (ClippedGossip, He,
 Jaggi 2022): one neighbour moves x by at most γ·w·clip per round, whatever it sends.
 
 Every function here walks the model-sized vectors one slice of ``CHUNK`` elements at a time,
-with scratch of that size: a round allocates nothing model-sized, and the metrics (how far x
-is from its neighbourhood, what error feedback still has to send) come from the same slices
-the step reads anyway, while they are in cache, instead of from passes of their own.
+with scratch of that size: a round allocates nothing model-sized, and the consensus-distance
+metric comes from the same slices the step reads anyway, while they are in cache, instead of
+from a pass of its own.
 """
 
 from __future__ import annotations
@@ -38,13 +38,15 @@ def _slices(n: int) -> Iterable[tuple[int, int]]:
         yield lo, min(n, lo + CHUNK)
 
 
-def _scratch(like: torch.Tensor) -> torch.Tensor:
-    return torch.empty(min(CHUNK, like.numel()), dtype=like.dtype, device=like.device)
+def _scratch(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    dtype = like.dtype if dtype is None else dtype
+    return torch.empty(min(CHUNK, like.numel()), dtype=dtype, device=like.device)
 
 
 def difference_norm(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a − b||, a slice at a time (no model-sized temporary)."""
-    d = _scratch(a)
+    """||a − b||, a slice at a time (no model-sized temporary), summed in at least float32
+    (float16 copies would round the squares)."""
+    d = _scratch(a, torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32))
     total = 0.0
     for lo, hi in _slices(a.numel()):
         s = torch.sub(a[lo:hi], b[lo:hi], out=d[: hi - lo])

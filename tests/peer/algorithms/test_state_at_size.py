@@ -136,3 +136,12 @@ def test_float16_copies_stay_identical_at_both_ends_and_track_x(spec: str) -> No
     (full, _), (half, largest) = track(spec, torch.float32), track(spec, torch.float16)
     step = float(torch.finfo(torch.float16).eps) * largest
     assert half <= full + 2 * step, (half, full, step)
+
+
+def test_the_clip_of_a_float16_pull_is_measured_in_float32() -> None:
+    """A pull of norm ~9e4 between float16 copies: its squares overflow float16, and a norm
+    summed there was infinite, which dropped the pull whole instead of clipping it."""
+    mirror = torch.full((100_000,), 300.0, dtype=torch.float16)
+    public = torch.zeros(100_000, dtype=torch.float16)
+    expected = 10.0 / float((mirror.float() - public.float()).norm())
+    assert mixing.clip_scale(mirror, public, 10.0) == pytest.approx(expected, rel=1e-3)
