@@ -59,26 +59,15 @@ class ErrorFeedback:
         """
         if not g.is_floating_point():
             raise ValueError(f"gradient {name!r} must be floating point, got {g.dtype}")
-        e = self._residuals.get(name)
-        if e is None:
-            dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
-            e = torch.zeros(g.shape, dtype=dtype, device=g.device)
-        elif e.shape != g.shape or e.device != g.device:
-            raise ValueError(
-                f"{name!r}: gradient {tuple(g.shape)} on {g.device} does not match the residual "
-                f"{tuple(e.shape)} on {e.device}"
-            )
+        e = self._residual_like(name, g)
         if not all_finite(g):
             raise ValueError(f"gradient {name!r} has NaN or infinite values; residual unchanged")
         e.add_(g)  # in place: a new residual per step would page-fault a model-sized buffer
         try:
-            data, sent = self.codec.encode_parts(e, seed)
+            return self._send(name, e, seed)
         except ValueError:
             e.sub_(g)  # e + g overflowed; undo (best effort) and report
             raise
-        sent.add_to_(e, alpha=-1.0)  # = decode_add_(data, e, alpha=-1), indices not decoded
-        self._residuals[name] = e
-        return data
 
     def compress_difference(
         self, name: str, a: torch.Tensor, b: torch.Tensor, seed: int | None = None
@@ -98,15 +87,7 @@ class ErrorFeedback:
                 f"{name!r}: cannot subtract {tuple(b.shape)} on {b.device} from "
                 f"{tuple(a.shape)} {a.dtype} on {a.device}"
             )
-        e = self._residuals.get(name)
-        if e is None:
-            dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
-            e = self._residuals[name] = torch.zeros(a.shape, dtype=dtype, device=a.device)
-        elif e.shape != a.shape or e.device != a.device:
-            raise ValueError(
-                f"{name!r}: {tuple(a.shape)} on {a.device} does not match the residual "
-                f"{tuple(e.shape)} on {e.device}"
-            )
+        e = self._residual_like(name, a)
         fa, fb, fe = a.reshape(-1), b.reshape(-1), e.view(-1)
         scratch = torch.empty(min(CHUNK, fe.numel()), dtype=a.dtype, device=a.device)
         for lo in range(0, fe.numel(), CHUNK):
@@ -118,8 +99,27 @@ class ErrorFeedback:
                     fe[done:end].sub_(fa[done:end]).add_(fb[done:end])
                 raise ValueError(f"{name!r}: the difference has NaN or infinite values")
             fe[lo:hi].add_(d)
+        return self._send(name, e, seed)
+
+    def _residual_like(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The residual of ``name``, or zeros for a first call (float32; float64 for float64
+        input), kept only once ``_send`` succeeds. ValueError if ``t`` does not fit it."""
+        e = self._residuals.get(name)
+        if e is None:
+            dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+            return torch.zeros(t.shape, dtype=dtype, device=t.device)
+        if e.shape != t.shape or e.device != t.device:
+            raise ValueError(
+                f"{name!r}: gradient {tuple(t.shape)} on {t.device} does not match the residual "
+                f"{tuple(e.shape)} on {e.device}"
+            )
+        return e
+
+    def _send(self, name: str, e: torch.Tensor, seed: int | None) -> bytes:
+        """Encode the residual ``e`` (g already added), take out what was sent, keep it."""
         data, sent = self.codec.encode_parts(e, seed)
-        sent.add_to_(e, alpha=-1.0)
+        sent.add_to_(e, alpha=-1.0)  # = decode_add_(data, e, alpha=-1), indices not decoded
+        self._residuals[name] = e
         return data
 
     def residual(self, name: str) -> torch.Tensor:

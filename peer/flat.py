@@ -19,9 +19,10 @@ from torch import nn
 
 
 class FlatParameters:
-    """The trainable parameters of ``model`` re-homed into one flat tensor ``data``."""
+    """The trainable parameters of ``model`` re-homed into one flat tensor ``data``, and
+    (``keep_initial``) a copy of them as built, in ``initial``."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, keep_initial: bool = True) -> None:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("model has no trainable parameters")
@@ -50,8 +51,9 @@ class FlatParameters:
         self.fingerprint = model_fingerprint(self.names, self.shapes, self.dtype)
         # The model as built: peers seeded alike hold the same one, so a new edge's public
         # copies can start from it without sending it. Kept in a file, not in memory: it is
-        # read only when an edge opens in a swarm's first rounds.
-        self.initial = SpilledTensor(self.data)
+        # read only when an edge opens in a swarm's first rounds. Only a peer that gossips
+        # needs it (``keep_initial``; a site's follower ranks do not).
+        self.initial = SpilledTensor(self.data) if keep_initial else None
 
     def grad(self) -> torch.Tensor:
         """The parameters' gradients as one flat tensor (zeros where a grad is None)."""

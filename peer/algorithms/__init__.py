@@ -43,6 +43,8 @@ def build_algorithm(
     metrics=None,
 ) -> GossipAlgorithm:
     """The algorithm ``cfg.algorithm`` names, over ``flat``'s parameters."""
+    if flat.initial is None:
+        raise ValueError("gossip needs the model as built: FlatParameters(keep_initial=True)")
     settings = ChocoSettings.from_config(cfg)
     if cfg.algorithm == "choco":
         return ChocoGossip(flat.data, flat.initial, settings, neighbourhood, state_lock, metrics)

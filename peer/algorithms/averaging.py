@@ -123,8 +123,7 @@ class CompressedAverage:
         self.nb = neighbourhood
         self.round_timeout = round_timeout
         self.metrics = metrics
-        self._like = torch.empty(0, dtype=like.dtype, device=like.device)
-        self.shape = tuple(like.shape)
+        self.shape, self.dtype, self.device = tuple(like.shape), like.dtype, like.device
         self.numel = like.numel()
         self._mine = b""  # c_i of the last exchange, as sent: the own term of the average
         self._dense: torch.Tensor | None = None  # the dense average, for collect() only
@@ -139,20 +138,23 @@ class CompressedAverage:
     @property
     def residual(self) -> torch.Tensor:
         """e: what the codec has dropped so far and will send later (zeros without EF)."""
+        e = self._kept_residual()
+        return torch.zeros(self.shape, dtype=torch.float32, device=self.device) if e is None else e
+
+    def _kept_residual(self) -> torch.Tensor | None:
         if self.feedback is None or _NAME not in self.feedback.names():
-            return torch.zeros(self.shape, dtype=torch.float32, device=self._like.device)
+            return None
         return self.feedback.residual(_NAME)
 
     def _residual_norm(self) -> float:
         """||e|| (0 without error feedback, with no model-sized zeros made for it)."""
-        if self.feedback is None or _NAME not in self.feedback.names():
-            return 0.0
-        return float(torch.linalg.vector_norm(self.feedback.residual(_NAME)))
+        e = self._kept_residual()
+        return 0.0 if e is None else float(torch.linalg.vector_norm(e))
 
     @property
     def mine(self) -> torch.Tensor:
         """decode(c_i) of the last exchange, as a new dense tensor (zeros before the first)."""
-        out = torch.zeros(self.shape, dtype=self._like.dtype, device=self._like.device)
+        out = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         if self._mine:
             self.codec.decode_add_(self._mine, out)
         return out
@@ -252,7 +254,7 @@ class CompressedAverage:
             raise UpdateRejected(
                 grpc.StatusCode.INVALID_ARGUMENT, "decode_error", str(err)
             ) from None
-        if shape != self.shape or dtype != self._like.dtype:
+        if shape != self.shape or dtype != self.dtype:
             raise UpdateRejected(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "malformed",
@@ -302,7 +304,7 @@ class CompressedAverage:
         ef-gradient's gradients and the buffers' average, which need the vector itself."""
         average, stats = self.collect_average(ticket, wait, own)
         if self._dense is None:
-            self._dense = torch.empty(self.shape, dtype=self._like.dtype, device=self._like.device)
+            self._dense = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         return average.add_to_(self._dense.zero_()), stats
 
     def collect_average(

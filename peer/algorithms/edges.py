@@ -226,10 +226,12 @@ class Edge:
         else:
             base = self.public if c.error_feedback or self.last_sent is None else self.last_sent
             diff = torch.sub(x, base, out=scratch) if scratch is not None else x - base
-            payload = c.codec.encode(diff, seed=self.sent + 1)
-            c.codec.decode_add_(payload, self.public, cast=True)
+            # What the encoder built is applied as the receiver's decode_add_ applies the
+            # bytes, bit for bit, without decoding our own indices again.
+            payload, sent = c.codec.encode_parts(diff, seed=self.sent + 1)
+            sent.add_to_(self.public)
             if c.error_feedback:  # what stays to send: x − x̂ = diff − decode(q)
-                c.codec.decode_add_(payload, diff, alpha=-1.0)
+                sent.add_to_(diff, alpha=-1.0)
                 self.residual = float(torch.linalg.vector_norm(diff))
             else:
                 self.residual = float("nan")

@@ -176,7 +176,7 @@ class SiteOptimizer:
             self.peer = self.gopt.peer
             self.metrics = self.gopt.metrics
         else:
-            self.flat = FlatParameters(model)
+            self.flat = FlatParameters(model, keep_initial=False)  # a follower never gossips
             self.peer = _FollowerPeer(config.peer.id, site.rank)
             self.metrics = PeerMetrics()
         self._local_step = 0
