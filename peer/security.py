@@ -6,10 +6,13 @@ is the common name of its certificate, which must equal its ``peer.id``; the tra
 any call whose claimed sender differs from the certificate it came with. An optional shared
 swarm token rides on top as call metadata.
 
-Clients verify the server's certificate against the swarm CA but not against the dialled
-host name: every peer certificate carries the fixed DNS name :data:`SWARM_TLS_NAME`, so
-certificates need not know the sites' addresses. Being signed by the swarm CA is what makes a
-peer a member; which member answered is checked by the receiver of each call.
+Clients verify the server's certificate against the swarm CA and against the member they
+dialled, never against the host name: every peer certificate carries, as DNS names, the fixed
+:data:`SWARM_TLS_NAME` and its own :func:`peer_tls_name`, so certificates need not know the
+sites' addresses. A client dialling peer X at the address held for it asks for X's name
+(:meth:`TransportSecurity.channel_args`), so a member holding only its own certificate cannot
+answer as X; a client dialling an address whose peer it does not know yet (a bootstrap) asks
+for :data:`SWARM_TLS_NAME`, i.e. any member, and takes what it hears there as hearsay.
 
 Example::
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import hmac
 import ipaddress
 import logging
@@ -37,8 +41,12 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 log = logging.getLogger(__name__)
 
-#: DNS name every peer certificate carries; clients verify servers against it.
+#: DNS name every peer certificate carries; a client that does not know which member it
+#: dials (a bootstrap address) verifies the server against it.
 SWARM_TLS_NAME = "gossipgrad.swarm"
+
+#: Parent domain of the per-peer names (:func:`peer_tls_name`).
+PEER_NAME_DOMAIN = "id." + SWARM_TLS_NAME
 
 #: Call metadata key carrying the optional swarm token.
 TOKEN_METADATA_KEY = "gossipgrad-token"
@@ -104,8 +112,22 @@ def make_ca(name: str = "gossipgrad swarm CA", days: int = 3650) -> tuple[bytes,
     return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
 
 
-def _san(hosts: Iterable[str]) -> list[x509.GeneralName]:
-    names: list[x509.GeneralName] = [x509.DNSName(SWARM_TLS_NAME)]
+def peer_tls_name(peer_id: str) -> str:
+    """The DNS name that pins ``peer_id``'s certificate: a client dialling that peer accepts
+    only a server certificate carrying it.
+
+    A peer id may hold characters a DNS name may not, and TLS compares names without case,
+    so the name is a digest of the id (128 bits: no member can be issued a colliding id).
+    """
+    digest = hashlib.sha256(peer_id.encode()).hexdigest()[:32]
+    return f"{digest}.{PEER_NAME_DOMAIN}"
+
+
+def _san(peer_id: str, hosts: Iterable[str]) -> list[x509.GeneralName]:
+    names: list[x509.GeneralName] = [
+        x509.DNSName(SWARM_TLS_NAME),
+        x509.DNSName(peer_tls_name(peer_id)),
+    ]
     for host in hosts:
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(host.strip("[]"))))
@@ -124,8 +146,9 @@ def make_peer_cert(
     """A certificate for ``peer_id`` signed by the swarm CA; returns (cert PEM, key PEM).
 
     The common name is the peer id (its identity in the swarm); the certificate is valid for
-    both TLS client and server use. ``hosts`` (names or IPs) are added as subject alternative
-    names next to :data:`SWARM_TLS_NAME` for tools that verify host names.
+    both TLS client and server use. Its subject alternative names are :data:`SWARM_TLS_NAME`,
+    the peer's :func:`peer_tls_name` (what clients dialling it check) and ``hosts`` (names or
+    IPs) for tools that verify host names.
     """
     if not peer_id or len(peer_id) > 64:
         raise ValueError(f"peer id must be 1-64 characters, got {peer_id!r}")
@@ -142,7 +165,7 @@ def make_peer_cert(
         .not_valid_before(now - _ONE_DAY)
         .not_valid_after(now + datetime.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.SubjectAlternativeName(_san(hosts)), critical=False)
+        .add_extension(x509.SubjectAlternativeName(_san(peer_id, hosts)), critical=False)
         .add_extension(
             x509.ExtendedKeyUsage(
                 [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
@@ -166,6 +189,32 @@ def certificate_identity(cert_pem: bytes) -> str:
         raise ValueError("certificate has no common name")
     value = names[0].value
     return value if isinstance(value, str) else value.decode()
+
+
+def certificate_dns_names(cert_pem: bytes) -> list[str]:
+    """The DNS names among a certificate's subject alternative names."""
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    return san.get_values_for_type(x509.DNSName)
+
+
+def check_pinnable(cert_pem: bytes, where: str = "security.cert") -> None:
+    """Raise ValueError, saying to reissue it, if a peer certificate lacks its per-peer name.
+
+    Certificates made before identity pinning carry only :data:`SWARM_TLS_NAME`: every
+    client dialling such a peer would refuse it, so the peer must not start with one.
+    """
+    identity = certificate_identity(cert_pem)
+    if peer_tls_name(identity) not in certificate_dns_names(cert_pem):
+        raise ValueError(
+            f"{where}: the certificate of {identity!r} does not carry its per-peer name "
+            f"{peer_tls_name(identity)} (it was made by an older 'gossipgrad-peer certs'), "
+            "so other peers would refuse to reach it; reissue it with "
+            f"'gossipgrad-peer certs --out <dir holding ca.pem and ca.key> {identity}'"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,9 +322,11 @@ class TransportSecurity:
             certificate_chain=self.cert_pem,
         )
 
-    def channel_args(self) -> list[tuple[str, str]]:
-        """gRPC channel arguments a TLS client needs (the server name to verify)."""
-        return [("grpc.ssl_target_name_override", SWARM_TLS_NAME)]
+    def channel_args(self, peer_id: str | None = None) -> list[tuple[str, str]]:
+        """gRPC channel arguments a TLS client needs: the name the server's certificate must
+        carry, ``peer_id``'s own (:func:`peer_tls_name`), or any member's without one."""
+        name = peer_tls_name(peer_id) if peer_id else SWARM_TLS_NAME
+        return [("grpc.ssl_target_name_override", name)]
 
     def call_metadata(self) -> tuple[tuple[str, str], ...]:
         """Metadata sent with every call (the token, if any)."""
@@ -344,6 +395,7 @@ def resolve_security(
         if insecure:
             raise ValueError("security: insecure = true contradicts ca/cert/key; drop one")
         sec = TransportSecurity.from_files(ca, cert, key, token)
+        check_pinnable(sec.cert_pem, f"security.cert {cert}")
         log.info("gossip over mutual TLS as %s", sec.identity)
         return sec
     if insecure:

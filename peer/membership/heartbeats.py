@@ -99,7 +99,9 @@ class Membership(PeerTable):
         swarm: swarm name; heartbeats from another swarm are refused by the server.
         cfg: the membership section of the config.
         bootstrap: addresses to contact until some peer answers.
-        heartbeat: callable(address, request, timeout) -> HeartbeatReply (the transport);
+        heartbeat: callable(address, peer_id, request, timeout) -> HeartbeatReply (the
+            transport; ``peer_id`` is the peer held at ``address``, whose certificate the
+            server must hold, or None for a bootstrap address, where any member will do);
             an exception it raises with a true ``refused`` attribute says nothing listens at
             the address, and the peer there is suspect at once (``PeerTable.refused``).
         on_change: called (from the heartbeat thread) when the set of present peers, a
@@ -114,7 +116,7 @@ class Membership(PeerTable):
         swarm: str,
         cfg: MembershipSection,
         bootstrap: list[str],
-        heartbeat: Callable[[str, pb.HeartbeatRequest, float], pb.HeartbeatReply],
+        heartbeat: Callable[[str, str | None, pb.HeartbeatRequest, float], pb.HeartbeatReply],
         on_change: Callable[[], None] = lambda: None,
         near: Callable[[list[str]], set[str]] = lambda ids: set(),
     ) -> None:
@@ -188,7 +190,7 @@ class Membership(PeerTable):
             view_digest=digest,
         )
         try:
-            reply = self._heartbeat(address, request, self.heartbeat_timeout)
+            reply = self._heartbeat(address, peer_id, request, self.heartbeat_timeout)
         except Exception as err:  # unreachable peers are expected; the sweep handles them
             log.debug("heartbeat to %s failed: %s", address, err)
             with self._lock:

@@ -29,7 +29,8 @@ from typing import Any, TypeVar
 
 import grpc
 from gossipgrad.peer.network import framing, protocol
-from gossipgrad.peer.network.errors import TransportError, from_rpc_error
+from gossipgrad.peer.network.errors import TransportError, WrongServer, from_rpc_error
+from gossipgrad.peer.network.identity import serves_another_member
 from gossipgrad.peer.network.malloc import tune_malloc
 from gossipgrad.peer.network.options import TransportOptions, client_channel_args
 from gossipgrad.peer.network.protocol import STATE_CODEC, UPDATE_CODEC
@@ -71,6 +72,11 @@ class PeerClient:
     else the caller hears it at once. Thread-safe, except
     that ``last_*`` attributes describe whichever call finished last. After :meth:`close`,
     every call raises TransportError with CANCELLED.
+
+    Under TLS, ``peer`` pins the server's identity: only a server holding ``peer``'s
+    certificate is talked to; one holding another member's fails every call with
+    :class:`WrongServer` (not retried), and ``on_wrong_server(address, peer)`` hears of
+    each. Without ``peer`` (a bootstrap address) any member's certificate is accepted.
     """
 
     def __init__(
@@ -78,12 +84,17 @@ class PeerClient:
         address: str,
         options: TransportOptions | None = None,
         security: TransportSecurity | None = None,
+        peer: str | None = None,
+        on_wrong_server: Callable[[str, str], None] | None = None,
     ) -> None:
         self.address = address
         self.options = options or TransportOptions()
         if self.options.tune_malloc:
             tune_malloc()
         self._security = security
+        #: The peer id the server must prove it is (None: any member).
+        self.peer = peer or None
+        self._on_wrong_server = on_wrong_server
         self._metadata = (security.call_metadata() if security is not None else ()) or None
         self._bulk = self._open_channel()
         self._beat = self._open_channel()
@@ -119,7 +130,7 @@ class PeerClient:
         args: list[tuple[str, Any]] = list(client_channel_args(self.options))
         sec = self._security
         if sec is not None and sec.tls:
-            args += sec.channel_args()
+            args += sec.channel_args(self.peer)
             return grpc.secure_channel(self.address, sec.channel_credentials(), options=args)
         return grpc.insecure_channel(self.address, options=args)
 
@@ -298,13 +309,34 @@ class PeerClient:
             err.attempts = attempts
             raise
         except grpc.RpcError as err:
-            return from_rpc_error(err, attempts)
+            failure = from_rpc_error(err, attempts)
         except ValueError:
             if self.closed:  # gRPC refuses calls on a channel closed under our feet
                 raise TransportError(
                     grpc.StatusCode.CANCELLED, "", "client closed", attempts
                 ) from None
             raise
+        if self._serves_another_member(failure, deadline):
+            if self._on_wrong_server is not None:
+                self._on_wrong_server(self.address, self.peer)
+            raise WrongServer(self.address, self.peer, attempts)
+        return failure
+
+    def _serves_another_member(self, failure: TransportError, deadline: float) -> bool:
+        """Whether a call that failed to connect met a member other than :attr:`peer` (see
+        :mod:`~gossipgrad.peer.network.identity`); asked only of pinned TLS clients."""
+        sec = self._security
+        if (
+            self.peer is None
+            or sec is None
+            or not sec.tls
+            or failure.code() != grpc.StatusCode.UNAVAILABLE
+            or failure.reason
+            or failure.refused
+        ):
+            return False
+        patience = max(0.5, min(2.0, deadline - time.monotonic()))
+        return serves_another_member(self.address, sec, self.options, self.peer, patience)
 
 
 def _with_payload_size(header: pb.UpdateHeader, size: int) -> pb.UpdateHeader:

@@ -69,6 +69,24 @@ class TransportError(grpc.RpcError):
         )
 
 
+class WrongServer(TransportError):
+    """A client dialled peer ``expected`` at ``address`` and the server there holds another
+    member's certificate (one that does not name ``expected``): nothing is sent to it, and
+    the call is not retried. Reason ``unauthenticated``."""
+
+    def __init__(self, address: str, expected: str, attempts: int = 1) -> None:
+        super().__init__(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "unauthenticated",
+            f"the server at {address} holds a swarm certificate that is not {expected!r}'s "
+            "(another member serves there, or its certificate predates per-peer names and "
+            "must be reissued with 'gossipgrad-peer certs')",
+            attempts,
+        )
+        self.address = address
+        self.expected = expected
+
+
 class UpdateRejected(TransportError):
     """Raised by a handler to refuse a call; the client receives it as the same class.
 

@@ -240,7 +240,7 @@ class StateDownload:
         log.info("downloading state from %s (step %d)", info.id, info.step)
         t0 = time.monotonic()
         try:
-            header, blob = self.clients.get(info.address).download_state(
+            header, blob = self.clients.get(info.address, info.id).download_state(
                 pb.StateRequest(swarm=self.swarm, requester=self.me), timeout=timeout
             )
         except grpc.RpcError as err:

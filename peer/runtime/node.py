@@ -93,6 +93,10 @@ def transport_security(cfg: PeerConfig) -> TransportSecurity | None:
     return sec
 
 
+#: Most (address, peer) pairs :meth:`Peer._wrong_server` logs (each is logged once; beyond
+#: this they are only counted, so invented ids cannot grow the set without bound).
+MAX_WRONG_SERVERS_LOGGED = 1024
+
 #: Listen hosts that bind every interface (not an address another machine can dial).
 WILDCARD_HOSTS = ("0.0.0.0", "[::]", "::")
 
@@ -113,7 +117,7 @@ class AddressedSender:
         address = self._membership.address_of(peer)
         if address is None:
             raise ConnectionError(f"no address for peer {peer}")
-        client = self._clients.get(address)
+        client = self._clients.get(address, peer)
         sent_at = time.monotonic()
         try:
             timeout = self._options.push_deadline(len(payload)) * patience
@@ -171,7 +175,15 @@ class Peer:
                 t.state_timeout,
                 flat.nbytes,
             )
-        self.clients = ClientPool(self.options, self.security, cfg.transport.dial_target)
+        # (address, peer id) pairs whose server held another member's certificate, logged once
+        self._wrong_servers: set[tuple[str, str]] = set()
+        self._wrong_servers_lock = threading.Lock()
+        self.clients = ClientPool(
+            self.options,
+            self.security,
+            cfg.transport.dial_target,
+            on_wrong_server=self._wrong_server,
+        )
         self.server = GossipServer(
             self,
             bind=cfg.peer.listen,
@@ -289,17 +301,38 @@ class Peer:
     # ------------------------------------------------------------------ outgoing
 
     def _heartbeat(
-        self, address: str, request: pb.HeartbeatRequest, timeout: float
+        self, address: str, peer_id: str | None, request: pb.HeartbeatRequest, timeout: float
     ) -> pb.HeartbeatReply:
-        if address in self._kept_addresses():
-            reply = self.clients.get(address).heartbeat(request, timeout=timeout)
+        if (address, peer_id or "") in self._kept_clients():
+            reply = self.clients.get(address, peer_id).heartbeat(request, timeout=timeout)
         else:  # a probe of a peer held dead or gone: no channel left behind, reconnecting
-            with self.clients.transient(address) as client:
+            with self.clients.transient(address, peer_id) as client:
                 reply = client.heartbeat(request, timeout=timeout)
         if reply.responder.id:
             self.metrics.record_sent(UNATTRIBUTED, "heartbeat", request.ByteSize())
             self.metrics.sent_heartbeats.inc()
         return reply
+
+    def _wrong_server(self, address: str, peer_id: str) -> None:
+        """A client dialling ``peer_id`` at ``address`` met another member's certificate:
+        counted as ``unauthenticated`` every time, logged once per (address, peer)."""
+        self.metrics.record_rejected("unauthenticated")
+        with self._wrong_servers_lock:
+            first = (address, peer_id) not in self._wrong_servers and (
+                len(self._wrong_servers) < MAX_WRONG_SERVERS_LOGGED
+            )
+            if first:
+                self._wrong_servers.add((address, peer_id))
+        if first:
+            log.warning(
+                "the server at %s does not hold %s's certificate: not talking to it as %s "
+                "(another member serves there, or %s's certificate predates per-peer names "
+                "and must be reissued with 'gossipgrad-peer certs')",
+                address,
+                peer_id,
+                peer_id,
+                peer_id,
+            )
 
     def donors(self) -> list[pb.PeerInfo]:
         """Live peers that have trained (see ``StateDownload.donors``)."""
@@ -417,14 +450,17 @@ class Peer:
         for pid in self.metrics.neighbor_ids - present:
             self.metrics.remove_neighbor(pid)
         # Channels to peers that left go too (a probe of a dead peer uses one of its own).
-        self.clients.prune(self._kept_addresses())
+        self.clients.prune(self._kept_clients())
 
-    def _kept_addresses(self) -> set[str]:
-        """Addresses whose clients the pool keeps: every peer not held dead, the bootstraps,
-        less those whose process is gone (a refused call; their probes use a channel of
-        their own, closed after each, as probes of dead peers do)."""
+    def _kept_clients(self) -> set[tuple[str, str]]:
+        """(address, peer id) pairs whose clients the pool keeps: every peer not held dead,
+        the bootstraps (id ""), less those at an address whose process is gone (a refused
+        call; their probes use a channel of their own, closed after each, as probes of dead
+        peers do)."""
         m = self.membership
-        return ({i.address for i in m.known_infos()} | set(m.bootstrap)) - m.gone_addresses()
+        gone = m.gone_addresses()
+        kept = {(i.address, i.id) for i in m.known_infos()} | {(b, "") for b in m.bootstrap}
+        return {k for k in kept if k[0] not in gone}
 
     def _forget(self, pid: str) -> None:
         """A peer left or restarted: drop what the algorithm and the buffers hold of it."""

@@ -20,10 +20,12 @@ def record_requests(peer) -> list[pb.HeartbeatRequest]:
     lock = threading.Lock()
     send = peer.membership._heartbeat
 
-    def spy(address: str, request: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatReply:
+    def spy(
+        address: str, to: str | None, request: pb.HeartbeatRequest, timeout: float
+    ) -> pb.HeartbeatReply:
         with lock:
             seen.append(pb.HeartbeatRequest.FromString(request.SerializeToString()))
-        return send(address, request, timeout)
+        return send(address, to, request, timeout)
 
     peer.membership._heartbeat = spy
     return seen
@@ -193,10 +195,12 @@ def record_probes(peer, address: str) -> list[float]:
     probes: list[float] = []
     send = peer.membership._heartbeat
 
-    def spy(to: str, request: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatReply:
+    def spy(
+        to: str, peer_id: str | None, request: pb.HeartbeatRequest, timeout: float
+    ) -> pb.HeartbeatReply:
         if to == address:
             probes.append(time.monotonic())
-        return send(to, request, timeout)
+        return send(to, peer_id, request, timeout)
 
     peer.membership._heartbeat = spy
     return probes
@@ -263,7 +267,7 @@ def test_a_crash_told_by_a_certificate_is_probed_no_more_once_confirmed() -> Non
         "swarm",
         cfg,
         [],
-        heartbeat=lambda address, request, timeout: pb.HeartbeatReply(),
+        heartbeat=lambda address, peer, request, timeout: pb.HeartbeatReply(),
     )
     b = pb.PeerInfo(id="b", address="127.0.0.1:2", incarnation=1)
     m.observe(b, direct=True)
@@ -357,7 +361,7 @@ def test_a_former_neighbour_is_heartbeated_every_interval_for_dead_after() -> No
         "swarm",
         cfg,
         [],
-        heartbeat=lambda address, request, timeout: pb.HeartbeatReply(),
+        heartbeat=lambda address, peer, request, timeout: pb.HeartbeatReply(),
         near=lambda ids: near & set(ids),
     )
     for pid, port in (("b", 2), ("c", 3), ("d", 4)):

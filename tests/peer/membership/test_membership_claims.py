@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import pytest
 from gossipgrad.peer.config import MembershipSection
 from gossipgrad.peer.membership.heartbeats import MAX_KNOWN, Membership
-from gossipgrad.peer.network import PeerClient, TransportError, TransportOptions
+from gossipgrad.peer.network import GossipServer, PeerClient, TransportError, TransportOptions
 from gossipgrad.peer.security import TransportSecurity, write_swarm_certs
 from gossipgrad.proto import gossip_pb2 as pb
-from support.peers import rejected, start_peer, wait_until_met
+from support.peers import rejected, run_rounds, start_peer, wait_until_met
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -102,7 +103,9 @@ def test_an_answer_in_another_peers_name_is_hearsay() -> None:
     b = pb.PeerInfo(id="b", address="127.0.0.1:2", incarnation=5)
     liar = pb.PeerInfo(id="b", address="127.0.0.1:3", incarnation=50, leaving=True)
 
-    def answer(address: str, request: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatReply:
+    def answer(
+        address: str, _peer: str | None, request: pb.HeartbeatRequest, timeout: float
+    ) -> pb.HeartbeatReply:
         if address == b.address:
             return pb.HeartbeatReply(responder=b)
         return pb.HeartbeatReply(responder=liar)
@@ -196,7 +199,7 @@ def test_a_long_peer_list_reports_one_change_not_one_per_entry() -> None:
         "swarm",
         cfg,
         [],
-        heartbeat=lambda a, r, t: pb.HeartbeatReply(),
+        heartbeat=lambda a, p, r, t: pb.HeartbeatReply(),
         on_change=lambda: changes.append(1),
     )
     known = [pb.PeerInfo(id=f"q{i}", address=f"127.0.0.1:{2000 + i}", incarnation=1)
@@ -205,3 +208,71 @@ def test_a_long_peer_list_reports_one_change_not_one_per_entry() -> None:
     m.handle_heartbeat(pb.HeartbeatRequest(swarm="swarm", sender=sender, known=known))
     assert len(m.present_ids()) == 502
     assert len(changes) == 1, len(changes)
+
+
+class Impersonator:
+    """A hostile member's gossip handler: answers every heartbeat as ``as_whom`` and takes
+    every push, counting each call that reaches it."""
+
+    def __init__(self) -> None:
+        self.as_whom = pb.PeerInfo()
+        self.calls = 0
+
+    def handle_update(self, header, payload, context_peer: str = "") -> pb.PushReply:
+        self.calls += 1
+        return pb.PushReply()
+
+    def handle_heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
+        self.calls += 1
+        return pb.HeartbeatReply(responder=self.as_whom)
+
+    def handle_state_request(self, request: pb.StateRequest):
+        self.calls += 1
+        raise TransportError(grpc.StatusCode.UNAVAILABLE, "", "no state")
+
+
+def test_a_member_cannot_answer_for_a_dead_peer_or_an_invented_one_at_its_own_address(
+    certs,
+) -> None:
+    """Finding 2: a client checked only that a server held *a* swarm certificate, so evil
+    could take over dead p2's id at evil's own address (or invent one, p9): told of "p2 at
+    evil's address" second hand, p0 probed it there, evil answered as p2, and p0 took that
+    as p2's own word and mixed with it. Now p0 dials p2 asking for p2's certificate: the
+    handshake fails, nothing reaches evil, p0 counts it (``unauthenticated``), and p2 and
+    p9 die at p0 while p0 and p1 go on gossiping."""
+    p0, p1, p2 = tls_swarm(certs)
+    p2.close()
+    deadline = time.monotonic() + 5
+    while p0.membership.is_alive("p2"):
+        assert time.monotonic() < deadline, "p2's goodbye did not reach p0"
+        time.sleep(0.02)
+    handler = Impersonator()
+    evil_sec = TransportSecurity.from_files(certs.ca, certs.certs["evil"], certs.keys["evil"])
+    server = GossipServer(handler, security=evil_sec)
+    server.start()
+    try:
+        now = time.time_ns()
+        claims = [
+            pb.PeerInfo(id=pid, address=server.address, incarnation=now) for pid in ("p2", "p9")
+        ]
+        handler.as_whom = claims[0]
+        before = rejected(p0, "unauthenticated")
+        with evil_client(certs, p0.address) as evil:
+            evil.heartbeat(  # evil itself lives elsewhere (evil_info): p0 never dials it here
+                pb.HeartbeatRequest(swarm="gossipgrad", sender=evil_info(), known=claims)
+            )
+
+        def never_taken() -> None:
+            assert handler.calls == 0, "a call meant for p2 or p9 reached evil"
+            for pid in ("p2", "p9"):
+                rec = p0.membership.record(pid)
+                assert rec is None or not rec.heard_directly, rec
+            assert p0.membership.is_alive("p1") and p1.membership.is_alive("p0")
+
+        hold_for(3.0, never_taken)  # three dead_after periods
+        assert rejected(p0, "unauthenticated") > before
+        assert not {"p2", "p9"} & set(p0.membership.live_ids())
+        stats = run_rounds([p0, p1], 3)  # the honest pair still gossips
+        assert {"p0", "p1"} <= {pid for s in stats for pid in s.mixed}, stats
+    finally:
+        server.stop(grace=0)

@@ -68,7 +68,7 @@ class Member:
     def address(self) -> str:
         return self.membership.me.address
 
-    def _send(self, address: str, request: pb.HeartbeatRequest, timeout: float):
+    def _send(self, address: str, _peer: str | None, request: pb.HeartbeatRequest, timeout: float):
         with self._lock:
             self.sent.append(address)
             client = self._clients.get(address)
