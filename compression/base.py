@@ -16,7 +16,11 @@ from typing import ClassVar
 import torch
 from gossipgrad.compression import engine
 from gossipgrad.compression.bitpack import (
+    BITMAP_INDEX_BITS,
     MAX_RICE_BITS,
+    bitmap_decode,
+    bitmap_encode,
+    bitmap_pays,
     rice_bits_for,
     rice_decode,
     rice_encode,
@@ -189,12 +193,19 @@ class Sparsifier(Codec):
         return min(numel, max(1, round(self.ratio * numel)))  # type: ignore[attr-defined]
 
     def encode_indices(self, idx: torch.Tensor, numel: int) -> tuple[int, torch.Tensor]:
-        """Code the sorted kept indices: (``index_bits`` for the envelope, uint8 bytes)."""
+        """Code the sorted kept indices: (``index_bits`` for the envelope, uint8 bytes).
+
+        Golomb-Rice coded gaps, or from a density of 1/8 on a bitmap
+        (``index_bits = BITMAP_INDEX_BITS``; :func:`.bitpack.bitmap_pays`)."""
+        if bitmap_pays(idx.numel(), numel):
+            return BITMAP_INDEX_BITS, bitmap_encode(idx, numel)
         bits = rice_bits_for(idx.numel(), numel)
         return bits, rice_encode(idx, bits)
 
     def max_index_bytes(self, count: int, numel: int, index_bits: int) -> int:
         """Largest index section a valid payload can have (DecodeError on a bad index_bits)."""
+        if index_bits == BITMAP_INDEX_BITS:
+            return (numel + 7) // 8
         if not 0 <= index_bits <= MAX_RICE_BITS:
             raise DecodeError(f"index_bits {index_bits} outside 0..{MAX_RICE_BITS}")
         return rice_max_bytes(count, numel, index_bits)
@@ -203,6 +214,8 @@ class Sparsifier(Codec):
         self, raw: torch.Tensor, index_bits: int, count: int, numel: int
     ) -> torch.Tensor:
         """Inverse of :meth:`encode_indices`, validating fully (DecodeError)."""
+        if index_bits == BITMAP_INDEX_BITS:
+            return bitmap_decode(raw, count, numel)
         return rice_decode(raw, index_bits, count, numel)
 
 

@@ -7,11 +7,18 @@ instead; we do the same and then make one streaming pass:
 1. Read a strided sample of ``s`` magnitudes (random start, so no fixed positions are favoured)
    and take the threshold at rank ``k'/n * s`` from the top, where ``k' = k * (1 + margin)`` and
    the margin (four standard deviations of the sampled count) makes undershooting k rare.
-2. One pass over the tensor, cache-sized chunks with reused scratch buffers, collects the
+2. One pass over the tensor, chunks of 1M elements with reused scratch buffers, collects the
    candidate indices with ``|x| >= threshold`` (no ``masked_select``, no full-size temporaries).
 3. If there are more than k candidates, keep the k largest of them (a partition over ~k values,
    ties broken towards lower indices). If there are fewer than ``(1 - tolerance) * k``, lower
    the threshold once; if that still undershoots, fall back to the exact selection.
+
+Dense selections (k of at least 1/8 of the elements, diloco's top-20 %) would pay for step 3's
+partition of millions of candidates every time. There a larger stratified sample (one random
+position in each of ``s`` equal strata, so no period of the tensor's layout biases it) holds
+enough hits to aim just below k instead: four standard deviations of the sampled count under
+it (1.6 % of k, far above ``(1 - tolerance) * k``), so the pass keeps its candidates as they are
+and step 3 is left for the rare overshoot.
 
 The kept set is therefore always the exact top-``count`` set (up to ties), with
 ``(1 - tolerance) * k <= count <= k``; in practice ``count == k``.
@@ -32,10 +39,16 @@ __all__ = ["approx_topk_indices", "block_topk_indices", "exact_topk_indices"]
 EXACT_BELOW = 1 << 16
 #: Sample size is chosen so that about this many sampled elements lie above the threshold.
 SAMPLE_HITS = 2048
-#: Elements per streaming chunk (256 KiB of float32: stays in L2).
-CHUNK = 1 << 16
+#: Elements per streaming chunk (4 MiB of float32): fewer numpy calls beat L2-sized chunks
+#: (100M elements, top-20 %: 2.4 against 4.6 copies of the tensor with 64K-element chunks).
+CHUNK = 1 << 20
 #: Accepted shortfall of the kept count below k before a second pass is made.
 TOLERANCE = 0.05
+#: Sampled hits that make the count's standard deviation (1/sqrt(hits)) 0.4 % of k: enough
+#: to aim below k instead of above it.
+AIMED_HITS = 1 << 16
+#: Largest sample drawn to aim (2 MiB of float32): reached from k/n = AIMED_HITS/AIMED_SAMPLE.
+AIMED_SAMPLE = 1 << 19
 
 _scratch = threading.local()
 
@@ -48,6 +61,23 @@ def exact_topk_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
         return torch.arange(flat.numel(), device=flat.device)
     idx = torch.topk(flat.abs(), k, sorted=False).indices
     return torch.sort(idx).values
+
+
+def _aimed_threshold(flat: torch.Tensor, k: int, seed: int) -> float | None:
+    """Magnitude threshold expected to keep four standard deviations fewer than ``k``
+    entries, from a stratified sample; None where the sample would be too large (a sparse
+    selection)."""
+    n = flat.numel()
+    s = math.ceil(AIMED_HITS * n / k)
+    if s > min(AIMED_SAMPLE, n // 8):
+        return None
+    stride = n // s
+    jitter = np.random.default_rng(seed).integers(0, stride, s)
+    positions = torch.from_numpy(np.arange(s, dtype=np.int64) * stride + jitter)
+    sample = torch.index_select(flat, 0, positions.to(flat.device)).abs().float()
+    hits = k * s / n
+    rank = max(1, math.ceil(hits - 4.0 * math.sqrt(hits)))
+    return float(torch.kthvalue(sample, s - rank + 1).values)
 
 
 def _sample_threshold(flat: torch.Tensor, k: int, seed: int, margin_scale: float) -> float | None:
@@ -127,8 +157,10 @@ def approx_topk_indices(
     if n <= EXACT_BELOW or k >= n // 4 or k <= 0:
         return exact_topk_indices(flat, k)
     numpy_pass = numpy_path(flat) if use_numpy is None else use_numpy
-    for margin_scale in (1.0, 3.0):
-        threshold = _sample_threshold(flat, k, seed, margin_scale)
+    for attempt, margin_scale in enumerate((1.0, 3.0)):
+        threshold = _aimed_threshold(flat, k, seed) if attempt == 0 else None
+        if threshold is None:
+            threshold = _sample_threshold(flat, k, seed, margin_scale)
         if threshold is None:
             break
         if threshold <= 0.0:

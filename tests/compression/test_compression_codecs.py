@@ -52,6 +52,8 @@ ALL_SPECS = [
     "int2",
     "int2:sr:block=256",
     "topk:0.01+int2",
+    "topk:0.2+int2",
+    "topk:0.3",
     "chunktopk:0.01",
     "chunktopk:0.05:block=256+int8",
     "chunktopk:0.01+int2:sr",

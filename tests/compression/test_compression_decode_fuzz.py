@@ -29,6 +29,7 @@ SPECS = [
     "randomk:0.1+fp16",
     "int2",
     "topk:0.05+int2",
+    "topk:0.2+int2",
     "chunktopk:0.05:block=64",
     "chunktopk:0.1:block=256+int2:sr",
 ]

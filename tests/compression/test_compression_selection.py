@@ -5,8 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gossipgrad.compression import DecodeError
+from gossipgrad.compression import DecodeError, wire
 from gossipgrad.compression.bitpack import (
+    BITMAP_INDEX_BITS,
+    bitmap_decode,
+    bitmap_encode,
+    bitmap_pays,
     pack_bits,
     pack_uint,
     rice_bits_for,
@@ -17,6 +21,7 @@ from gossipgrad.compression.bitpack import (
     unpack_uint,
 )
 from gossipgrad.compression.selection import approx_topk_indices, exact_topk_indices
+from gossipgrad.compression.spec import from_spec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -141,3 +146,77 @@ def test_rice_decode_rejects_bad_streams(use_numpy: bool) -> None:
         rice_decode(enc, 99, 4, 1000, use_numpy=use_numpy)
     with pytest.raises(DecodeError, match="0 indices"):
         rice_decode(enc, 4, 0, 1000, use_numpy=use_numpy)
+
+
+@pytest.mark.parametrize("use_numpy", [True, False])
+@pytest.mark.parametrize("layout", ["plain", "outlier_columns"])
+def test_dense_selection_aims_below_k_and_keeps_the_exact_top_set(
+    use_numpy: bool, layout: str
+) -> None:
+    """From 1/8 of the elements on, the threshold is aimed below k from a stratified sample:
+    the count lands in the accepted range, the set is the exact top-count set, and a layout
+    with a period (a few large columns of 768, as transformers' outlier features) does not
+    bias the sample out of range."""
+    n, k = 4_000_000, 800_000
+    x = student_t(n, seed=11)
+    if layout == "outlier_columns":
+        x = x * (1.0 + 20.0 * (torch.arange(n) % 768 < 8))
+    idx = approx_topk_indices(x, k, seed=5, use_numpy=use_numpy)
+    assert 0.95 * k <= idx.numel() <= k
+    assert idx.numel() < k  # aimed below k: no partition of the candidates was needed
+    assert torch.equal(idx, exact_topk_indices(x, idx.numel()))
+
+
+@given(numel=st.integers(1, 5000), data=st.data())
+@SETTINGS
+def test_bitmap_round_trip_both_paths(numel: int, data: st.DataObject) -> None:
+    idx = sorted(data.draw(st.sets(st.integers(0, numel - 1), max_size=numel)))
+    t = torch.tensor(idx, dtype=torch.int64)
+    enc = bitmap_encode(t, numel, use_numpy=True)
+    assert torch.equal(enc, bitmap_encode(t, numel, use_numpy=False))
+    assert enc.numel() == (numel + 7) // 8
+    for use_numpy in (True, False):
+        assert bitmap_decode(enc, len(idx), numel, use_numpy=use_numpy).tolist() == idx
+
+
+def test_bitmap_round_trip_across_chunks() -> None:
+    n = 3 * (1 << 20) + 13  # three whole chunks and a partial byte
+    rng = np.random.default_rng(2)
+    idx = torch.from_numpy(np.flatnonzero(rng.random(n) < 0.3))
+    enc = bitmap_encode(idx, n)
+    assert torch.equal(bitmap_decode(enc, idx.numel(), n), idx)
+
+
+@pytest.mark.parametrize("use_numpy", [True, False])
+def test_bitmap_decode_rejects_bad_streams(use_numpy: bool) -> None:
+    idx = torch.tensor([0, 3, 9, 10], dtype=torch.int64)
+    enc = bitmap_encode(idx, 12)
+    assert bitmap_decode(enc, 4, 12, use_numpy=use_numpy).tolist() == [0, 3, 9, 10]
+    with pytest.raises(DecodeError, match="bytes"):
+        bitmap_decode(enc[:1], 4, 12, use_numpy=use_numpy)
+    with pytest.raises(DecodeError, match="padding"):
+        bitmap_decode(enc | torch.tensor([0, 1], dtype=torch.uint8), 4, 12, use_numpy=use_numpy)
+    with pytest.raises(DecodeError, match="positions"):
+        bitmap_decode(enc, 3, 12, use_numpy=use_numpy)
+    with pytest.raises(DecodeError, match="positions"):
+        bitmap_decode(enc, 5, 12, use_numpy=use_numpy)
+
+
+def test_dense_topk_travels_as_a_bitmap_about_as_small_as_rice() -> None:
+    """top-20 %: the index section is a bitmap (index_bits = 64), and after the envelope's
+    zstd it is within 2 % of the Rice stream it replaces; below 1/8 Rice stays."""
+    import zstandard
+
+    n = 2_000_000
+    x = student_t(n, seed=4)
+    assert bitmap_pays(n // 8, n) and not bitmap_pays(n // 8 - 1, n)
+    for spec, bitmap in (("topk:0.2+int2", True), ("topk:0.1+int2", False)):
+        codec = from_spec(spec)
+        env = wire.parse_envelope(codec.encode(x, seed=1), codec.spec, n)
+        assert (env.index_bits == BITMAP_INDEX_BITS) is bitmap
+        idx = approx_topk_indices(x, codec.stages()[0].k_for(n), seed=1)  # the encoder's
+        assert idx.numel() == env.count
+        if bitmap:
+            rice = rice_encode(idx, rice_bits_for(idx.numel(), n)).numpy().tobytes()
+            rice_bytes = min(len(rice), len(zstandard.ZstdCompressor(level=1).compress(rice)))
+            assert len(env.sections["indices"]) <= 1.02 * rice_bytes
