@@ -165,15 +165,30 @@ def _speedup(base: float | None, ours: float | None) -> float | None:
     return base / ours if base is not None and ours else None
 
 
+def same_links(b: BaselineResult) -> bool:
+    """Whether baseline ``b`` ran over the swarm's links: it ran (was not refused) and no
+    older report marked its network as another."""
+    return b.refused is None and b.network is None
+
+
+def comparable_baselines(report: Report) -> dict[str, BaselineResult]:
+    """The baselines a time can be compared with the swarm's (``same_links``)."""
+    return {name: b for name, b in report.baselines.items() if same_links(b)}
+
+
 def time_to_target(report: Report) -> TimeToTarget | None:
     """When each system first reached DDP's final metric, and a looser target (1 point under
-    it for accuracy-type metrics, 2% over it for loss-type ones); None without a DDP result.
+    it for accuracy-type metrics, 2% over it for loss-type ones); None without a DDP result
+    over the swarm's links.
 
     The swarm is judged on the mean over its peers at each evaluation step; times are training
-    seconds with evaluation excluded, the same clock for the swarm and the baselines.
+    seconds with evaluation excluded, the same clock for the swarm and the baselines. Only
+    baselines that ran over the swarm's links take part (``same_links``): a time over other
+    links says nothing of gossip against all-reduce.
     """
     metric = report_metric(report)
-    ddp = report.baselines.get("ddp")
+    baselines = comparable_baselines(report)
+    ddp = baselines.get("ddp")
     if ddp is None or not ddp.final or metric not in ddp.final:
         return None
     higher = higher_is_better(report, metric)
@@ -181,7 +196,7 @@ def time_to_target(report: Report) -> TimeToTarget | None:
     point = LOOSE_POINTS if abs(target) <= 1 else 1.0  # of a fraction, or of a percentage
     loose = target - point if higher else target * LOOSE_FACTOR
     series = {"swarm": swarm_points(report, metric)}
-    series.update({name: eval_points(b, metric) for name, b in report.baselines.items()})
+    series.update({name: eval_points(b, metric) for name, b in baselines.items()})
     systems = {name: _system_time(pts, target, loose, higher) for name, pts in series.items()}
     ours = systems["swarm"]
     others = {n: s for n, s in systems.items() if n != "swarm"}
@@ -200,3 +215,11 @@ def kernel_up_bytes(links: dict[str, float]) -> float | None:
     """Mean bytes a site uploaded as the kernel counted them (netns mode), else None."""
     ups = [v for k, v in links.items() if k.endswith(" up")]
     return sum(ups) / len(ups) if ups else None
+
+
+def mean_of_all(values: list[float | None]) -> float | None:
+    """The mean when every value is known; None otherwise (a process that did not measure
+    it, e.g. of an older version): a mean over some of them would pass for all."""
+    if not values or any(v is None for v in values):
+        return None
+    return sum(values) / len(values)  # type: ignore[arg-type]

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gossipgrad.experiment.analysis import mean_of_all
 from gossipgrad.experiment.diloco import OuterSettings
 from gossipgrad.experiment.launch import reap
 from gossipgrad.peer.config import TrainSection
@@ -53,6 +54,30 @@ def hivemind_python() -> str:
             "exist; create it with: scripts/setup.sh --hivemind"
         )
     return python
+
+
+def refusal(name: str, mode: str, relayed: bool) -> str | None:
+    """Why baseline ``name`` cannot run over the swarm's links in this run (None: it can).
+
+    A comparison over unequal links is refused, never printed: in netns mode a rank runs in
+    its site's namespace and crosses the same shaped links as the peer (tc or TUN links), and
+    in local mode without ``[network]`` both run on plain loopback. With relays (local mode,
+    shaped ``[network]``) only the swarm's connections are relayed: gloo's ranks dial each
+    other on ports they publish at run time, hivemind's p2p daemons on addresses from its
+    DHT. In ssh mode the swarm crosses the inventory's real links and a rank would run on
+    this host's loopback."""
+    if mode == "ssh":
+        return (
+            "refused: the swarm runs across the inventory's hosts, this baseline would run "
+            "on this host's loopback"
+        )
+    if mode == "local" and relayed:
+        conns = "hivemind's p2p connections" if name == "hivemind" else "gloo's connections"
+        return (
+            f"refused: the swarm's links are relays, and {conns} (ports picked at run time) "
+            "cannot go through them; compare in netns mode"
+        )
+    return None
 
 
 @dataclass
@@ -240,6 +265,7 @@ class BaselineRun:
                 mean_sent_bytes=_mean([x["sent_bytes"] for x in done]),
                 mean_received_bytes=_mean([x["received_bytes"] for x in done]),
                 dense_bytes_per_rank=first["dense_bytes"],
+                compute_utilization=mean_of_all([x.get("compute_utilization") for x in done]),
             )
             wire = [x.get("wire_sent_bytes") for x in done]
             if self.name != "hivemind":  # hivemind's own counts are its sent_bytes

@@ -32,13 +32,14 @@ file; the other ranks read it and connect.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -123,6 +124,42 @@ class WireCounter:
         return {n: {"calls": self.calls[n], "payload_bytes": self.payload[n]} for n in COLLECTIVES}
 
 
+class WaitTimer:
+    """Seconds the training thread spent waiting on communication, for the rank's compute
+    utilization (1 - these / training seconds, as the swarm's peers count theirs)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def hook(self, hook: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        """DDP comm ``hook``, waited for where it is called (at the end of backward, the
+        model being one bucket: ``--bucket-mb``), so the wait is timed; DDP would wait for
+        its future at the same point."""
+
+        # Unannotated: DDP refuses a hook whose annotations are not GradBucket and Future,
+        # and under ``from __future__ import annotations`` they would be strings.
+        def timed(state, bucket):
+            with self.waiting():
+                fut = hook(state, bucket)
+                fut.wait()
+            return fut
+
+        return timed
+
+
+def utilization(waiting: float, seconds: float) -> float | None:
+    """The share of ``seconds`` of training not spent waiting on communication."""
+    return max(0.0, 1.0 - waiting / seconds) if seconds > 0 else None
+
+
 def rendezvous(rank: int, world: int, host: str, port_file: Path) -> dist.Store:
     """Rank 0 binds a TCPStore on port 0 and writes the port to ``port_file``; others wait
     for the file and connect."""
@@ -141,8 +178,11 @@ def rendezvous(rank: int, world: int, host: str, port_file: Path) -> dist.Store:
     return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
 
 
-def ddp_model(module: torch.nn.Module, args: argparse.Namespace, seed: int) -> torch.nn.Module:
-    """``module`` under DDP with the dense all-reduce or the PowerSGD hook."""
+def ddp_model(
+    module: torch.nn.Module, args: argparse.Namespace, seed: int, waits: WaitTimer
+) -> torch.nn.Module:
+    """``module`` under DDP with the dense all-reduce or the PowerSGD hook (timed by
+    ``waits``)."""
     model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=args.bucket_mb)
     if args.hook == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
@@ -153,11 +193,11 @@ def ddp_model(module: torch.nn.Module, args: argparse.Namespace, seed: int) -> t
             start_powerSGD_iter=args.psgd_start,
             random_seed=seed,
         )
-        model.register_comm_hook(state, psgd.powerSGD_hook)
+        model.register_comm_hook(state, waits.hook(psgd.powerSGD_hook))
     else:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        model.register_comm_hook(None, default_hooks.allreduce_hook)
+        model.register_comm_hook(None, waits.hook(default_hooks.allreduce_hook))
     return model
 
 
@@ -194,6 +234,7 @@ class RankRun:
     outer: OuterOptimizer | None
     optimizer: torch.optim.Optimizer
     scheduler: Any
+    waits: WaitTimer
 
 
 @dataclass
@@ -217,17 +258,18 @@ def setup_rank(args: argparse.Namespace) -> RankRun:
     counter.install()
     task = build_task(cfg.task, task_context(cfg, args.rank, args.world))
     outer: OuterOptimizer | None = None
+    waits = WaitTimer()
     if args.algorithm == "diloco":
         # No broadcast: every rank builds the same seeded model, as the swarm's peers do.
         model = module = task.model
         outer = OuterOptimizer(list(module.parameters()), outer_settings(args), args.world)
     else:
-        model = ddp_model(task.model, args, cfg.seed)
+        model = ddp_model(task.model, args, cfg.seed, waits)
         module = model.module
     optimizer = make_optimizer(model.parameters(), cfg)
     scheduler = make_scheduler(optimizer, cfg)
     return RankRun(args, cfg, out, store, counter, task, model, module, outer, optimizer,
-                   scheduler)  # fmt: skip
+                   scheduler, waits)  # fmt: skip
 
 
 def train_loop(run: RankRun) -> LoopResult:
@@ -254,7 +296,8 @@ def train_loop(run: RankRun) -> LoopResult:
             continue
         step += 1
         if run.outer is not None and run.outer.phase_ends(step, cfg.steps):
-            run.outer.sync()
+            with run.waits.waiting():
+                run.outer.sync()
         loss_value = float(loss.detach())
         seconds = clock.seconds()
         history.append({"step": step, "loss": loss_value, "sent_bytes": counter.sent,
@@ -291,6 +334,8 @@ def rank_result(
         "higher_is_better": run.task.higher_is_better,
         "train_loss": loop.loss,
         "wall_seconds": loop.wall_seconds,
+        "communication_seconds": run.waits.seconds,
+        "compute_utilization": utilization(run.waits.seconds, loop.wall_seconds),
         "evals": loop.evals,
         # Every counted collective is symmetric: each rank receives what it sends.
         "sent_bytes": int(counter.sent),

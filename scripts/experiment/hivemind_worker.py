@@ -50,6 +50,7 @@ from typing import Any
 
 import hivemind
 import torch
+from gossipgrad.experiment.ddp_worker import WaitTimer, utilization
 from gossipgrad.peer.config import TrainSection
 from gossipgrad.peer.tasks import build_task
 from gossipgrad.peer.tasks.schedule import lr_factor
@@ -288,7 +289,8 @@ def train_loop(
 ) -> dict[str, Any]:  # fmt: skip
     """Local batches until hivemind's epoch reaches ``cfg.steps``; evaluations off the clock
     each time an epoch passes a multiple of ``eval_every``; the status file every
-    ``STATUS_EVERY_S``. Returns history, evals, last loss, batches and training seconds."""
+    ``STATUS_EVERY_S``. Returns history, evals, last loss, batches, training seconds and those
+    spent in ``opt.step()``."""
     model, batches = task.model, task.batches()
     history: list[dict[str, Any]] = []
     evals: list[dict[str, float]] = []
@@ -297,6 +299,7 @@ def train_loop(
     last = 0.0
     loss_value = math.nan
     batch = 0
+    waits = WaitTimer()  # opt.step(): matchmaking, averaging, then the (small) update
     while (epoch := opt.local_epoch) < cfg.steps:
         # The schedule follows hivemind's epochs (global optimizer steps), as DDP's its steps.
         for group in opt.opt.param_groups:
@@ -304,7 +307,8 @@ def train_loop(
         opt.zero_grad()
         loss = task.loss(model, next(batches))
         loss.backward()
-        opt.step()
+        with waits.waiting():
+            opt.step()
         batch += 1
         loss_value = float(loss.detach())
         seconds = clock.seconds()
@@ -322,7 +326,7 @@ def train_loop(
                       "steps": cfg.steps, "loss": loss_value, "sent_bytes": sent or 0}  # fmt: skip
             write_json_atomic(status_path, status)
     return {"history": history, "evals": evals, "loss": loss_value, "batches": batch,
-            "wall": clock.seconds()}  # fmt: skip
+            "wall": clock.seconds(), "waiting": waits.seconds}  # fmt: skip
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -366,6 +370,8 @@ def rank_result(
         "higher_is_better": task.higher_is_better,
         "train_loss": loop["loss"],
         "wall_seconds": loop["wall"],
+        "communication_seconds": loop["waiting"],
+        "compute_utilization": utilization(loop["waiting"], loop["wall"]),
         "evals": loop["evals"],
         "sent_bytes": sent,
         "received_bytes": received,

@@ -34,6 +34,10 @@ def _mb(n: float | None) -> str:
     return "-" if n is None else f"{n / 1e6:,.3f}"
 
 
+def _util(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def _fewer(base: float | None, ours: float | None, digits: int) -> str:
     return f"{base / ours:,.{digits}f}x fewer" if base and ours else "-"
 
@@ -56,6 +60,7 @@ def swarm_row(report: Report, ddp_sent: float | None) -> dict[str, str] | None:
         "dense-equiv MB/proc": _mb(swarm.mean_dense_bytes),
         "vs DDP bytes": _fewer(ddp_sent, swarm.mean_sent_bytes, 0),
         "train s": f"{swarm.wall_seconds or 0:.1f}",
+        "compute util.": _util(swarm.compute_utilization),
     }
     if report.mode == "netns":
         row["kernel MB up/site"] = _mb(analysis.kernel_up_bytes(swarm.link_bytes))
@@ -67,6 +72,8 @@ def baseline_row(
 ) -> dict[str, str]:
     """One baseline's row (its rank 0's evaluation, bytes per rank)."""
     metric = report.swarm.metric or "accuracy"
+    if b.refused is not None:
+        return {"system": name, metric: "not run (other links)"}
     if not b.final or b.metric is None:
         return {"system": name, metric: "failed"}
     label = name if name != "powersgd" else f"powersgd (rank {b.powersgd_rank})"
@@ -81,6 +88,7 @@ def baseline_row(
         "dense-equiv MB/proc": _mb(b.dense_bytes_per_rank),
         "vs DDP bytes": _fewer(ddp_sent, b.mean_sent_bytes, 1),
         "train s": f"{b.wall_seconds or 0:.1f}",
+        "compute util.": _util(b.compute_utilization),
     }
     if report.mode == "netns":
         row["kernel MB up/site"] = _mb(analysis.kernel_up_bytes(b.link_bytes))
@@ -126,6 +134,28 @@ def ttt_lines(ttt: TimeToTarget) -> list[str]:
     ]
 
 
+def unequal_lines(report: Report) -> list[str]:
+    """One line per baseline that did not run over the swarm's links, saying why; no time
+    or speed-up of the summary compares the swarm with it."""
+    lines = []
+    for name, b in report.baselines.items():
+        if b.refused is not None:
+            lines.append(f"- {name}: {b.refused}")
+        elif b.network is not None:
+            lines.append(f"- {name}: ran over other links than the swarm's ({b.network})")
+    if not lines:
+        return []
+    head = "Not compared with the swarm (their links were not its links):"
+    return ["", head, "", *lines]
+
+
+UTILIZATION_NOTE = (
+    "Compute util.: 1 − seconds a process's training thread waited on communication / its "
+    "training seconds, mean over processes (swarm: blocked in gossip rounds and exchanges; "
+    "DDP and PowerSGD: the gradient hook; DiLoCo: the outer sync; hivemind: its optimizer "
+    "step)."
+)
+
 BYTES_NOTE = (
     "Bytes: swarm = what each peer's gossip put on the wire (its counters); baselines = "
     "ring all-reduce traffic per rank, 2(n−1)/n × each all-reduce payload (int8 DiLoCo: "
@@ -153,7 +183,8 @@ def markdown(report: Report) -> str:
             f"Swarm consensus distance (1/n) Σ‖x_i − x̄‖² = {swarm.consensus_distance:.3e} "
             f"({swarm.relative_consensus_distance or 0:.2e} of ‖x̄‖²).",
         ]
-    lines += ["", BYTES_NOTE]
+    lines += unequal_lines(report)
+    lines += ["", BYTES_NOTE, "", UTILIZATION_NOTE]
     ttt = report.time_to_target or analysis.time_to_target(report)
     if ttt:
         lines += ttt_lines(ttt)

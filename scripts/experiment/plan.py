@@ -4,6 +4,7 @@ runner, which builds the swarm to print them."""
 
 from __future__ import annotations
 
+from gossipgrad.experiment.baselines import refusal
 from gossipgrad.experiment.link_swarm import site_host
 from gossipgrad.experiment.netns import NetnsLab
 from gossipgrad.experiment.spec import NetworkSection, Spec
@@ -63,7 +64,12 @@ def baseline_lines(spec: Spec, cfg: PeerConfig, host: str) -> list[str]:
     b, n = spec.baselines, spec.experiment.peers
     outer = b.diloco_settings(cfg.gossip)
     lines = []
+    relayed = spec.network.uses_relay(spec.experiment.mode)
     for name in b.run:
+        why = refusal(name, spec.experiment.mode, relayed)
+        if why is not None:
+            lines.append(f"baseline {name}: {why}")
+            continue
         how, extra = "torch DDP", ""
         if name == "powersgd":
             extra = f", PowerSGD rank {b.powersgd_rank}"

@@ -69,6 +69,10 @@ class PeerResult(_Open):
     history: list[Sample] = Field(
         default_factory=list, description="Training progress sampled from its status.json."
     )
+    compute_utilization: float | None = Field(
+        None,
+        description="1 - seconds blocked in gossip / training seconds (its summary.json).",
+    )
     neighbours: dict[str, dict[str, int]] = Field(
         default_factory=dict,
         description="Bytes per neighbour, ``{id: {sent, received}}``: the peer's final counts "
@@ -90,6 +94,9 @@ class SwarmResult(_Open):
     mean_sent_bytes: float | None = Field(None, description="Bytes sent, mean over peers.")
     mean_received_bytes: float | None = Field(None, description="Bytes received, mean.")
     mean_dense_bytes: float | None = Field(None, description="Dense-equivalent bytes, mean.")
+    compute_utilization: float | None = Field(
+        None, description="Compute utilization, mean over the peers that finished."
+    )
     consensus_distance: float | None = Field(
         None, description="True (1/n) Σ‖x_i − x̄‖² from the peers' final params.pt."
     )
@@ -113,6 +120,14 @@ class RankResult(_Open):
     id: str = Field("", description="rank<N>.")
     sent_bytes: float | None = Field(None, description="Bytes it sent (None: not counted).")
     received_bytes: float | None = Field(None, description="Bytes it received.")
+    communication_seconds: float | None = Field(
+        None,
+        description="Training seconds the rank spent waiting on communication: DDP's "
+        "gradient hook, DiLoCo's outer sync, hivemind's optimizer step.",
+    )
+    compute_utilization: float | None = Field(
+        None, description="1 - communication_seconds / training seconds."
+    )
     history: list[Sample] = Field(default_factory=list, description="One sample per step.")
 
 
@@ -160,8 +175,18 @@ class BaselineResult(_Open):
     link_emulator: dict[str, Any] | None = Field(
         None, description="netns mode over TUN links: the switch's CPU seconds, bytes, paths."
     )
+    compute_utilization: float | None = Field(
+        None, description="Compute utilization, mean over the ranks."
+    )
+    refused: str | None = Field(
+        None,
+        description="Why the runner did not run this baseline: it could not cross the "
+        "swarm's links (None: it ran over them).",
+    )
     network: str | None = Field(
-        None, description="Set when the baseline did not run over the swarm's emulated links."
+        None,
+        description="Reports before ``refused``: set when the baseline ran over other links "
+        "than the swarm's (no speed-up is computed against it).",
     )
 
 
@@ -183,7 +208,8 @@ class TimeToTarget(_Open):
     loose_target: float = Field(description="1 point under it (accuracy-type), or 2% over.")
     systems: dict[str, SystemTime] = Field(description="The swarm and each baseline.")
     speedup: dict[str, float | None] = Field(
-        description="Baseline's seconds over the swarm's, per baseline."
+        description="Baseline's seconds over the swarm's, per baseline that ran over the "
+        "swarm's links (the others are left out)."
     )
     loose_speedup: dict[str, float | None] = Field(description="The same for the loose target.")
 
@@ -210,7 +236,9 @@ class Report(_Open):
     baselines: dict[str, BaselineResult] = Field(
         default_factory=dict, description="Each baseline phase, by name."
     )
-    ok: bool | None = Field(None, description="Every phase succeeded.")
+    ok: bool | None = Field(
+        None, description="Every phase that ran succeeded (a refused baseline does not run)."
+    )
     time_to_target: TimeToTarget | None = Field(
         None, description="None without a DDP result (recomputed on write)."
     )

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gossipgrad.experiment import netns, plan, ssh
-from gossipgrad.experiment.baselines import BaselineRun, RankPlacement
+from gossipgrad.experiment.baselines import BaselineRun, RankPlacement, refusal
 from gossipgrad.experiment.launch import LocalSwarm, signals_deferred
 from gossipgrad.experiment.link_swarm import SwarmRelays
 from gossipgrad.experiment.link_tun import report_since
@@ -217,6 +217,11 @@ class Experiment:
         steps = self.spec.baselines.steps or self.cfg.train.steps
         return self.cfg.train.model_copy(update={"seed": self.spec.experiment.seed, "steps": steps})
 
+    def refusal(self, name: str) -> str | None:
+        """Why baseline ``name`` would not run over the swarm's links (None: it would)."""
+        mode = self.spec.experiment.mode
+        return refusal(name, mode, self.spec.network.uses_relay(mode))
+
     def run_baseline(self, name: str, view: LiveView) -> BaselineResult:
         b = self.spec.baselines
         train = self.baseline_train()
@@ -241,10 +246,6 @@ class Experiment:
             if switch_before is not None:
                 result.link_emulator = report_since(self._switch_report() or {}, switch_before)
         else:
-            if self.spec.network.uses_relay(self.spec.experiment.mode):
-                # gloo's ranks dial each other on ports published at run time: not relayed.
-                result.network = "unshaped loopback: baselines do not go through the relays"
-                log.warning("baseline %s ran on unshaped loopback (not through the relays)", name)
             result.link_bytes = {
                 f"rank{r.id[4:]} ring": r.sent_bytes
                 for r in result.ranks
@@ -276,7 +277,12 @@ class Experiment:
                 report.swarm = self.run_swarm(view)
                 view.finish(self._line("swarm", report.swarm))
                 for name in self.spec.baselines.run:
-                    report.baselines[name] = self.run_baseline(name, view)
+                    why = self.refusal(name)
+                    if why is not None:
+                        log.warning("baseline %s %s", name, why)
+                        report.baselines[name] = BaselineResult(name=name, refused=why)
+                    else:
+                        report.baselines[name] = self.run_baseline(name, view)
                     view.finish(self._line(name, report.baselines[name]))
         finally:
             if self.lab is not None:
@@ -284,12 +290,16 @@ class Experiment:
                     self.lab.down()
                 self.lab = None
         report.finished = time.time()
-        report.ok = report.swarm.ok and all(b.ok for b in report.baselines.values())
+        report.ok = report.swarm.ok and all(
+            b.ok or b.refused is not None for b in report.baselines.values()
+        )
         write_outputs(self.out, report)
         return report
 
     @staticmethod
     def _line(phase: str, result: SwarmResult | BaselineResult) -> str:
+        if isinstance(result, BaselineResult) and result.refused is not None:
+            return f"{phase}: {result.refused}"
         if not result.ok or not result.metric:
             return f"{phase}: FAILED"
         sent = (result.mean_sent_bytes or 0) / 1e6
@@ -297,7 +307,14 @@ class Experiment:
             finals = [(p.final or {})[result.metric] for p in result.peers]
             return (
                 f"swarm: {result.metric} {min(finals):.4f}-{max(finals):.4f}, "
-                f"{sent:.3f} MB sent per peer"
+                f"{sent:.3f} MB sent per peer, {_util(result.compute_utilization)}"
             )
         final = (result.final or {})[result.metric]
-        return f"{phase}: {result.metric} {final:.4f}, {sent:.3f} MB sent per rank"
+        return (
+            f"{phase}: {result.metric} {final:.4f}, {sent:.3f} MB sent per rank, "
+            f"{_util(result.compute_utilization)}"
+        )
+
+
+def _util(value: float | None) -> str:
+    return "compute utilization " + ("unknown" if value is None else f"{value:.2f}")

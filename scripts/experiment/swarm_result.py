@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gossipgrad.experiment.analysis import consensus_distance
+from gossipgrad.experiment.analysis import consensus_distance, mean_of_all
 from gossipgrad.experiment.launch import LocalSwarm
 from gossipgrad.experiment.records import PeerResult, Sample, SwarmResult
 from gossipgrad.experiment.ssh import SshSwarm
@@ -52,6 +52,7 @@ def _summarize_finished(result: SwarmResult, done: list[PeerResult]) -> None:
     result.mean_sent_bytes = sum(p.sent_bytes for p in done) / len(done)
     result.mean_received_bytes = sum(p.received_bytes for p in done) / len(done)
     result.mean_dense_bytes = sum(p.dense_bytes for p in done) / len(done)
+    result.compute_utilization = mean_of_all([p.compute_utilization for p in done])
 
 
 def swarm_result(
