@@ -4,21 +4,27 @@ Every call is admitted in this order, before a buffer is allocated or the handle
 
 1. swarm token (metadata), if one is configured -> UNAUTHENTICATED;
 2. under TLS, a client certificate -> UNAUTHENTICATED;
-
-   (the request is parsed here: INVALID_ARGUMENT, ``malformed``, if it does not)
-
-3. under TLS, the claimed sender equals the certificate's common name -> PERMISSION_DENIED;
-4. the caller's limits (calls in flight, calls per second; :class:`PeerLimiter`)
+3. the caller's limits (calls in flight, calls per second; :class:`PeerLimiter`)
    -> RESOURCE_EXHAUSTED, reason ``rate_limited``;
-5. for bulk calls (pushes, state downloads), a free bulk slot -> RESOURCE_EXHAUSTED;
-6. for state downloads, also a free state slot (``max_state_downloads``) -> RESOURCE_EXHAUSTED,
+4. for bulk calls (pushes, state downloads), a free bulk slot -> RESOURCE_EXHAUSTED;
+5. for state downloads, also a free state slot (``max_state_downloads``) -> RESOURCE_EXHAUSTED,
    reason ``rate_limited``: a donor busy serving joiners says so at once, and the joiner
-   moves on to another donor instead of queueing.
+   moves on to another donor instead of queueing;
 
-Heartbeats and bulk calls have separate budgets: their own per-caller limiter each, and bulk
-calls take one of ``TransportOptions.max_concurrent_rpcs`` slots while the server keeps
-``heartbeat_slots`` threads and gRPC call slots beyond those. A peer in the middle of a burst
-of resyncs to us therefore never has its heartbeats refused or queued behind its transfers.
+   (the request is awaited and parsed here: INVALID_ARGUMENT, ``malformed``, if it does not)
+
+6. under TLS, the claimed sender equals the certificate's common name -> PERMISSION_DENIED.
+
+Under TLS steps 3-5 come before the request is awaited (:meth:`Admission.enter_caller`),
+keyed by the certificate, so a member's calls that never send their request count against
+its limits from the start. Without TLS the caller is known only by the id its request claims,
+so 3-5 follow the parse (:meth:`Admission.enter`).
+
+Heartbeats and bulk calls have separate budgets: their own per-caller limiter each (a caller
+may have ``heartbeats_per_peer`` heartbeats in flight), bulk calls take one of
+``TransportOptions.max_concurrent_rpcs`` slots, and the server runs heartbeats on
+``heartbeat_slots`` threads of their own. A peer in the middle of a burst of resyncs to us
+therefore never has its heartbeats refused or queued behind its transfers.
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ class Admission:
         #: Per-caller limits of pushes and state downloads.
         self.bulk = PeerLimiter(o.max_streams_per_peer, o.peer_rate, o.peer_burst)
         #: Per-caller limits of heartbeats (a separate budget: see the module docstring).
-        self.heartbeats = PeerLimiter(o.max_streams_per_peer, o.peer_rate, o.peer_burst)
+        self.heartbeats = PeerLimiter(o.heartbeats_per_peer, o.peer_rate, o.peer_burst)
         self._bulk_slots = threading.BoundedSemaphore(o.max_concurrent_rpcs)
         self._slots = o.max_concurrent_rpcs
         self._state_slots = threading.BoundedSemaphore(o.max_state_downloads)
@@ -101,13 +107,29 @@ class Admission:
         caller's limits and, if ``bulk``, takes a bulk slot, and if ``state`` (a state
         download, always bulk) a state slot too. Raises UpdateRejected if refused.
         """
+        self.check_claim(identity, claimed)
+        return self._admit(identity or claimed or host_of(context.peer()), bulk, state)
+
+    def enter_caller(self, identity: str | None, bulk: bool, state: bool = False) -> Ticket | None:
+        """Admit a call before its request is awaited, by its certificate ``identity``, as
+        :meth:`enter` does; None without TLS (no identity: admit it with :meth:`enter` once
+        its request names the sender). Raises UpdateRejected if refused."""
+        if identity is None:
+            return None
+        return self._admit(identity, bulk, state)
+
+    @staticmethod
+    def check_claim(identity: str | None, claimed: str) -> None:
+        """Raise UpdateRejected if the sender a request claims is not its certificate's."""
         if identity is not None and claimed != identity:
             raise UpdateRejected(
                 grpc.StatusCode.PERMISSION_DENIED,
                 "unauthenticated",
                 f"sender {claimed!r} does not match the certificate of {identity!r}",
             )
-        key = identity or claimed or host_of(context.peer())
+
+    def _admit(self, key: str, bulk: bool, state: bool) -> Ticket:
+        """Count one call of ``key`` against its limits and the server's slots."""
         limiter = self.bulk if bulk else self.heartbeats
         why = limiter.enter(key)
         if why is not None:

@@ -14,6 +14,9 @@ import grpc
 MiB = 1 << 20
 GiB = 1 << 30
 
+#: Bulk threads beyond the bulk slots (:attr:`TransportOptions.bulk_threads`).
+ADMISSION_THREADS = 4
+
 
 @dataclasses.dataclass(frozen=True)
 class TransportOptions:
@@ -73,9 +76,10 @@ class TransportOptions:
     keepalive_time: float = 30.0
     keepalive_timeout: float = 10.0
     keepalive_permit_without_calls: bool = True
-    #: Worker threads of the (synchronous) gRPC server for bulk calls. Every admitted call
-    #: gets a thread at once (a call queued for a thread is what would starve heartbeats), so
-    #: the server runs ``max(server_threads, max_concurrent_rpcs) + heartbeat_slots``.
+    #: Worker threads of the (synchronous) gRPC server for bulk calls (pushes and state
+    #: downloads): ``max(server_threads, max_concurrent_rpcs)``, so every admitted bulk call
+    #: has one, plus a few that refuse the others (:attr:`bulk_threads`). Heartbeats run
+    #: on ``heartbeat_slots`` threads of their own.
     server_threads: int = 16
     #: Bulk calls (pushes and state downloads) the server runs at once; more are refused
     #: with RESOURCE_EXHAUSTED, reason ``rate_limited`` (bounds memory: each in-flight push
@@ -88,10 +92,19 @@ class TransportOptions:
     #: Bytes per second this server streams state at, all downloads together (token bucket
     #: of one chunk, see :mod:`~gossipgrad.peer.network.pacing`; 0: unlimited).
     state_rate_bytes: float = 0.0
-    #: Threads and call slots reserved for heartbeats on top of the bulk budget: however
-    #: many pushes and downloads are in flight, a heartbeat is served at once, so bulk
-    #: transfers never starve liveness.
-    heartbeat_slots: int = 4
+    #: Threads that serve heartbeats and nothing else: however many pushes and downloads
+    #: are in flight or stalled, a heartbeat is served at once, so bulk transfers never
+    #: starve liveness.
+    heartbeat_slots: int = 8
+    #: Heartbeats one caller may have in flight on this server (more are refused,
+    #: ``rate_limited``): with ``request_timeout``, what one member can hold of the
+    #: heartbeat threads. An honest peer has one at a time, two while it says goodbye.
+    heartbeats_per_peer: int = 2
+    #: Seconds the server waits for what a client sends with the call: the request of a
+    #: heartbeat or state download, a push's header (a whole push: plus ``chunk_size`` at
+    #: ``min_rate_bytes``). A call whose request has not come by then is cancelled, freeing
+    #: its thread and slots.
+    request_timeout: float = 2.0
     #: HTTP/2 streams one connection may carry at once.
     max_concurrent_streams: int = 32
     #: Calls one caller (certificate identity, else claimed peer id) may have in flight on
@@ -134,6 +147,7 @@ class TransportOptions:
             "push_timeout",
             "min_rate_bytes",
             "heartbeat_timeout",
+            "request_timeout",
             "state_timeout",
             "keepalive_time",
             "keepalive_timeout",
@@ -146,8 +160,24 @@ class TransportOptions:
             raise ValueError("need 0 <= backoff_initial <= backoff_max")
         if self.backoff_multiplier < 1 or self.backoff_jitter < 0:
             raise ValueError("need backoff_multiplier >= 1 and backoff_jitter >= 0")
-        if self.server_threads < 1 or self.max_concurrent_rpcs < 1 or self.heartbeat_slots < 1:
-            raise ValueError("server_threads, max_concurrent_rpcs and heartbeat_slots must be >= 1")
+        if (
+            min(
+                self.server_threads,
+                self.max_concurrent_rpcs,
+                self.heartbeat_slots,
+                self.heartbeats_per_peer,
+            )
+            < 1
+        ):
+            raise ValueError(
+                "server_threads, max_concurrent_rpcs, heartbeat_slots and heartbeats_per_peer "
+                "must be >= 1"
+            )
+        if self.heartbeat_slots <= self.heartbeats_per_peer:
+            raise ValueError(
+                f"heartbeat_slots ({self.heartbeat_slots}) must exceed heartbeats_per_peer "
+                f"({self.heartbeats_per_peer}), else one caller can hold every heartbeat thread"
+            )
         if self.max_state_downloads < 1 or self.state_rate_bytes < 0:
             raise ValueError("need max_state_downloads >= 1 and state_rate_bytes >= 0")
         if self.max_concurrent_streams < 1:
@@ -159,9 +189,11 @@ class TransportOptions:
             raise ValueError(f"retry_codes {unknown} are not grpc.StatusCode names")
 
     @property
-    def worker_threads(self) -> int:
-        """Threads of the server's pool: one per bulk call it admits, plus the heartbeats'."""
-        return max(self.server_threads, self.max_concurrent_rpcs) + self.heartbeat_slots
+    def bulk_threads(self) -> int:
+        """Threads of the server's bulk pool: one per bulk call it admits, and
+        :data:`ADMISSION_THREADS` more that admit or refuse calls while every bulk slot is
+        taken (a call refused for want of a slot needs a thread to be told so)."""
+        return max(self.server_threads, self.max_concurrent_rpcs) + ADMISSION_THREADS
 
     @property
     def retry_status_codes(self) -> frozenset[grpc.StatusCode]:

@@ -3,10 +3,20 @@
 Every request arrives as raw bytes and is parsed here, so whatever a caller sends ends with a
 status that names the problem: bytes that are no valid request get INVALID_ARGUMENT, reason
 ``malformed``, never gRPC's INTERNAL "Exception deserializing request". Around the parse the
-call is admitted (:class:`~gossipgrad.peer.network.admission.Admission`: token and
-certificate before it, claimed identity, per-caller limits and the bulk budget after it),
-and only then is a buffer allocated or the handler run. Each refusal by the transport itself
-is reported to ``on_reject`` so the engine can count it.
+call is admitted (:class:`~gossipgrad.peer.network.admission.Admission`: token, certificate
+and, under TLS, the caller's limits and the bulk budget before the request is awaited; the
+claimed identity after it), and only then is a buffer allocated or the handler run. Each
+refusal by the transport itself is reported to ``on_reject`` so the engine can count it.
+
+Threads: gRPC's synchronous server runs a call's handler on a worker thread from the moment
+the call opens. Every method is registered with a streamed request, even those a client
+calls as unary (the same bytes on the wire), so the handler runs before the request has come
+and can admit the caller and bound the wait: a call whose request does not come within
+``request_timeout`` (plus what a chunk takes at ``min_rate_bytes`` for a whole push; a
+streamed push has as long for its header, then ``push_deadline`` of its size) is cancelled.
+Heartbeats run on a pool of ``heartbeat_slots`` threads of their own, so no number of pushes
+and state downloads, stalled or not, leaves a heartbeat waiting for a thread; gRPC's own cap
+on concurrent calls, which heartbeats shared, is off.
 
 Handlers refuse a call by raising :class:`UpdateRejected`; the call ends with its status,
 detail and the reason token in trailing metadata. Any other handler exception ends the call
@@ -31,10 +41,10 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 from gossipgrad.peer.network import protocol
-from gossipgrad.peer.network.admission import Admission
+from gossipgrad.peer.network.admission import Admission, Ticket
 from gossipgrad.peer.network.buffers import BufferPool
 from gossipgrad.peer.network.deadlines import CallDeadlines, Watch
-from gossipgrad.peer.network.errors import UpdateRejected, abort
+from gossipgrad.peer.network.errors import UpdateRejected, abort, malformed
 from gossipgrad.peer.network.framing import (
     FrameError,
     as_bytes_view,
@@ -106,6 +116,7 @@ class GossipServer:
         #: Cancels a push that outlives ``push_timeout`` and a download that stalls.
         self.deadlines = CallDeadlines()
         self._server: grpc.Server | None = None
+        self._beat_pool: futures.ThreadPoolExecutor | None = None
         self._port = 0
         self._lock = threading.Lock()
 
@@ -119,15 +130,23 @@ class GossipServer:
             o = self.options
             if o.tune_malloc:
                 tune_malloc()
+            self._beat_pool = futures.ThreadPoolExecutor(
+                max_workers=o.heartbeat_slots, thread_name_prefix="gossip-heartbeat"
+            )
             server = grpc.server(
                 futures.ThreadPoolExecutor(
-                    max_workers=o.worker_threads, thread_name_prefix="gossip-server"
+                    max_workers=o.bulk_threads, thread_name_prefix="gossip-server"
                 ),
                 handlers=(self._rpc_handlers(),),
                 options=server_channel_args(o),
-                maximum_concurrent_rpcs=o.worker_threads,
+                maximum_concurrent_rpcs=None,  # admission bounds calls (module docstring)
             )
-            self._port = self._bind(server)
+            try:
+                self._port = self._bind(server)
+            except OSError:
+                self._beat_pool.shutdown(wait=False)
+                self._beat_pool = None
+                raise
             server.start()
             self._server = server
             log.info(
@@ -169,9 +188,12 @@ class GossipServer:
         rest, and wait until the server is down. Idempotent."""
         with self._lock:
             server, self._server = self._server, None
+            beat_pool, self._beat_pool = self._beat_pool, None
         if server is None:
             return
         server.stop(grace).wait()
+        if beat_pool is not None:
+            beat_pool.shutdown(wait=False)
         self.deadlines.close()
         log.info("gossip server on %s stopped", self.address)
 
@@ -185,8 +207,9 @@ class GossipServer:
     # --- plumbing --------------------------------------------------------------------------
 
     def _rpc_handlers(self) -> grpc.GenericRpcHandler:
-        # Requests are deserialized in the handlers (identity deserializers here): see the
-        # module docstring. Chunk decoding never raises, so it may stay in gRPC's hands.
+        # Requests are deserialized in the handlers (identity deserializers here), and every
+        # request is streamed (see the module docstring). Chunk decoding never raises, so it
+        # may stay in gRPC's hands.
         return grpc.method_handlers_generic_handler(
             protocol.SERVICE,
             {
@@ -195,15 +218,15 @@ class GossipServer:
                     request_deserializer=UPDATE_CODEC.decode,
                     response_serializer=pb.PushReply.SerializeToString,
                 ),
-                protocol.PUSH_WHOLE: grpc.unary_unary_rpc_method_handler(
+                protocol.PUSH_WHOLE: grpc.stream_unary_rpc_method_handler(
                     self._push_whole_update,
                     response_serializer=pb.PushReply.SerializeToString,
                 ),
-                protocol.HEARTBEAT: grpc.unary_unary_rpc_method_handler(
-                    self._heartbeat,
+                protocol.HEARTBEAT: grpc.stream_unary_rpc_method_handler(
+                    _OnPool(self._heartbeat, self._beat_pool),
                     response_serializer=pb.HeartbeatReply.SerializeToString,
                 ),
-                protocol.STATE: grpc.unary_stream_rpc_method_handler(
+                protocol.STATE: grpc.stream_stream_rpc_method_handler(
                     self._download_state,
                     response_serializer=STATE_CODEC.encode,
                 ),
@@ -246,44 +269,91 @@ class GossipServer:
             context.abort(grpc.StatusCode.INTERNAL, f"{what} failed: {type(err).__name__}")
         raise AssertionError("unreachable")  # context.abort always raises
 
+    # --- admission -------------------------------------------------------------------------
+
+    def _admit_caller(
+        self, context: grpc.ServicerContext, bulk: bool, state: bool = False
+    ) -> tuple[str | None, Ticket | None]:
+        """Before the request is awaited: the token and certificate, and under TLS the
+        caller's limits and slots. Returns (certificate identity, ticket or None without
+        TLS); ends the call if refused."""
+        identity = self._or_refuse(context, lambda: self.admission.authenticate(context))
+        ticket = self._or_refuse(
+            context, lambda: self.admission.enter_caller(identity, bulk, state)
+        )
+        return identity, ticket
+
+    def _admit_sender(
+        self,
+        context: grpc.ServicerContext,
+        identity: str | None,
+        ticket: Ticket | None,
+        claimed: str,
+        bulk: bool,
+        state: bool = False,
+    ) -> Ticket:
+        """Once the request names its sender: the claim checked against the certificate
+        (``ticket`` from :meth:`_admit_caller`), or without TLS the call admitted now.
+        Ends the call if refused (the caller still releases ``ticket``)."""
+        if ticket is not None:
+            self._or_refuse(context, lambda: self.admission.check_claim(identity, claimed))
+            return ticket
+        return self._or_refuse(
+            context, lambda: self.admission.enter(context, identity, claimed, bulk, state)
+        )
+
+    def _request(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        """The one message of a request the client sends whole (a unary call on the wire)."""
+        raw = next(requests, None)
+        if raw is None:
+            self._refuse(context, malformed("the call ended without a request"))
+        return raw
+
     # --- calls -----------------------------------------------------------------------------
 
     def _push_update(self, chunks: Iterator[Any], context: grpc.ServicerContext) -> pb.PushReply:
-        # Whatever the client's deadline (or none), the call ends by the server's own.
-        watch = self.deadlines.watch(context, self.options.push_timeout, protocol.PUSH)
+        # Whatever the client's deadline (or none), the call ends by the server's own: its
+        # header comes with the call, then the body may take as long as its size needs.
+        watch = self.deadlines.watch(context, self.options.request_timeout, protocol.PUSH)
+        ticket = None
         try:
-            identity = self._or_refuse(context, lambda: self.admission.authenticate(context))
+            identity, ticket = self._admit_caller(context, bulk=True)
             try:
                 header = read_header(chunks, UPDATE_CODEC)
             except FrameError as err:
                 self._refuse_frame(context, err)
             # The body may take as long as its size needs (capped before any byte is read).
             watch.extend(self.options.push_deadline(header.payload_size))
-            ticket = self._or_refuse(
-                context, lambda: self.admission.enter(context, identity, header.sender, bulk=True)
-            )
-            try:
-                return self._receive_and_deliver(header, chunks, context)
-            finally:
-                self.admission.leave(ticket)
+            ticket = self._admit_sender(context, identity, ticket, header.sender, bulk=True)
+            return self._receive_and_deliver(header, chunks, context)
         finally:
+            if ticket is not None:
+                self.admission.leave(ticket)
             self.deadlines.release(watch)
 
-    def _push_whole_update(self, raw: bytes, context: grpc.ServicerContext) -> pb.PushReply:
-        identity = self._or_refuse(context, lambda: self.admission.authenticate(context))
-        update = self._or_refuse(context, lambda: parse_whole_update(raw))
-        header = update.header
-        ticket = self._or_refuse(
-            context, lambda: self.admission.enter(context, identity, header.sender, bulk=True)
-        )
+    def _push_whole_update(
+        self, requests: Iterator[bytes], context: grpc.ServicerContext
+    ) -> pb.PushReply:
+        o = self.options
+        wait = o.request_timeout + o.chunk_size / o.min_rate_bytes  # at most a chunk comes
+        watch = self.deadlines.watch(context, wait, protocol.PUSH_WHOLE)
+        ticket = None
         try:
+            identity, ticket = self._admit_caller(context, bulk=True)
+            raw = self._request(requests, context)
+            self.deadlines.release(watch)
+            update = self._or_refuse(context, lambda: parse_whole_update(raw))
+            header = update.header
+            ticket = self._admit_sender(context, identity, ticket, header.sender, bulk=True)
             return self._guarded(
                 protocol.PUSH_WHOLE,
                 context,
                 lambda: self._deliver(header, memoryview(update.data), context.peer()),
             )
         finally:
-            self.admission.leave(ticket)
+            if ticket is not None:
+                self.admission.leave(ticket)
+            self.deadlines.release(watch)
 
     def _receive_and_deliver(
         self, header: pb.UpdateHeader, chunks: Iterator[Any], context: grpc.ServicerContext
@@ -311,34 +381,43 @@ class GossipServer:
             raise TypeError(f"handle_update returned {type(reply).__name__}, not PushReply")
         return reply
 
-    def _heartbeat(self, raw: bytes, context: grpc.ServicerContext) -> pb.HeartbeatReply:
-        identity = self._or_refuse(context, lambda: self.admission.authenticate(context))
-        if len(raw) > MAX_HEARTBEAT_BYTES:
-            self._refuse(context, _too_large("heartbeat", len(raw), MAX_HEARTBEAT_BYTES))
-        request = self._or_refuse(context, lambda: parse_request(pb.HeartbeatRequest, raw))
-        ticket = self._or_refuse(
-            context, lambda: self.admission.enter(context, identity, request.sender.id, bulk=False)
-        )
+    def _heartbeat(
+        self, requests: Iterator[bytes], context: grpc.ServicerContext
+    ) -> pb.HeartbeatReply:
+        watch = self.deadlines.watch(context, self.options.request_timeout, protocol.HEARTBEAT)
+        ticket = None
         try:
+            identity, ticket = self._admit_caller(context, bulk=False)
+            raw = self._request(requests, context)
+            self.deadlines.release(watch)
+            if len(raw) > MAX_HEARTBEAT_BYTES:
+                self._refuse(context, _too_large("heartbeat", len(raw), MAX_HEARTBEAT_BYTES))
+            request = self._or_refuse(context, lambda: parse_request(pb.HeartbeatRequest, raw))
+            ticket = self._admit_sender(context, identity, ticket, request.sender.id, bulk=False)
             return self._guarded(
                 protocol.HEARTBEAT, context, lambda: self.handler.handle_heartbeat(request)
             )
         finally:
-            self.admission.leave(ticket)
+            if ticket is not None:
+                self.admission.leave(ticket)
+            self.deadlines.release(watch)
 
-    def _download_state(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
-        identity = self._or_refuse(context, lambda: self.admission.authenticate(context))
-        request = self._or_refuse(context, lambda: parse_request(pb.StateRequest, raw))
-        ticket = self._or_refuse(
-            context,
-            lambda: self.admission.enter(
-                context, identity, request.requester, bulk=True, state=True
-            ),
-        )
-        # A reader that stops reading blocks this thread in gRPC's send: cancelled once no
-        # chunk has gone for STATE_STALL_S, which frees the thread and the state slot.
-        watch = self.deadlines.watch(context, STATE_STALL_S, protocol.STATE)
+    def _download_state(
+        self, requests: Iterator[bytes], context: grpc.ServicerContext
+    ) -> Iterator[Any]:
+        # The request must come within request_timeout; then a reader that stops reading
+        # blocks this thread in gRPC's send: cancelled once no chunk has gone for
+        # STATE_STALL_S, which frees the thread and the state slot.
+        watch = self.deadlines.watch(context, self.options.request_timeout, protocol.STATE)
+        ticket = None
         try:
+            identity, ticket = self._admit_caller(context, bulk=True, state=True)
+            raw = self._request(requests, context)
+            watch.extend(STATE_STALL_S)
+            request = self._or_refuse(context, lambda: parse_request(pb.StateRequest, raw))
+            ticket = self._admit_sender(
+                context, identity, ticket, request.requester, bulk=True, state=True
+            )
             header, view = self._guarded(protocol.STATE, context, lambda: self._state_for(request))
             for chunk in frames(STATE_CODEC.header_bytes(header), view, self.options.chunk_size):
                 if not self._paced(len(chunk), context, watch):
@@ -346,8 +425,9 @@ class GossipServer:
                 yield chunk
                 watch.extend(STATE_STALL_S)
         finally:
+            if ticket is not None:
+                self.admission.leave(ticket)
             self.deadlines.release(watch)
-            self.admission.leave(ticket)
 
     def _paced(self, nbytes: int, context: grpc.ServicerContext, watch: Watch) -> bool:
         """Wait until ``nbytes`` of state may go (``state_rate_bytes``); False if the caller
@@ -374,6 +454,18 @@ class GossipServer:
         out.CopyFrom(header)
         out.payload_size = view.nbytes
         return out, view
+
+
+class _OnPool:
+    """A method's handler that gRPC runs on ``pool`` instead of the server's own threads
+    (gRPC's synchronous server looks for a handler's ``experimental_thread_pool``)."""
+
+    def __init__(self, handler: Callable[..., Any], pool: futures.ThreadPoolExecutor) -> None:
+        self._handler = handler
+        self.experimental_thread_pool = pool
+
+    def __call__(self, *args: Any) -> Any:
+        return self._handler(*args)
 
 
 def _too_large(what: str, size: int, limit: int) -> UpdateRejected:

@@ -33,7 +33,7 @@ from support import ROOT
 pytestmark = pytest.mark.timeout(180)
 
 SWARM = "scale"
-OPTIONS = TransportOptions(retries=0, server_threads=2, heartbeat_slots=2)
+OPTIONS = TransportOptions(retries=0, server_threads=2, heartbeat_slots=3)
 TOPOLOGY = topology_from_name("ring", seed=0)  # the default, and the slowest to spread a death
 #: Fast but loaded-machine-safe timeouts (the daemon's defaults are 0.5 / 3 / 10 s).
 FAST = MembershipSection(heartbeat_interval=0.2, suspect_after=1.5, dead_after=3.0, far_every=2)

@@ -78,7 +78,7 @@ def test_heartbeats_are_answered_while_bulk_pushes_fill_the_server() -> None:
         server_threads=2,
         max_concurrent_rpcs=2,
         max_streams_per_peer=2,
-        heartbeat_slots=2,
+        heartbeat_slots=3,
     )
     sink = SlowSink()
     rejects: list[str] = []
