@@ -58,3 +58,27 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
     path.write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="unreadable"):
         checkpoint.load(path)
+
+
+def test_save_streams_to_the_file_without_a_serialized_copy_in_memory(tmp_path: Path) -> None:
+    """A checkpoint is written as it is serialized: the Python heap does not hold the
+    state's bytes a second time (at 100M parameters that copy was the state's size again)."""
+    import tracemalloc
+
+    state = {"params": torch.randn(8 << 20)}  # 32 MiB, outside the Python heap
+    tracemalloc.start()
+    try:
+        checkpoint.save_atomic(tmp_path / "checkpoint.pt", state)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20
+    assert torch.equal(checkpoint.load(tmp_path / "checkpoint.pt")["params"], state["params"])
+
+
+def test_params_digest_is_sha256_of_the_float32_bytes() -> None:
+    import hashlib
+
+    t = torch.arange(10, dtype=torch.float32)
+    assert checkpoint.params_digest(t) == hashlib.sha256(t.numpy().tobytes()).hexdigest()[:16]
+    assert checkpoint.params_digest(t.double()) == checkpoint.params_digest(t)
