@@ -31,6 +31,7 @@ from gossipgrad.peer.membership.topology import topology_from_name
 from gossipgrad.peer.metrics import UNATTRIBUTED, PeerMetrics
 from gossipgrad.peer.network import GossipServer, TransportError, TransportOptions, UpdateRejected
 from gossipgrad.peer.network.pool import ClientPool
+from gossipgrad.peer.runtime.donor import SnapshotCache
 from gossipgrad.peer.runtime.joining import StateDownload
 from gossipgrad.peer.security import TransportSecurity, resolve_security
 from gossipgrad.proto import gossip_pb2 as pb
@@ -136,7 +137,8 @@ class Peer:
     Args:
         cfg: the whole peer config (each component receives only its own section).
         flat: the model's parameters, re-homed into one tensor.
-        state_source: returns (step, round, blob) for a joining peer's state download.
+        state_source: returns (step, round, blob) for a joining peer's state download;
+            called at most once per (step, round) reported to :meth:`update_progress`.
         registry: Prometheus registry for this peer's metrics (None: a fresh one).
         state_lock: held by the training thread around optimizer steps, and by the algorithm
             around reading and writing the parameters.
@@ -156,7 +158,8 @@ class Peer:
         self.cfg = cfg
         self.flat = flat
         self._buffers = buffers
-        self._state_source = state_source
+        #: A joiner's state, serialized at most once per reported (step, round).
+        self.snapshots = SnapshotCache(state_source) if state_source is not None else None
         self.state_lock = state_lock if state_lock is not None else threading.RLock()
         self.metrics = PeerMetrics(registry=registry)
         self.options = transport_options(cfg, flat.nbytes)
@@ -397,9 +400,9 @@ class Peer:
 
     def handle_state_request(self, request: pb.StateRequest) -> tuple[pb.StateHeader, bytes]:
         self._check_swarm(request.swarm)
-        if self._state_source is None:
+        if self.snapshots is None:
             raise UpdateRejected(grpc.StatusCode.UNAVAILABLE, "stale", "no state to share")
-        step, round_, blob = self._state_source()
+        step, round_, blob = self.snapshots.get()
         self.metrics.record_sent(request.requester, "state", len(blob))
         return (
             pb.StateHeader(
@@ -469,7 +472,10 @@ class Peer:
             self.buffer_average.forget(pid)
 
     def update_progress(self, step: int, round_: int) -> None:
-        """Advertise training progress in heartbeats (joining peers pick the most advanced)."""
+        """Advertise training progress in heartbeats (joining peers pick the most advanced);
+        a state snapshot taken before it is stale from now on."""
+        if self.snapshots is not None:
+            self.snapshots.progress(step, round_)
         if self.membership is not None:
             self.membership.me.step = step
             self.membership.me.round = round_

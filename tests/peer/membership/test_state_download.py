@@ -11,10 +11,12 @@ from __future__ import annotations
 import io
 import threading
 
+import grpc
 import pytest
 import torch
 from gossipgrad.peer.config import build_config
-from gossipgrad.peer.network import PeerClient
+from gossipgrad.peer.network import PeerClient, protocol
+from gossipgrad.peer.network.protocol import STATE_CODEC
 from gossipgrad.peer.runtime.optimizer import GossipOptimizer
 from gossipgrad.proto import gossip_pb2 as pb
 from torch import nn
@@ -70,4 +72,52 @@ def test_state_downloaded_during_training_is_one_consistent_snapshot() -> None:
     finally:
         stop.set()
         trainer.join(60)
+        donor.close()
+
+
+@pytest.mark.timeout(60)
+def test_downloads_cancelled_in_a_loop_serialize_the_state_once_per_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Finding 3: every state request serialized the whole state under the training lock,
+    so a member asking and cancelling in a loop stalled training at the rate it could ask.
+    Now a snapshot is taken once per (step, round) the training loop reports, and served to
+    every request until the next one."""
+    saves: list[int] = []
+    real_save = torch.save
+
+    def counting_save(*args, **kwargs):
+        saves.append(1)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", counting_save)
+    model = nn.Linear(64, 8, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=1.0)
+    cfg = build_config(
+        {}, {"peer.id": "donor", "metrics.enabled": False, "gossip.local_steps": 1_000_000}
+    )
+    donor = GossipOptimizer(model, opt, cfg)
+    request = pb.StateRequest(swarm=cfg.peer.swarm, requester="evil")
+    channel = grpc.insecure_channel(donor.peer.address)
+    download = channel.unary_stream(
+        protocol.method_path(protocol.STATE),
+        request_serializer=pb.StateRequest.SerializeToString,
+        response_deserializer=STATE_CODEC.decode,
+    )
+    try:
+        for _ in range(20):
+            call = download(request, timeout=10)
+            next(call)  # the header: the state was serialized for this request
+            call.cancel()
+        assert len(saves) == 1, len(saves)
+        model.weight.grad = torch.ones_like(model.weight)
+        donor.step()  # a new step: the next request takes a new snapshot
+        with PeerClient(donor.peer.address) as client:
+            for _ in range(3):
+                header, blob = client.download_state(request)
+                state = torch.load(io.BytesIO(bytes(blob)), weights_only=False)
+                assert header.step == state["local_step"] == 1
+        assert len(saves) == 2, len(saves)
+    finally:
+        channel.close()
         donor.close()
