@@ -18,7 +18,9 @@ baseline measured in the same process and run:
   (``local_steps`` x ``--accelerator-ms``); utilization: the wall time of the same steps
   without gossip over their wall time with it (1: gossip costs the training nothing).
 * start: building and starting the GossipOptimizer; state: ``state_dict()`` and saving it to
-  memory with ``torch.save``, over a ``torch.save`` of the same state alone.
+  memory with ``torch.save``, over a ``torch.save`` of the same state alone; checkpoint: the
+  daemon's atomic save of that state to disk (temporary file, fsync, rename) over the same
+  ``torch.save`` to memory, and the resident memory its peak added, in model bytes.
 
     python scripts/bench_scale.py --sizes 1M,10M,100M --algorithms choco,diloco
 """
@@ -34,6 +36,7 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -101,6 +104,7 @@ def peer_main(rank: int, args: dict, addresses, barrier, results) -> None:
 def _peer(rank: int, a: dict, addresses, barrier) -> dict:
     from gossipgrad.peer.algorithms.footprint import gossip_state_bytes
     from gossipgrad.peer.config import build_config
+    from gossipgrad.peer.runtime import checkpoint
     from gossipgrad.peer.runtime.optimizer import GossipOptimizer
 
     torch.set_num_threads(1)
@@ -209,6 +213,15 @@ def _peer(rank: int, a: dict, addresses, barrier) -> dict:
     t0 = time.perf_counter()
     torch.save(state, io.BytesIO())
     save_s = time.perf_counter() - t0
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    before_kib = memory_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM starts again from VmRSS
+    with tempfile.TemporaryDirectory() as run_dir:
+        t0 = time.perf_counter()
+        checkpoint.save_atomic(Path(run_dir) / "checkpoint.pt", state)
+        checkpoint_s = time.perf_counter() - t0
+        checkpoint_kib = memory_kib("VmHWM") - before_kib
     del state
     gopt.close()
     return {
@@ -232,6 +245,8 @@ def _peer(rank: int, a: dict, addresses, barrier) -> dict:
         "start_s": start_s,
         "state_dict_s": state_dict_s,
         "state_over_save": (state_dict_s + save_s) / save_s,
+        "checkpoint_over_save": checkpoint_s / save_s,
+        "checkpoint_memory_over_model": checkpoint_kib * 1024 / model_bytes,
     }
 
 
@@ -291,6 +306,8 @@ def summarise(numel: int, algorithm: str, peers: list[dict]) -> dict:
         "start_s": median("start_s"),
         "state_dict_s": median("state_dict_s"),
         "state_over_save": median("state_over_save"),
+        "checkpoint_over_save": median("checkpoint_over_save"),
+        "checkpoint_memory_over_model": max(p["checkpoint_memory_over_model"] for p in peers),
     }
 
 
@@ -309,6 +326,8 @@ COLUMNS = [
     ("start_s", "start s", "{:.2f}"),
     ("state_dict_s", "state_dict s", "{:.2f}"),
     ("state_over_save", "state/save", "{:.2f}"),
+    ("checkpoint_over_save", "checkpoint/save", "{:.2f}"),
+    ("checkpoint_memory_over_model", "checkpoint mem/model", "{:.2f}"),
 ]
 
 
