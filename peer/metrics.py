@@ -204,6 +204,14 @@ class PeerMetrics:
             ["neighbor"],
             registry=r,
         )
+        self.exchanges = Counter(
+            _name("exchanges"),
+            "CHOCO exchanges completed with a neighbour (each mixed once, with the agreed "
+            "weight, 0 included). Both ends of an edge count the same; a difference is an "
+            "exchange mixed at one end only.",
+            ["neighbor"],
+            registry=r,
+        )
         self.lane_dropped = Counter(
             _name("push_lane_dropped"),
             "Vectors dropped, oldest first, from a neighbour's push lane that was full (a "
@@ -241,6 +249,7 @@ class PeerMetrics:
         self.dense_bytes.labels(neighbor=neighbor)
         self.push_duration.labels(neighbor=neighbor)
         self.resyncs.labels(neighbor=neighbor)
+        self.exchanges.labels(neighbor=neighbor)
         self.lane_dropped.labels(neighbor=neighbor)
 
     def remove_neighbor(self, neighbor: str) -> None:
@@ -263,6 +272,7 @@ class PeerMetrics:
                     )
             _move(self.dense_bytes, {"neighbor": neighbor}, {"neighbor": DEPARTED})
             _move(self.resyncs, {"neighbor": neighbor}, {"neighbor": DEPARTED})
+            _move(self.exchanges, {"neighbor": neighbor}, {"neighbor": DEPARTED})
             _move(self.lane_dropped, {"neighbor": neighbor}, {"neighbor": DEPARTED})
             self.push_duration.remove(neighbor)
 
@@ -344,6 +354,16 @@ class PeerMetrics:
         """Count one dense resync of the edge to ``neighbor``."""
         self.add_neighbor(neighbor)
         self.resyncs.labels(neighbor=neighbor).inc()
+
+    def record_exchange(self, neighbor: str) -> None:
+        """Count one exchange with ``neighbor`` completed (mixed) at this end."""
+        self.add_neighbor(neighbor)
+        self.exchanges.labels(neighbor=neighbor).inc()
+
+    def exchanges_by_neighbour(self) -> dict[str, int]:
+        """Exchanges completed so far per neighbour (departed ones under :data:`DEPARTED`);
+        neighbours with none left out."""
+        return {labels["neighbor"]: n for labels, n in _counts(self.exchanges) if n}
 
     # --- training ----------------------------------------------------------------------------
     def record_step(self, loss: float, samples: int) -> None:

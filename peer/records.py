@@ -150,6 +150,11 @@ class PeerSummary(TrafficTotals):
         description="Bytes per neighbour at the end, ``{id: {sent, received}}`` (heartbeats "
         "left out; departed neighbours summed under ``(departed)``).",
     )
+    exchanges: dict[str, int] = Field(
+        default_factory=dict,
+        description="CHOCO exchanges completed per neighbour at the end (both ends of an edge "
+        "count the same; departed neighbours summed under ``(departed)``).",
+    )
     site: SiteSummary | None = Field(None, description="Multi-rank sites only: this rank.")
 
 

@@ -78,10 +78,12 @@ class PushReply(_message.Message):
         ACCEPTED: _ClassVar[PushReply.Status]
         DUPLICATE: _ClassVar[PushReply.Status]
         NEED_RESYNC: _ClassVar[PushReply.Status]
+        FINISHED: _ClassVar[PushReply.Status]
     STATUS_UNSPECIFIED: PushReply.Status
     ACCEPTED: PushReply.Status
     DUPLICATE: PushReply.Status
     NEED_RESYNC: PushReply.Status
+    FINISHED: PushReply.Status
     STATUS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_SEQ_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]

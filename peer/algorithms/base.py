@@ -61,8 +61,12 @@ class GossipAlgorithm(abc.ABC):
     def consensus_round(self) -> RoundStats:
         """One gossip-only round now (no training step: ``gossip.final_rounds``)."""
 
-    def finish(self) -> None:
-        """Training is over: apply whatever is still in flight (default: nothing)."""
+    def finish(self, interrupted: bool = False) -> None:
+        """The run is over: apply whatever is still in flight, then tell the neighbours and
+        take part in no further exchange (the last call before ``close``; rounds after it do
+        nothing). ``interrupted``: the run was cut short (a signal, an error): settle only what
+        is already under way, within a short grace, and compute nothing new (default:
+        nothing to do)."""
         return
 
     @abc.abstractmethod

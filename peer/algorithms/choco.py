@@ -42,7 +42,8 @@ DENSE_SPEC = "none"
 # Edges opened before this round start from the shared initial model (INIT, no payload);
 # later ones (a late joiner, a rewired topology) from a dense copy of the current model.
 INIT_ROUNDS = 50
-# finish() waits up to this many round_timeouts for the exchanges still open.
+# finish() waits up to this many round_timeouts for the exchanges still open (an interrupted
+# run's, only for its own acknowledgements: at most one round_timeout).
 FINISH_ROUNDS = 3
 
 
@@ -83,6 +84,7 @@ class ChocoGossip(GossipAlgorithm):
         self.edges = EdgeTable(x, neighbourhood.me, dtype)
         self._round = 0
         self._scratch: torch.Tensor | None = None  # x − x̂ while a round encodes
+        self._finished = False  # finish() ran: no exchange is opened or taken any more
 
     @property
     def round(self) -> int:
@@ -189,10 +191,10 @@ class ChocoGossip(GossipAlgorithm):
         (0: a hello). Returns what it did ("" for nothing)."""
         edge = self.edge(peer)
         with edge.lock:
-            if edge.busy:
+            if edge.busy or edge.ended:
                 return ""
             if edge.epoch == 0:
-                if turn.get(peer) == 0:
+                if self._finished or turn.get(peer) == 0:
                     return ""
                 turn[peer] = 0
                 update = self._hello(peer, edge)
@@ -248,6 +250,7 @@ class ChocoGossip(GossipAlgorithm):
                     raise UpdateRejected(
                         grpc.StatusCode.INVALID_ARGUMENT, "decode_error", str(err)
                     ) from None
+            verdict = edge.reply(update, verdict)
             received = edge.received
         if verdict is Verdict.NEED_RESYNC and update.epoch:
             log.info(
@@ -263,8 +266,13 @@ class ChocoGossip(GossipAlgorithm):
 
     # ------------------------------------------------------------------ the round
 
-    def _mix_ready(self, peers: list[str]) -> tuple[list[str], float]:
-        """Mix every edge whose exchange is complete at this end, each exactly once."""
+    def _mix_ready(self, peers: list[str], close: bool = False) -> tuple[list[str], float]:
+        """Mix every edge whose exchange is complete at this end, each exactly once.
+
+        ``close`` (the end of ``finish``): then every edge also takes part in no exchange
+        beyond the ones mixed now, decided under its lock together with the readiness check,
+        so an update that lands meanwhile is either in this mix or refused (FINISHED), never
+        acknowledged and left unmixed."""
         pairs, mixed, due = [], [], []
         dist = float("nan")
         # The ready edges stay locked until the step is taken, so it reads their copies in
@@ -277,6 +285,8 @@ class ChocoGossip(GossipAlgorithm):
                     continue
                 edge.lock.acquire()
                 if not edge.exchange_ready():
+                    if close:
+                        edge.close(edge.mixed)
                     edge.lock.release()
                     continue
                 locked.callback(edge.lock.release)
@@ -284,11 +294,17 @@ class ChocoGossip(GossipAlgorithm):
                 if w > 0:
                     pairs.append(Pair(edge.mirror, edge.public, w))
                     mixed.append(peer)
-                due.append(edge)
+                due.append((peer, edge))
             # Most calls (every wake of a round's wait) find nothing to mix: no pass over x.
             if pairs:
                 dist = consensus_step(self.x, pairs, self.settings.gamma, self.settings.robust_clip)
-            due = [(edge, edge.done_mixing()) for edge in due]
+            for peer, _ in due:
+                if self.metrics is not None:
+                    self.metrics.record_exchange(peer)
+            due = [(edge, edge.done_mixing()) for _, edge in due]
+            if close:  # a held update is still applied below (the copies stay identical)
+                for edge, _ in due:
+                    edge.close(edge.mixed)
         for edge, held in due:
             if held is not None:
                 with edge.lock:
@@ -300,7 +316,12 @@ class ChocoGossip(GossipAlgorithm):
         return mixed, dist
 
     def step_round(self) -> RoundStats:
-        """Run one gossip round (see the module docstring). Called by the training thread."""
+        """Run one gossip round (see the module docstring). Called by the training thread.
+
+        After ``finish()`` a round opens and mixes nothing: every exchange was decided then."""
+        if self._finished:
+            log.warning("a gossip round after finish(): nothing exchanged")
+            return RoundStats(round=self._round, neighbors=[], mixed=[], pushed=[])
         t_round = time.perf_counter()
         self.nb.await_company(self.settings.round_timeout)
         ids = self.nb.ids()
@@ -357,14 +378,24 @@ class ChocoGossip(GossipAlgorithm):
         self._round += 1
         return stats
 
-    def finish(self) -> None:
+    def finish(self, interrupted: bool = False) -> None:
         """The run is over: tell each neighbour the last exchange we opened (FINAL), then
-        mix the exchanges still open, opening no new ones. An exchange the neighbour says it
-        will never open is neither waited for nor mixed, at both ends."""
+        mix the exchanges still open, opening no new ones, and decide every edge for good
+        (``_mix_ready(close=True)``; peer/algorithms/edges.py, the end of a run). An
+        exchange the neighbour says it will never complete is neither waited for nor mixed,
+        at both ends. ``interrupted`` (a SIGTERM, an exception): wait only for our own
+        pushes of exchanges whose other half is here, at most one ``round_timeout``, not for
+        a neighbour's next update. Once only; later calls do nothing."""
+        if self._finished:
+            return
+        self._finished = True
+        self.edges.close()  # from here on, updates beyond what we opened are refused
         for peer, edge in list(self.edges.items()):
-            if edge.epoch and self.nb.view.is_alive(peer):
+            with edge.lock:
+                epoch, sent = edge.epoch, edge.sent
+            if epoch and self.nb.view.is_alive(peer):
                 header = self.nb.header(
-                    peer, pb.FINAL, b"", seq=edge.sent, edge_epoch=edge.epoch, dense_size=0
+                    peer, pb.FINAL, b"", seq=sent, edge_epoch=epoch, dense_size=0
                 )
                 self.nb.submit(self._notify_final, peer, header)
         # Read live, as a round does: an edge a view change dropped and made anew (a new
@@ -379,7 +410,10 @@ class ChocoGossip(GossipAlgorithm):
             return [
                 p
                 for p, (_, sent) in due.items()
-                if (e := open_edge(p)) is not None and e.mixed < sent and e.will_complete()
+                if (e := open_edge(p)) is not None
+                and e.mixed < sent
+                and not e.ended
+                and (not interrupted or e.received > e.mixed)
             ]
 
         def progress() -> None:
@@ -391,17 +425,12 @@ class ChocoGossip(GossipAlgorithm):
 
         # Longer than a round's wait: a neighbour may still be in its last rounds; its FINAL
         # notice, or its leaving, ends the wait for it at once.
-        timeout = FINISH_ROUNDS * self.settings.round_timeout
-        self.nb.wait(missing, timeout, "finish", progress, final=True)
-        # An exchange still open now will never be mixed here: end its session, so that
-        # the neighbour's late update is refused (NEED_RESYNC) instead of acknowledged and
-        # then mixed at the other end alone.
-        for peer in missing():
-            if (edge := open_edge(peer)) is None:
-                continue  # pruned meanwhile
-            with edge.lock:
-                log.info("finish: exchange %d with %s left open, session ended", edge.sent, peer)
-                edge.restart()
+        rounds = 1 if interrupted else FINISH_ROUNDS
+        self.nb.wait(missing, rounds * self.settings.round_timeout, "finish", progress, final=True)
+        self._mix_ready(list(self.edges), close=True)
+        for peer, (_, sent) in due.items():
+            if (e := open_edge(peer)) is not None and e.mixed < sent:
+                log.info("finish: exchange %d with %s left open: mixed at neither end", sent, peer)
 
     def _notify_final(self, peer: str, header: pb.UpdateHeader) -> None:
         try:

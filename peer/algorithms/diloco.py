@@ -116,13 +116,24 @@ class DiLoCo(GossipAlgorithm):
 
     def consensus_round(self) -> RoundStats:
         """Gossip-only: a CHOCO round over the anchors, the parameters follow them."""
-        self.finish()
+        self._settle()
         stats = self.anchors.step_round()
         with torch.no_grad(), self.state_lock:
             self.flat.data.copy_(self.anchor)
         return stats
 
-    def finish(self) -> None:
+    def finish(self, interrupted: bool = False) -> None:
+        """Settle the phases (``_settle``), then the anchors' last exchanges, mixed at both
+        ends, and the anchors' FINAL notices; the parameters end on the anchor. Interrupted,
+        only the anchors' exchanges under way are settled (the parameters stay as trained)."""
+        if not interrupted:
+            self._settle()
+        self.anchors.finish(interrupted)
+        if not interrupted:
+            with torch.no_grad(), self.state_lock:
+                self.flat.data.copy_(self.anchor)
+
+    def _settle(self) -> None:
         """Apply the neighbours' part still in flight (overlap), then any partial last phase,
         so the parameters end on the anchor with every peer's progress averaged in."""
         if self._pending is not None:
@@ -141,9 +152,6 @@ class DiLoCo(GossipAlgorithm):
             partial = not torch.equal(self.anchor, self.flat.data)
         if partial:
             self._outer_round(overlap=False)
-        self.anchors.finish()  # the anchors' last exchange, mixed at both ends
-        with torch.no_grad(), self.state_lock:
-            self.flat.data.copy_(self.anchor)
 
     def handle_update(self, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
         if header.kind == pb.GRADIENT:

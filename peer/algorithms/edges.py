@@ -29,6 +29,18 @@ copies with the same weight, so the swarm's average is preserved. Three rules ca
 
 An update that arrives one exchange early (the neighbour mixed exchange n before we did) is held
 until we mixed n. A held update counts as received, and there is never more than one.
+
+The end of a run keeps rule 2 too. An end that finishes promises, in its FINAL notice, the
+last exchange it opened (``sent``), and from then on acknowledges only updates of exchanges up
+to that one (``last``): any other is answered FINISHED (applied if it is this session's next,
+so the copies stay identical, but never acknowledged; a hello or another session's update
+changes nothing). When it stops waiting it decides each edge at once, under the edge's lock:
+an exchange complete at this end is mixed, any other never is, and ``last`` drops to what was
+mixed, so the neighbour's late update gets FINISHED instead of an acknowledgement. The
+neighbour takes a FINAL notice, or a FINISHED answer to update n (the exchange before it,
+n - 1), as the last exchange the edge completes (``ended`` once that one is mixed): it opens
+nothing beyond it and waits for nothing beyond it. An exchange mixes only with both updates
+acknowledged, so one that crosses the FINAL is mixed at both ends or at none.
 """
 
 from __future__ import annotations
@@ -62,6 +74,7 @@ class Verdict(enum.Enum):
     ACCEPTED = "accepted"
     DUPLICATE = "duplicate"
     NEED_RESYNC = "need_resync"
+    FINISHED = "finished"  # this end finished: the update is never acknowledged or mixed
 
 
 class Kind(enum.Enum):
@@ -133,9 +146,11 @@ class Edge:
     requested: bool = False  # the follower asked for a session: open one even off-schedule
     restarts: int = 0  # sessions ended (the next opening is then a RESYNC, never an INIT)
     dropped: int = 0  # a follower: the latest of the leader's sessions it dropped
-    # j finished: (its session, the last exchange it opened). Keyed by session, so a notice
-    # that overtook the opening of its session applies once the follower joins it.
+    # j finished: (its session, the last exchange it completes). Keyed by session, so a
+    # notice that overtook the opening of its session applies once the follower joins it.
     final: tuple[int, int] | None = None
+    # i finished: the last exchange of this session it takes part in (None: still running).
+    last: int | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -150,9 +165,13 @@ class Edge:
         waits for the leader's (and says hello)."""
         if not self.leader:
             self.dropped = max(self.dropped, self.epoch)
+        if self.final is not None and self.final[0] <= self.epoch:
+            self.final = None  # about the session that ended
         self.epoch = new_epoch() if self.leader else 0
         self._zero()
         self.restarts += 1
+        if self.last is not None:
+            self.last = 0  # finished: nothing of a new session is taken
 
     def _zero(self) -> None:
         self.sent = self.acked = self.received = self.mixed = 0
@@ -182,9 +201,17 @@ class Edge:
     # ------------------------------------------------------------------ sending
 
     def can_send(self) -> bool:
-        """Update ``sent + 1`` may go out: exchange ``sent`` is mixed and no push in flight."""
+        """Update ``sent + 1`` may go out: exchange ``sent`` is mixed, no push in flight, and
+        neither end finished before exchange ``sent + 1``."""
+        bound = min(
+            (b for b in (self.last, self.peer_final) if b is not None), default=self.sent + 1
+        )
         return (
-            self.epoch != 0 and not self.busy and self.unacked is None and self.sent == self.mixed
+            self.epoch != 0
+            and not self.busy
+            and self.unacked is None
+            and self.sent == self.mixed
+            and self.sent < bound
         )
 
     def record_sent(self, update: Any, weight: float, round: int) -> int:
@@ -281,11 +308,17 @@ class Edge:
         self.idle.set()
 
     def answered(self, epoch: int, seq: int, verdict: Verdict) -> None:
-        """j answered our update ``seq`` of session ``epoch`` (ignored if that session is over)."""
-        if epoch != self.epoch or epoch == 0:
+        """j answered our update ``seq`` of session ``epoch`` (ignored if that session is over;
+        a FINISHED answer to a hello, epoch 0, ends the edge while we have no session)."""
+        if epoch != self.epoch or (epoch == 0 and verdict is not Verdict.FINISHED):
             return
         if verdict is Verdict.NEED_RESYNC:
             self.restart()
+        elif verdict is Verdict.FINISHED:
+            # Not applied: the exchange is never mixed, and neither is any later one.
+            self.note_final(epoch, max(seq - 1, 0))
+            if seq == self.sent:
+                self.unacked = None
         elif seq == self.sent:
             self.acked = seq
             self.unacked = None
@@ -296,8 +329,12 @@ class Edge:
         """Session and sequence checks on arrival: None to apply now, or the verdict.
 
         An update one exchange early is held (ACCEPTED). An update out of order ends the
-        session (NEED_RESYNC); one of an older session only gets NEED_RESYNC back.
+        session (NEED_RESYNC); one of an older session only gets NEED_RESYNC back. Once this
+        end finished, a hello or an update of another session gets FINISHED and changes
+        nothing (``reply`` says what an update of this session gets).
         """
+        if self.last is not None and (update.epoch != self.epoch or update.epoch == 0):
+            return Verdict.FINISHED
         if update.epoch == 0:  # a follower's hello: it has no session with us
             if self.leader:
                 # It dropped our session, or it took part in it (we applied its updates) and
@@ -331,33 +368,51 @@ class Edge:
         return None
 
     def note_final(self, epoch: int, seq: int) -> None:
-        """j finished at exchange ``seq`` of session ``epoch`` (ignored for an older session).
+        """j completes no exchange beyond ``seq`` of session ``epoch`` (its FINAL notice, or
+        its FINISHED answer; ignored for an older session). Each says "at most", so the
+        smaller of two for one session holds.
 
         A follower may hear it before the opening of that session: the leader's FINAL and its
         last update travel as separate pushes. The notice is then kept and takes effect when
         the follower joins the session, or it would wait for exchanges the leader never opens.
         """
-        if epoch >= self.epoch:
-            self.final = (epoch, seq)
+        if epoch < self.epoch:
+            return
+        if self.final is not None and self.final[0] == epoch:
+            seq = min(seq, self.final[1])
+        self.final = (epoch, seq)
 
     @property
     def peer_final(self) -> int | None:
-        """The last exchange j opens in this session, if it said it finished."""
-        if self.final is not None and self.final[0] == self.epoch != 0:
+        """The last exchange j completes in this session, if it said it finished."""
+        if self.final is not None and self.final[0] == self.epoch:
             return self.final[1]
         return None
 
-    def will_complete(self) -> bool:
-        """The open exchange can still complete: j has not said it finished before it."""
-        return self.peer_final is None or self.peer_final >= self.mixed + 1
+    @property
+    def ended(self) -> bool:
+        """j finished and every exchange it completes is mixed here: nothing more to open,
+        push, wait for or mix on this edge."""
+        final = self.peer_final
+        return final is not None and self.mixed >= final
+
+    def close(self, last: int) -> None:
+        """This end finished: it takes part in no exchange of this session beyond ``last``."""
+        self.last = last if self.last is None else min(self.last, last)
+
+    def reply(self, update: Incoming, verdict: Verdict) -> Verdict:
+        """What the sender is told of an update taken with ``verdict``: once this end
+        finished, FINISHED for an exchange beyond ``last``. Such an update is still applied
+        (the copies stay identical) but never acknowledged, so it is mixed at neither end."""
+        if self.last is not None and update.seq > self.last and verdict is not Verdict.NEED_RESYNC:
+            return Verdict.FINISHED
+        return verdict
 
     def finish(self, update: Incoming) -> Verdict:
         """After the update was applied to ``mirror``: verify the checksum and advance."""
         if tensor_checksum(self.mirror) != update.checksum:
             self.restart()
             return Verdict.NEED_RESYNC
-        if self.peer_final is not None and update.seq > self.peer_final:
-            self.final = None  # j is running rounds again (a FINAL may overtake updates)
         self.received = update.seq
         self.peer_weight = update.weight
         return Verdict.ACCEPTED
@@ -376,7 +431,7 @@ class Edge:
     def exchange_ready(self) -> bool:
         """Exchange ``mixed + 1`` is complete at this end: ours acknowledged, theirs applied."""
         e = self.mixed + 1
-        return self.acked >= e and self.received >= e
+        return self.acked >= e and self.received >= e and (self.last is None or e <= self.last)
 
     def weight(self) -> float:
         """The agreed weight of the ready exchange (rule 3)."""
@@ -406,6 +461,7 @@ class EdgeTable(dict):
         self._me = me
         self._dropped: dict[str, int] = {}
         self._lock = threading.Lock()
+        self.closed = False  # this end finished (``close``)
 
     def edge(self, peer: str) -> Edge:
         """The edge with ``peer`` (made now if there is none)."""
@@ -417,8 +473,19 @@ class EdgeTable(dict):
                     mirror=torch.zeros_like(self._like, dtype=self._dtype),
                     leader=self._me < peer,
                     dropped=self._dropped.pop(peer, 0),
+                    last=0 if self.closed else None,
                 )
             return e
+
+    def close(self) -> None:
+        """This end finished: each edge takes part in no exchange beyond the last one it
+        opened, and an edge made from now on in none (atomic with making edges, so no edge
+        slips through between the two)."""
+        with self._lock:
+            self.closed = True
+            for e in self.values():
+                with e.lock:
+                    e.close(e.sent)
 
     def restart(self, peer: str) -> None:
         """End the session with ``peer`` (if there is an edge)."""

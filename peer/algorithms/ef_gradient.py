@@ -80,8 +80,8 @@ class EFGradient(GossipAlgorithm):
     def consensus_round(self) -> RoundStats:
         return self.consensus.step_round()
 
-    def finish(self) -> None:
-        self.consensus.finish()
+    def finish(self, interrupted: bool = False) -> None:
+        self.consensus.finish(interrupted)
 
     def handle_update(self, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
         if header.kind == pb.GRADIENT:

@@ -53,6 +53,8 @@ class OpenRound:
 
     def done(self, peer: str) -> bool:
         e = self.edges.get(peer)
+        if e is not None and e.ended:
+            return True  # the neighbour finished: nothing more to exchange on this edge
         if e is None or e.epoch == 0:
             return False
         if self.max_staleness == 0:

@@ -13,6 +13,7 @@ STATUS = {
     Verdict.ACCEPTED: pb.PushReply.ACCEPTED,
     Verdict.DUPLICATE: pb.PushReply.DUPLICATE,
     Verdict.NEED_RESYNC: pb.PushReply.NEED_RESYNC,
+    Verdict.FINISHED: pb.PushReply.FINISHED,
 }
 VERDICT = {v: k for k, v in STATUS.items()}
 # Refusals of the update itself: sending the same bytes again cannot help.

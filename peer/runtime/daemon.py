@@ -14,7 +14,12 @@ Writes into ``peer.run_dir``:
   params.pt        the final flat parameter vector (true consensus distance across peers)
   buffers.pt       the model's final buffers by name (models with BatchNorm and the like)
                    (both written atomically, as the checkpoint is)
-SIGTERM or SIGINT finishes the current step, checkpoints and leaves the swarm cleanly.
+SIGTERM or SIGINT finishes the current step, ends the gossip as an interrupted run (the
+exchanges under way are settled at both ends within one ``gossip.round_timeout``, the
+neighbours told), checkpoints and leaves the swarm cleanly.
+
+The end of a run, on every path: training -> ``gossip.final_rounds`` (not when stopped) ->
+``finish()`` (the FINAL notices; no exchange after it) -> checkpoint -> close.
 
 Under torchrun with more than one rank, the job is one site (peer/runtime/site.py): ranks all-reduce
 gradients densely, only rank 0 gossips, and ranks other than 0 write into ``run_dir/rank<N>/``.
@@ -267,7 +272,7 @@ class Daemon:
     def _train(
         self, task, model, gopt: GossipOptimizer, scheduler, local: LocalStep
     ) -> dict[str, Any]:
-        """The training steps, ``finish()``, the final gossip rounds; returns the summary."""
+        """The training steps, the final gossip rounds, ``finish()``; returns the summary."""
         batches = task.batches(start=self.batches_drawn)
         if self._resume_rng is not None:  # as late as can be: the draws of training go on
             checkpoint.set_rng_state(self._resume_rng)
@@ -275,9 +280,10 @@ class Daemon:
         self._write_status(state="training")
         clock = TrainClock()
         loss_value, evals = self._train_steps(task, model, gopt, scheduler, local, batches, clock)
-        if not self._stopping(gopt):
-            gopt.finish()
+        # Rounds first, then finish: its FINAL notice promises the neighbours that no
+        # exchange follows, and the exchanges it leaves open are decided at both ends.
         before_rounds = self._final_rounds(task, model, gopt, clock)
+        gopt.finish(interrupted=self._stopping(gopt))
         final_seconds = clock.seconds()
         final = task.evaluate(model)
         gopt.metrics.set_eval(final)
@@ -309,6 +315,7 @@ class Daemon:
             "compute_utilization": _utilization(gopt.blocking_seconds, final_seconds),
             **traffic,
             "neighbours": gopt.metrics.bytes_by_neighbour(),
+            "exchanges": gopt.metrics.exchanges_by_neighbour(),
         }
         self._write_status(
             step=gopt.local_step, loss=loss_value, final=final, **traffic, **_consensus(gopt)

@@ -22,7 +22,7 @@ Example::
             gopt.zero_grad()
             loss_fn(model(x), y).backward()
             gopt.step()
-        gopt.finish()   # apply what is still in flight (diloco)
+        gopt.finish()   # the last exchanges, mixed at both ends; the neighbours told
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ class GossipOptimizer:
         self.local_step = 0
         self.last_round: RoundStats | None = None
         self.blocking_seconds = 0.0  # training-thread time spent blocked in gossip
+        self.finished = False  # finish() ran: the gossip of this run is over
         self._background: BackgroundRound[RoundStats | None] | None = (
             BackgroundRound() if config.gossip.background_rounds else None
         )
@@ -213,11 +214,19 @@ class GossipOptimizer:
         self.peer.update_progress(self.local_step, self.round)
         return self.last_round
 
-    def finish(self) -> None:
-        """Training is over: apply what is still in flight (diloco's last exchange)."""
+    def finish(self, interrupted: bool = False) -> None:
+        """Training is over: apply what is still in flight (diloco's last exchange), mix the
+        exchanges still open at both ends, and tell the neighbours (a FINAL notice), after
+        which no exchange is opened or taken. Call it after any ``gossip_round``: rounds after
+        it exchange nothing. ``interrupted``: the run was cut short; settle only what is under
+        way, within one ``round_timeout`` (``close`` does this when ``finish`` was not
+        called). Once only."""
+        if self.finished:
+            return
+        self.finished = True
         self._wait_for_round()
         with self._blocking():
-            self.algorithm.finish()
+            self.algorithm.finish(interrupted)
 
     # ------------------------------------------------------------------ state
 
@@ -311,9 +320,13 @@ class GossipOptimizer:
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Leave the swarm cleanly (also on ``with`` exit)."""
+        """Leave the swarm cleanly (also on ``with`` exit): a run that did not ``finish``
+        (an exception, KeyboardInterrupt, a signal) finishes as interrupted first, so the
+        neighbours are told and no exchange is left mixed at one end only."""
         try:
             self._wait_for_round()
+            if not self.finished and self.peer.algorithm is not None:
+                self.finish(interrupted=True)
         finally:
             self.peer.close()
 

@@ -291,9 +291,10 @@ class SiteOptimizer:
         self._on_leader("a gossip round", lambda: self.gopt.gossip_round())
         self._take_leaders_parameters()
 
-    def finish(self) -> None:
-        """Training is over: the leader applies what is in flight, every rank takes x."""
-        self._on_leader("the end of the run", lambda: self.gopt.finish())
+    def finish(self, interrupted: bool = False) -> None:
+        """Training is over: the leader applies what is in flight and ends its exchanges
+        (GossipOptimizer.finish), every rank takes x."""
+        self._on_leader("the end of the run", lambda: self.gopt.finish(interrupted))
         self._take_leaders_parameters()
 
     def _take_leaders_parameters(self) -> None:

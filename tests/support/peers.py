@@ -87,9 +87,12 @@ def start_peers(
     return peers
 
 
-def run_rounds(peers: list[Peer], rounds: int, timeout: float = 100.0) -> list[RoundStats]:
-    """Every peer runs `rounds` gossip rounds on its own thread, as training threads would;
-    returns every round's stats (all peers, in no particular order)."""
+def run_rounds(
+    peers: list[Peer], rounds: int, timeout: float = 100.0, end: bool = True
+) -> list[RoundStats]:
+    """Every peer runs `rounds` gossip rounds on its own thread, as training threads would,
+    then (``end``) finishes, after which it exchanges nothing more; returns every round's
+    stats (all peers, in no particular order)."""
     errors: list[BaseException] = []
     stats: list[RoundStats] = []
 
@@ -97,7 +100,8 @@ def run_rounds(peers: list[Peer], rounds: int, timeout: float = 100.0) -> list[R
         try:
             for _ in range(rounds):
                 stats.append(p.algorithm.step_round())
-            p.algorithm.finish()  # as a daemon does at the end: mix what is still open
+            if end:
+                p.algorithm.finish()  # as a daemon does at the end: mix what is still open
         except BaseException as err:
             errors.append(err)
 

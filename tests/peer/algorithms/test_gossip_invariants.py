@@ -101,7 +101,7 @@ def test_edge_reset_at_one_end_only_opens_a_new_session_at_both() -> None:
     suspected p0 and kept it. p0's fresh edge must not be taken for the old stream."""
     peers = start_peers(2, GOSSIP)
     p0, p1 = peers
-    run_rounds(peers, 8)
+    run_rounds(peers, 8, end=False)
     quiesce(peers)
     old = p1.algorithm.edges["p0"].epoch
     p0.algorithm.prune({"p0"})  # as p0's membership does for a dead peer
@@ -368,7 +368,7 @@ def test_a_final_notice_that_overtakes_its_sessions_opening_still_ends_the_wait(
     p1 = start_peer("p1", [p0.address], 101, {**GOSSIP, "gossip.round_timeout": 3.0})
     peers = [p0, p1]
     wait_until_met(peers)
-    run_rounds(peers, 3)
+    run_rounds(peers, 3, end=False)
     quiesce(peers)
     m0, d0 = mean(peers), distance(peers)
     old = p1.algorithm.edges["p0"].epoch
@@ -460,7 +460,7 @@ def test_a_peer_whose_neighbours_are_only_suspect_waits_rather_than_trains_alone
     peers = start_peers(2, fast)
     p0, p1 = peers
     try:
-        run_rounds(peers, 2)
+        run_rounds(peers, 2, end=False)
         quiesce(peers)
         p1.membership.announce_leaving = lambda: None  # it crashes: no goodbye
         p1.close()

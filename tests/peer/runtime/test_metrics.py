@@ -49,6 +49,7 @@ EXPECTED = {
     "gossipgrad_first_mix_seconds": ("gauge", set()),
     "gossipgrad_rejected_updates": ("counter", {"reason"}),
     "gossipgrad_resyncs": ("counter", {"neighbor"}),
+    "gossipgrad_exchanges": ("counter", {"neighbor"}),
     "gossipgrad_push_lane_dropped": ("counter", {"neighbor"}),
     "gossipgrad_build_info": ("gauge", {"version", "algorithm", "codec", "topology"}),
 }

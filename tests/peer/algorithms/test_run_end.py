@@ -1,0 +1,176 @@
+"""The end of a run is symmetric (issue 41, finding 1): after its FINAL notice a peer opens no
+exchange and acknowledges none it will not mix, and a neighbour that heard FINAL (or was
+refused) opens none either, so no exchange is ever mixed at one end only.
+
+Two real peers on 127.0.0.1 with codec ``none``: the swarm's sum of parameters is kept by
+symmetric mixing (to float rounding) and moved by a one-sided one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from gossipgrad.peer.runtime.node import Peer
+from gossipgrad.peer.runtime.optimizer import GossipOptimizer
+from support.optimizers import start_optimizers
+from support.peers import quiesce, start_peers
+
+pytestmark = pytest.mark.timeout(120)
+
+GOSSIP = {
+    "gossip.codec": "none",
+    "gossip.gamma": 0.3,
+    "gossip.round_timeout": 2.0,
+    "gossip.max_staleness": 1,
+}
+
+
+def total(peers: list[Peer]) -> torch.Tensor:
+    return torch.stack([p.flat.data for p in peers]).double().sum(0)
+
+
+def spread(peers: list[Peer]) -> float:
+    a, b = (p.flat.data.double() for p in peers)
+    return float((a - b).norm())
+
+
+def mixed_per_edge(peers: list[Peer]) -> dict[tuple[str, str], int]:
+    return {(p.id, q): e.mixed for p in peers for q, e in p.algorithm.edges.items()}
+
+
+def together(peers: list[Peer], rounds: int) -> None:
+    """Both peers run ``rounds`` rounds at once (no finish)."""
+    threads = [
+        threading.Thread(target=lambda p=p: [p.algorithm.step_round() for _ in range(rounds)])
+        for p in peers
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+
+def assert_symmetric_end(peers: list[Peer], before: torch.Tensor, d0: float) -> None:
+    """Both ends of the edge mixed the same exchanges, and the sum of the parameters is
+    what it was (a one-sided mix moves it by γ w times the spread)."""
+    mixes = mixed_per_edge(peers)
+    assert mixes[("p0", "p1")] == mixes[("p1", "p0")], f"one-sided mixing: {mixes}"
+    drift = float((total(peers) - before).norm())
+    assert drift < 1e-5 * d0, f"the sum moved by {drift} (spread {d0}); mixes {mixes}"
+
+
+def test_a_round_after_finish_opens_no_exchange_that_a_slower_neighbour_mixes() -> None:
+    """p1 ends with ``finish(); step_round()`` (the old daemon's order, and diloco's consensus
+    rounds); p0, slower, keeps running rounds for a while and finishes later. The round after
+    FINAL once opened an exchange that p0 answered and mixed, and p1, whose server still
+    acknowledged p0's update, never did."""
+    peers = start_peers(2, GOSSIP)
+    p0, p1 = peers
+    before, d0 = total(peers), spread(peers)
+    together(peers, 4)
+    assert min(e.mixed for p in peers for e in p.algorithm.edges.values()) >= 2
+
+    def slower() -> None:
+        for _ in range(6):
+            time.sleep(0.3)
+            p0.algorithm.step_round()
+        p0.algorithm.finish()
+
+    def ends_early() -> None:
+        p1.algorithm.finish()
+        p1.algorithm.step_round()
+
+    threads = [threading.Thread(target=slower), threading.Thread(target=ends_early)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    quiesce(peers)
+    assert_symmetric_end(peers, before, d0)
+
+
+def phase_all(opts: list[GossipOptimizer], gen: torch.Generator) -> None:
+    """Each diloco peer takes one SGD(lr=1) step to a random point near it, at once (with
+    ``local_steps`` 1 a phase ends there: an outer step and a round over the anchors)."""
+    targets = [o.flat.data + 0.05 * torch.randn(o.flat.numel, generator=gen) for o in opts]
+
+    def work(o: GossipOptimizer, target: torch.Tensor) -> None:
+        o.flat.set_grad(o.flat.data - target)
+        o.step()
+
+    threads = [threading.Thread(target=work, args=a) for a in zip(opts, targets, strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+
+@pytest.mark.parametrize(
+    "finish_first", [True, False], ids=["finish-then-rounds", "rounds-then-finish"]
+)
+def test_diloco_consensus_rounds_and_finish_keep_the_anchors_sum(finish_first: bool) -> None:
+    """diloco's gossip-only rounds (``gossip.final_rounds``) once ended the anchors' gossip
+    first (``finish``) and then opened a new exchange on them, every round, and the daemon
+    called ``finish()`` before those rounds: the last round's exchange was mixed by a slower
+    neighbour and never by this peer. p1 ends in either order, p0 runs 5 rounds, slower, then
+    finishes; the anchors' sum stays where the rounds found it."""
+    opts = start_optimizers(
+        2,
+        algorithm="diloco",
+        lr=1.0,
+        codec="none",
+        anchor_codec="none",
+        anchor_gamma=0.3,
+        local_steps=1,
+        max_staleness=1,
+        round_timeout=2.0,
+    )
+    p0, p1 = opts
+    try:
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            phase_all(opts, gen)
+        anchors = [o.algorithm.anchor for o in opts]
+        with torch.no_grad():  # two peers average exactly: set the anchors apart
+            for o, a in zip(opts, anchors, strict=True):
+                with o.state_lock:
+                    a.add_(torch.randn(a.numel(), generator=gen), alpha=0.1)
+                    o.flat.data.copy_(a)
+        before = torch.stack(anchors).double().sum(0)
+        d0 = float((anchors[0] - anchors[1]).double().norm())
+
+        def slower() -> None:
+            for _ in range(5):
+                time.sleep(0.3)
+                p0.gossip_round()
+            p0.finish()
+
+        def ends_early() -> None:  # the daemon's order, before the fix or after it
+            if finish_first:
+                p1.finish()
+            for _ in range(2):
+                p1.gossip_round()
+            if not finish_first:
+                p1.finish()
+
+        threads = [threading.Thread(target=slower), threading.Thread(target=ends_early)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert not any(t.is_alive() for t in threads)
+        deadline = time.monotonic() + 10
+        while any(e.busy for o in opts for e in o.algorithm.anchors.edges.values()):
+            assert time.monotonic() < deadline, "pushes still in flight"
+            time.sleep(0.02)
+        e01, e10 = p0.algorithm.anchors.edges["p1"], p1.algorithm.anchors.edges["p0"]
+        assert e01.mixed == e10.mixed, f"one-sided mixing: p0 {e01.mixed}, p1 {e10.mixed}"
+        drift = float((torch.stack(anchors).double().sum(0) - before).norm())
+        assert drift < 1e-5 * d0, f"the anchors' sum moved by {drift} (spread {d0})"
+    finally:
+        for o in opts:
+            o.close()
