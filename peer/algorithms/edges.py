@@ -58,6 +58,14 @@ from gossipgrad.peer.flat import SpilledTensor, tensor_checksum
 _last_epoch = 0
 _epoch_lock = threading.Lock()
 
+#: A leader opens a new session for its follower's hello at most once per this many seconds
+#: per edge. The hello's word alone decides it, and each new session costs a dense resync
+#: (built under the training lock) and breaks the exchange in flight: a neighbour saying
+#: hello in a loop would otherwise keep the edge from ever mixing. An honest follower says
+#: hello once per session it lost; another within the interval waits (it says hello again
+#: each round until the leader's opening comes).
+HELLO_RESTART_INTERVAL = 5.0
+
 
 def new_epoch() -> int:
     """A session epoch unique and increasing within this process, and larger than any epoch an
@@ -145,6 +153,7 @@ class Edge:
     mixed: int = 0  # exchanges mixed
     requested: bool = False  # the follower asked for a session: open one even off-schedule
     restarts: int = 0  # sessions ended (the next opening is then a RESYNC, never an INIT)
+    hello_restart_at: float = float("-inf")  # when a hello last opened a new session
     dropped: int = 0  # a follower: the latest of the leader's sessions it dropped
     # j finished: (its session, the last exchange it completes). Keyed by session, so a
     # notice that overtook the opening of its session applies once the follower joins it.
@@ -341,7 +350,8 @@ class Edge:
                 # lost it: a restarted process, which remembers no session. Either way open a
                 # new one now. (A hello naming an older session while our opening is on its
                 # way changes nothing: its updates come after that push, never before.)
-                if update.dropped >= self.epoch or self.received > 0:
+                lost = update.dropped >= self.epoch or self.received > 0
+                if lost and self._hello_may_restart():
                     self.restart()
                 self.requested = True
             return Verdict.NEED_RESYNC
@@ -366,6 +376,14 @@ class Edge:
             self.held = update
             return Verdict.ACCEPTED
         return None
+
+    def _hello_may_restart(self) -> bool:
+        """Whether a hello may open a new session now (``HELLO_RESTART_INTERVAL``)."""
+        now = time.monotonic()
+        if now - self.hello_restart_at < HELLO_RESTART_INTERVAL:
+            return False
+        self.hello_restart_at = now
+        return True
 
     def note_final(self, epoch: int, seq: int) -> None:
         """j completes no exchange beyond ``seq`` of session ``epoch`` (its FINAL notice, or
