@@ -67,5 +67,6 @@ def build_algorithm(
         momentum=cfg.outer_momentum,
         nesterov=cfg.outer_nesterov,
         overlap=cfg.overlap,
+        background=cfg.background_rounds,
     )
     return DiLoCo(flat, anchor, average, anchors, outer, state_lock)

@@ -57,6 +57,12 @@ class GossipAlgorithm(abc.ABC):
         """Whether ``after_step(local_step)`` runs a round (True by default: it decides)."""
         return True
 
+    def hand_over(self, local_step: int) -> None:
+        """With ``gossip.background_rounds``: what a due round must take from the training
+        thread before ``after_step(local_step)`` goes to a thread of its own and training goes
+        on (diloco: the parameters at the phase's end). Nothing by default."""
+        return
+
     @abc.abstractmethod
     def consensus_round(self) -> RoundStats:
         """One gossip-only round now (no training step: ``gossip.final_rounds``)."""

@@ -23,6 +23,15 @@ next phase starts from the anchor. A WAN round trip then hides behind a phase of
 (Continuing from a − Δ_r, the own progress at full weight until its average arrives, ended
 at 2.46, these eager updates at 1.96, against 1.76 without overlap on the char transformer,
 4 peers, H = 10.)
+
+With ``gossip.background_rounds`` the end of phase r runs beside the first steps of phase
+r + 1: the training thread keeps θ_r (the parameters at the phase's end) and trains on; a
+thread of its own compresses Δ_r = a − θ_r, averages, takes the outer step and the anchors'
+CHOCO round, and then moves the parameters by what the phase's start moved,
+θ ← θ + (a' − θ_r) = a' + p, the progress p made meanwhile kept on top of the new anchor
+a'. Every step's progress lands in exactly one pseudo-gradient (the next one measures from
+θ_r), and the round costs the training thread one copy of the model instead of the whole
+round; it keeps that copy, one model more (peer/algorithms/footprint.py).
 """
 
 from __future__ import annotations
@@ -72,6 +81,8 @@ class DiLoCo(GossipAlgorithm):
         self.momentum = torch.zeros_like(anchor) if outer.momentum > 0 else None
         self._phase = 0
         self._pending: Ticket | None = None
+        # θ at the end of the phase whose round runs in the background (background only).
+        self._phase_end: torch.Tensor | None = None
         self.last_exchange: AverageStats | None = None
 
     @property
@@ -109,9 +120,41 @@ class DiLoCo(GossipAlgorithm):
 
     # ------------------------------------------------------------------ interface
 
+    def _background_round(self) -> RoundStats:
+        """The end of a phase beside the next phase's first steps (module docstring): the
+        round of ``_outer_round`` on θ_r (kept by ``hand_over``), then θ ← θ + (a' − θ_r)."""
+        theta_end = self._phase_end
+        if theta_end is None:
+            raise RuntimeError("hand_over() keeps θ before a round goes to the background")
+        with torch.no_grad():
+            ticket = self.average.start_difference(self.anchor, theta_end, self._phase)
+        step, self.last_exchange = self.average.collect_average(ticket)
+        with torch.no_grad(), self.state_lock:
+            outer_step(self.anchor, step, self.momentum, self.outer)
+        stats = self.anchors.step_round()
+        with torch.no_grad(), self.state_lock:
+            # a' − θ_r, in θ_r's buffer (no temporary), then onto the parameters.
+            torch.sub(self.anchor, theta_end, out=theta_end)
+            self.flat.data.add_(theta_end)
+        self._phase += 1
+        return stats
+
+    def round_due(self, local_step: int) -> bool:
+        return local_step % self.outer.local_steps == 0
+
+    def hand_over(self, local_step: int) -> None:
+        if not self.outer.background or not self.round_due(local_step):
+            return
+        with torch.no_grad(), self.state_lock:
+            if self._phase_end is None:
+                self._phase_end = torch.empty_like(self.flat.data)
+            self._phase_end.copy_(self.flat.data)
+
     def after_step(self, local_step: int) -> RoundStats | None:
-        if local_step % self.outer.local_steps:
+        if not self.round_due(local_step):
             return None
+        if self.outer.background:
+            return self._background_round()
         return self._outer_round(self.outer.overlap)
 
     def consensus_round(self) -> RoundStats:

@@ -9,8 +9,9 @@ size relative to the model (1 for ``gossip.copy_dtype = "float32"``, 1/2 for flo
 * choco: 2 d c M -- per edge, the public copy x̂_{i->j} and the mirror of x̂_{j->i}.
 * diloco: M (the anchor, which is also the phase's start) + M (the pseudo-gradient's
   error-feedback residual; none with ``error_feedback = false``) + M (the outer momentum, only
-  with ``outer_momentum > 0``) + 2 d c M (the anchors' CHOCO copies). The neighbours'
-  pseudo-gradients stay compressed until they are decoded into the anchor.
+  with ``outer_momentum > 0``) + 2 d c M (the anchors' CHOCO copies) + M (the parameters at
+  the phase's end, only with ``background_rounds``). The neighbours' pseudo-gradients stay
+  compressed until they are decoded into the anchor.
 * ef-gradient: M (residual) + M (DGC velocity, only with ``ef_momentum > 0``) + M (the dense
   average written into the gradients) + 2 d c M (the consensus copies).
 
@@ -48,6 +49,7 @@ def gossip_state_bytes(g: GossipSection, degree: int, model_bytes: int) -> int:
     residual = model_bytes if g.error_feedback else 0
     if g.algorithm == "diloco":
         momentum = model_bytes if g.outer_momentum > 0 else 0
-        return model_bytes + residual + momentum + copies
+        phase_end = model_bytes if g.background_rounds else 0
+        return model_bytes + residual + momentum + copies + phase_end
     velocity = model_bytes if g.ef_momentum > 0 else 0
     return residual + velocity + model_bytes + copies

@@ -34,6 +34,7 @@ class OuterSettings:
     momentum: float  # μ
     nesterov: bool
     overlap: bool  # exchange of phase r runs during phase r + 1
+    background: bool = False  # the phase end runs beside the next phase's first steps
 
 
 def outer_step(

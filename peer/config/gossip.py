@@ -88,11 +88,14 @@ class GossipSection(Section):
     )
     background_rounds: bool = Field(
         False,
-        description="choco: run each round (encode, pushes, waits, mixing) on a thread of its "
-        "own while training computes the next steps; the training thread waits only for the "
-        "round before, when the next is due. Needs a core free for gossip. A round's mixing "
-        "then lands a few steps after the step it started from (CHOCO tolerates such delay, "
-        "as it does max_staleness).",
+        description="choco, diloco: run each round (encode, pushes, waits, mixing) on a thread "
+        "of its own while training computes the next steps; the training thread waits only for "
+        "the round before, when the next is due. Needs a core free for gossip. choco: a "
+        "round's mixing lands a few steps after the step it started from (CHOCO tolerates "
+        "such delay, as it does max_staleness). diloco: the training thread keeps a copy of "
+        "the parameters at the phase's end (one model more) and trains on; when the round is "
+        "over the parameters move by what the anchor moved from that copy, keeping the "
+        "progress made meanwhile. Not with overlap.",
     )
     copy_dtype: Literal["float32", "float16"] = Field(
         default_factory=default_for("copy_dtype"),
@@ -210,12 +213,16 @@ class GossipSection(Section):
         return from_spec(spec).spec
 
     @model_validator(mode="after")
-    def _background_needs_choco(self) -> GossipSection:
-        if self.background_rounds and self.algorithm != "choco":
+    def _background_rounds_fit(self) -> GossipSection:
+        if self.background_rounds and self.algorithm == "ef-gradient":
             raise ValueError(
-                "background_rounds runs choco's rounds beside training; ef-gradient needs its "
-                "average before the step and diloco restarts the parameters from the anchor, "
-                "so both need their round in the training thread"
+                "background_rounds runs choco's and diloco's rounds beside training; "
+                "ef-gradient needs its average before the step, in the training thread"
+            )
+        if self.background_rounds and self.algorithm == "diloco" and self.overlap:
+            raise ValueError(
+                "diloco: background_rounds and overlap both hide a phase's exchange behind "
+                "the next phase; choose one (background_rounds hides its CPU work too)"
             )
         return self
 

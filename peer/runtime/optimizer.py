@@ -178,6 +178,8 @@ class GossipOptimizer:
             stats = None
             if self.algorithm.round_due(step):
                 stats = self._wait_for_round()
+                with self._blocking():
+                    self.algorithm.hand_over(step)
                 self._background.start(lambda: self.algorithm.after_step(step))
         else:
             with self._blocking():
@@ -232,7 +234,11 @@ class GossipOptimizer:
 
     def state_dict(self, for_joiner: bool = False) -> dict:
         """Everything needed to resume: parameters, optimizer state, counters, the algorithm's
-        state (``for_joiner``: without what is this peer's own, see GossipAlgorithm)."""
+        state (``for_joiner``: without what is this peer's own, see GossipAlgorithm). On the
+        training thread (``for_joiner`` False) a round in the background ends first, so the
+        state is not taken half way through it."""
+        if not for_joiner:
+            self._wait_for_round()
         with self.state_lock:
             return {
                 "params": self.flat.data.detach().clone(),

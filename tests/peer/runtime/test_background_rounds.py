@@ -1,5 +1,6 @@
-"""gossip.background_rounds: choco's round runs beside training, the training thread waits
-only for the round before the next one, and both ends still mix the same exchanges."""
+"""gossip.background_rounds: choco's and diloco's rounds run beside training, the training
+thread waits only for the round before the next one, both ends still mix the same exchanges,
+and diloco's progress made while its round runs lands in exactly one pseudo-gradient."""
 
 from __future__ import annotations
 
@@ -66,6 +67,63 @@ def test_an_error_in_a_background_round_is_raised_at_the_next_wait() -> None:
     assert bg.wait() is None
 
 
-def test_background_rounds_are_choco_only() -> None:
+def test_background_rounds_fit_choco_and_diloco_only() -> None:
+    on = {"gossip.background_rounds": "true"}
+    assert build_config({}, {"gossip.algorithm": "diloco", **on}).gossip.background_rounds
     with pytest.raises(ConfigError, match="background_rounds"):
-        build_config({}, {"gossip.algorithm": "diloco", "gossip.background_rounds": "true"})
+        build_config({}, {"gossip.algorithm": "ef-gradient", **on})
+    with pytest.raises(ConfigError, match="overlap"):
+        build_config({}, {"gossip.algorithm": "diloco", "gossip.overlap": "true", **on})
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_diloco_counts_every_step_once_with_its_round_in_the_background(background: bool) -> None:
+    """Two diloco peers, exact codecs, outer lr 1, SGD steps of a fixed size per peer
+    (lr x g_i): every step's progress lands in exactly one pseudo-gradient, so after N steps
+    each and finish() both anchors (and parameters) are a0 - N lr (g_0 + g_1) / 2, whether
+    the phase ends run in the training thread or beside the next phase's steps. With them in
+    the background, p0's phase end returns while p1 has not stepped and p0 trains on."""
+    lr, steps = 0.05, 9  # H = 2: four whole phases and a partial one, settled by finish()
+    a, b = start_optimizers(
+        2,
+        algorithm="diloco",
+        lr=lr,
+        local_steps=2,
+        codec="none",
+        anchor_codec="none",
+        copy_dtype="float32",
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        background_rounds=background,
+        max_staleness=0,
+    )
+    try:
+        a0 = a.flat.data.clone()
+        gen = torch.Generator().manual_seed(0)
+        grads = [torch.randn(a.flat.numel, generator=gen) for _ in range(2)]
+
+        def fixed_step(o, g: torch.Tensor) -> None:
+            o.flat.set_grad(g)
+            o.step()
+
+        other = threading.Thread(target=lambda: [fixed_step(b, grads[1]) for _ in range(steps)])
+        if background:
+            fixed_step(a, grads[0])
+            fixed_step(a, grads[0])  # phase 0 ends
+            fixed_step(a, grads[0])  # p1 has not stepped: the round waits, training does not
+            assert a.local_step == 3 and a._background.running
+        other.start()
+        while a.local_step < steps:
+            fixed_step(a, grads[0])
+        other.join(timeout=60)
+        finishing = threading.Thread(target=b.finish)
+        finishing.start()
+        a.finish()
+        finishing.join(timeout=60)
+        expected = a0 - steps * lr * (grads[0] + grads[1]) / 2
+        for o in (a, b):
+            assert torch.allclose(o.algorithm.anchor, expected, atol=1e-5), o.peer.id
+            assert torch.equal(o.flat.data, o.algorithm.anchor)
+    finally:
+        for o in (a, b):
+            o.close()

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("scripts_on_path
 SMALL, LARGE = 4_000_000, 24_000_000
 
 
-def swarm(numel: int, algorithm: str) -> list[dict]:
+def swarm(numel: int, algorithm: str, overrides: dict[str, str]) -> list[dict]:
     import bench_scale
 
     args = argparse.Namespace(
@@ -33,7 +33,7 @@ def swarm(numel: int, algorithm: str) -> list[dict]:
         rounds=4,
         local_steps={"choco": 1, "diloco": 5},
         accelerator_ms=20.0,
-        set={},
+        set=overrides,
         timeout=300.0,
     )
     return bench_scale.run_case(args, numel, algorithm)
@@ -41,15 +41,21 @@ def swarm(numel: int, algorithm: str) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("algorithm", "formula", "tolerance", "transient"),
-    [("choco", 2.0, 0.10, 2.5), ("diloco", 3.0, 0.15, 4.5)],
+    ("algorithm", "overrides", "formula", "tolerance", "transient"),
+    [
+        ("choco", {}, 2.0, 0.10, 2.5),
+        ("diloco", {}, 3.0, 0.15, 4.5),
+        ("diloco", {"gossip.background_rounds": "true"}, 4.0, 0.15, 4.5),
+    ],
+    ids=["choco", "diloco", "diloco-background"],
 )
 def test_gossip_state_grows_with_the_model_as_the_formula_says(
-    algorithm: str, formula: float, tolerance: float, transient: float
+    algorithm: str, overrides: dict[str, str], formula: float, tolerance: float, transient: float
 ) -> None:
     """choco on a ring of 2 (one edge, float32 copies): 2 models; diloco (anchor, residual,
-    one edge of float16 anchor copies, no momentum): 1 + 1 + 1 = 3 models."""
-    small, large = swarm(SMALL, algorithm), swarm(LARGE, algorithm)
+    one edge of float16 anchor copies, no momentum): 1 + 1 + 1 = 3 models, and with its phase
+    ends in the background the parameters at the phase's end: 4."""
+    small, large = swarm(SMALL, algorithm, overrides), swarm(LARGE, algorithm, overrides)
     for peer in small + large:
         assert peer["formula_over_model"] == pytest.approx(formula)
         assert peer["final_loss"] < peer["initial_loss"] / 2, peer
