@@ -15,6 +15,7 @@ import pytest
 import torch
 from gossipgrad.peer.runtime.node import Peer
 from gossipgrad.peer.runtime.optimizer import GossipOptimizer
+from gossipgrad.proto import gossip_pb2 as pb
 from support.optimizers import start_optimizers
 from support.peers import quiesce, start_peers
 
@@ -174,3 +175,40 @@ def test_diloco_consensus_rounds_and_finish_keep_the_anchors_sum(finish_first: b
     finally:
         for o in opts:
             o.close()
+
+
+def test_a_neighbour_that_missed_the_final_notice_is_told_by_the_refusal() -> None:
+    """p1 finishes and its FINAL notice is lost on the way to p0. p0's next update is then
+    answered FINISHED instead of acknowledged: p0 learns that p1 is done, opens nothing more
+    and does not wait a round_timeout for an answer that never comes; nothing is mixed at one
+    end only."""
+    timeout = 5.0
+    peers = start_peers(2, {**GOSSIP, "gossip.round_timeout": timeout})
+    p0, p1 = peers
+    before, d0 = total(peers), spread(peers)
+    together(peers, 4)
+    handle = p0.algorithm.handle_update
+    lost = threading.Event()
+
+    def drop_final(header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
+        if header.kind == pb.FINAL:
+            lost.set()  # acknowledged on the wire, never taken
+            return pb.PushReply(status=pb.PushReply.ACCEPTED)
+        return handle(header, payload)
+
+    p0.algorithm.handle_update = drop_final
+    ending = threading.Thread(target=p1.algorithm.finish)
+    ending.start()
+    p0.algorithm.step_round()  # answers the exchange p1 waits for in its finish
+    ending.join(30)
+    assert lost.is_set() and not ending.is_alive()
+    t0 = time.monotonic()
+    for _ in range(3):
+        p0.algorithm.step_round()
+    took = time.monotonic() - t0
+    p0.algorithm.finish()
+    quiesce(peers)
+    edge = p0.algorithm.edges["p1"].describe()
+    assert took < timeout / 2, f"p0 waited {took:.1f}s for a finished peer ({edge})"
+    assert_symmetric_end(peers, before, d0)
+    assert p0.algorithm.edges["p1"].ended
