@@ -111,6 +111,16 @@ class ChocoGossip(GossipAlgorithm):
                     return
 
     def forget(self, peer: str) -> None:
+        """``peer`` left or restarted: end its session. A neighbour that finished (FINAL)
+        decided its last exchanges before it left, and mixed one complete at its end: one
+        complete here is mixed here first, or its leaving (seen before our next round) would
+        leave it mixed at that end only. A crashed neighbour's may not have been: dropped."""
+        edge = self.edges.get(peer)
+        if edge is not None and edge.peer_final is not None:
+            self._mix_ready([peer])
+        self._end_session(peer)
+
+    def _end_session(self, peer: str) -> None:
         self.edges.restart(peer)
         self.nb.forget(peer)
 
@@ -389,7 +399,9 @@ class ChocoGossip(GossipAlgorithm):
         if self._finished:
             return
         self._finished = True
+        started = time.monotonic()
         self.edges.close()  # from here on, updates beyond what we opened are refused
+        notices: list[threading.Event] = []
         for peer, edge in list(self.edges.items()):
             with edge.lock:
                 epoch, sent = edge.epoch, edge.sent
@@ -397,7 +409,8 @@ class ChocoGossip(GossipAlgorithm):
                 header = self.nb.header(
                     peer, pb.FINAL, b"", seq=sent, edge_epoch=epoch, dense_size=0
                 )
-                self.nb.submit(self._notify_final, peer, header)
+                notices.append(threading.Event())
+                self.nb.submit(self._notify_final, peer, header, notices[-1])
         # Read live, as a round does: an edge a view change dropped and made anew (a new
         # session) has nothing of the old one left to mix.
         due = {p: (e.epoch, e.sent) for p, e in list(self.edges.items()) if e.outstanding()}
@@ -431,12 +444,19 @@ class ChocoGossip(GossipAlgorithm):
         for peer, (_, sent) in due.items():
             if (e := open_edge(peer)) is not None and e.mixed < sent:
                 log.info("finish: exchange %d with %s left open: mixed at neither end", sent, peer)
+        # The notices land before this peer's leaving is announced (it follows finish): a
+        # neighbour that hears of the leaving first would drop an exchange complete at its
+        # end that this one mixed (``forget``). Bounded: a notice is best effort.
+        for done in notices:
+            done.wait(max(0.0, started + self.settings.round_timeout - time.monotonic()))
 
-    def _notify_final(self, peer: str, header: pb.UpdateHeader) -> None:
+    def _notify_final(self, peer: str, header: pb.UpdateHeader, done: threading.Event) -> None:
         try:
             self.nb.push(peer, header, b"")
         except Exception as err:  # best effort: the neighbour's own finish wait is bounded
             log.debug("final notice to %s failed: %s", peer, err)
+        finally:
+            done.set()
 
     def _residual_norm(self, peers: list[str]) -> float:
         """RMS over edges of ||x − x̂_{i->j}||, what error feedback still has to send, as of
@@ -470,9 +490,10 @@ class ChocoGossip(GossipAlgorithm):
 
     def load_state_dict(self, state: dict) -> None:
         self._round = int(state.get("round", 0))
-        # Our public copies are gone or stale: every edge starts a new session.
+        # Our public copies are gone or stale: every edge starts a new session (nothing is
+        # mixed into the x just loaded).
         for peer in list(self.edges):
-            self.forget(peer)
+            self._end_session(peer)
 
     def close(self) -> None:
         self.nb.close()

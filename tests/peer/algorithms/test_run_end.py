@@ -212,3 +212,51 @@ def test_a_neighbour_that_missed_the_final_notice_is_told_by_the_refusal() -> No
     assert took < timeout / 2, f"p0 waited {took:.1f}s for a finished peer ({edge})"
     assert_symmetric_end(peers, before, d0)
     assert p0.algorithm.edges["p1"].ended
+
+
+def test_a_keyboard_interrupt_in_the_training_loop_still_ends_symmetric() -> None:
+    """p1's loop is interrupted (KeyboardInterrupt) inside ``with GossipOptimizer(...)``:
+    ``close()`` finishes as interrupted (FINAL, its last exchanges decided), then leaves. p0,
+    in the middle of a step, hears of the leaving before its next round: the exchange
+    complete at its end, which p1 mixed, was once dropped with the edge (p1 counted 11, p0
+    10, both before the fix and with only the run-end order fixed). Both ends now count the
+    same exchanges."""
+    opts = start_optimizers(2, algorithm="choco", lr=0.05, codec="none", round_timeout=2.0)
+    p0, p1 = opts
+    gen = torch.Generator().manual_seed(4)
+    data = [torch.randn(16, 12, generator=gen) for _ in range(2)]
+
+    def step(o: GossipOptimizer, i: int) -> None:
+        o.zero_grad()
+        o.model(data[i]).pow(2).mean().backward()
+        o.step()
+
+    def interrupted() -> None:
+        try:
+            with p1:
+                for _ in range(30):
+                    step(p1, 1)
+                    if p1.local_step == 12:
+                        raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            pass
+
+    def goes_on() -> None:
+        for _ in range(30):
+            step(p0, 0)
+            time.sleep(0.01)
+        p0.finish()
+
+    try:
+        threads = [threading.Thread(target=goes_on), threading.Thread(target=interrupted)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert not any(t.is_alive() for t in threads)
+        mine = sum(p1.metrics.exchanges_by_neighbour().values())
+        theirs = sum(p0.metrics.exchanges_by_neighbour().values())
+        assert mine == theirs > 5, f"p1 {mine} exchanges, p0 {theirs}"
+    finally:
+        for o in opts:
+            o.close()
