@@ -11,7 +11,8 @@ another honest peer dead or elsewhere than it says; every honest heartbeat the w
 is answered within ``membership.heartbeat_timeout``; nothing reaches the hostile server; the
 honest peers count what they refused (``unauthenticated``: a dial of an invented or
 taken-over id met the hostile server's certificate; ``rate_limited``: calls over the
-hostile members' limits).
+hostile members' limits); and they end as close together (final consensus distance within
+2x) and as accurate (within 2 points) as the same swarm run without the attacker.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from urllib.request import urlopen
 
 import pytest
 from gossipgrad.experiment.launch import LocalSwarm
+from gossipgrad.experiment.swarm import summarize
 from gossipgrad.peer.config import build_config
 from gossipgrad.peer.records import PeerSummary, read_record
 from gossipgrad.peer.security import write_swarm_certs
@@ -47,11 +49,8 @@ def rejected(metrics_port: int) -> dict[str, float]:
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_a_hostile_member_cannot_take_out_an_honest_swarm(tmp_path: Path) -> None:
-    members = [*(f"peer{i}" for i in range(N)), "evil", "evil2", "watcher"]
-    certs = write_swarm_certs(tmp_path / "certs", members)
+def honest_swarm(out: Path, certs) -> LocalSwarm:
+    """The three honest peers, each with its own certificate and a metrics endpoint."""
     overrides = {
         **BASE,
         "train.steps": str(STEPS),
@@ -60,8 +59,8 @@ def test_a_hostile_member_cannot_take_out_an_honest_swarm(tmp_path: Path) -> Non
         "metrics.port": "0",
         "security.ca": str(certs.ca),
     }
-    swarm = LocalSwarm(
-        tmp_path / "swarm",
+    return LocalSwarm(
+        out,
         N,
         overrides,
         peer_overrides=lambda i: {
@@ -69,6 +68,36 @@ def test_a_hostile_member_cannot_take_out_an_honest_swarm(tmp_path: Path) -> Non
             "security.key": str(certs.keys[f"peer{i}"]),
         },
     )
+
+
+def finished(swarm: LocalSwarm) -> list[PeerSummary]:
+    """Every honest peer's summary, once each took all its steps."""
+    summaries = [read_record(swarm.peer_dir(i) / "summary.json", PeerSummary) for i in range(N)]
+    for s in summaries:
+        assert s is not None and s.steps == STEPS and not s.stopped_early, s
+    return summaries
+
+
+def consensus(swarm: LocalSwarm) -> float:
+    """How far apart the peers' final models are: (1/n) sum ||x_i - mean||^2 over
+    ||mean||^2, from their params.pt."""
+    return summarize(swarm)["relative_consensus_distance"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_hostile_member_cannot_take_out_an_honest_swarm(tmp_path: Path) -> None:
+    members = [*(f"peer{i}" for i in range(N)), "evil", "evil2", "watcher"]
+    certs = write_swarm_certs(tmp_path / "certs", members)
+    # The same run without the attacker, to compare the consensus with.
+    calm = honest_swarm(tmp_path / "calm", certs)
+    try:
+        calm.start()
+        assert calm.wait(300), "the swarm did not finish without the attacker"
+        assert calm.failed() == []
+    finally:
+        calm.stop(timeout=10)
+    swarm = honest_swarm(tmp_path / "attacked", certs)
     report_path = tmp_path / "hostile.json"
     try:
         swarm.start()
@@ -105,6 +134,9 @@ def test_a_hostile_member_cannot_take_out_an_honest_swarm(tmp_path: Path) -> Non
     for i, reasons in enumerate(counted):
         assert reasons.get("unauthenticated", 0) > 0, (i, reasons)
         assert reasons.get("rate_limited", 0) > 0, (i, reasons)
-    for i in range(N):
-        summary = read_record(swarm.peer_dir(i) / "summary.json", PeerSummary)
-        assert summary is not None and summary.steps == STEPS and not summary.stopped_early
+    attacked, baseline = finished(swarm), finished(calm)
+    print("consensus attacked", consensus(swarm), "without", consensus(calm))
+    print("accuracy attacked", [s.final for s in attacked], "without", [s.final for s in baseline])
+    assert consensus(swarm) <= 2 * consensus(calm)
+    for hit, calm_run in zip(attacked, baseline, strict=True):
+        assert hit.final["accuracy"] >= calm_run.final["accuracy"] - 0.02, (hit, calm_run)
