@@ -86,6 +86,11 @@ class PeerStatus(TrafficTotals):
         None, description="Final evaluation (metric name -> value), once training ended."
     )
     algorithm: str | None = Field(None, description="The gossip algorithm (``gossip.algorithm``).")
+    max_staleness: int | None = Field(
+        None,
+        description="The staleness bound the latest gossip round waited under: "
+        "``gossip.max_staleness``, or what ``auto`` chose from the measured round trip.",
+    )
     algorithm_defaults: dict[str, Any] | None = Field(
         None,
         description="The ``[gossip]`` keys left unset that took the algorithm's recommended "

@@ -28,6 +28,7 @@ class RoundStats:
     waited_s: float = 0.0
     consensus_distance: float = float("nan")
     residual_norm: float = 0.0
+    max_staleness: int | None = None  # the bound the round waited under (CHOCO rounds)
 
 
 class GossipAlgorithm(abc.ABC):

@@ -31,6 +31,7 @@ from gossipgrad.peer.algorithms.mixing import Pair, consensus_step, difference_n
 from gossipgrad.peer.algorithms.neighbours import Neighbourhood
 from gossipgrad.peer.algorithms.rounds import OpenRound
 from gossipgrad.peer.algorithms.settings import ChocoSettings
+from gossipgrad.peer.algorithms.staleness import Staleness
 from gossipgrad.peer.algorithms.wire_kinds import KINDS, REFUSED, STATUS, VERDICT, WIRE_KIND
 from gossipgrad.peer.flat import SpilledTensor, tensor_checksum
 from gossipgrad.peer.network.errors import UpdateRejected
@@ -84,6 +85,8 @@ class ChocoGossip(GossipAlgorithm):
         self.edges = EdgeTable(x, neighbourhood.me, dtype)
         self._round = 0
         self._scratch: torch.Tensor | None = None  # x − x̂ while a round encodes
+        self.staleness = Staleness(settings.max_staleness)
+        self._round_end: float | None = None  # when the previous round returned
         self._finished = False  # finish() ran: no exchange is opened or taken any more
 
     @property
@@ -325,14 +328,17 @@ class ChocoGossip(GossipAlgorithm):
                         edge.restart()
         return mixed, dist
 
-    def step_round(self) -> RoundStats:
-        """Run one gossip round (see the module docstring). Called by the training thread.
+    def step_round(self, trained: bool = True) -> RoundStats:
+        """Run one gossip round (see the module docstring). Called by the training thread;
+        ``trained`` false for a gossip-only round (no compute since the last: ``Staleness``).
 
         After ``finish()`` a round opens and mixes nothing: every exchange was decided then."""
         if self._finished:
             log.warning("a gossip round after finish(): nothing exchanged")
             return RoundStats(round=self._round, neighbors=[], mixed=[], pushed=[])
         t_round = time.perf_counter()
+        if trained and self._round_end is not None:  # what the steps since then computed
+            self.staleness.observe_compute(t_round - self._round_end)
         self.nb.await_company(self.settings.round_timeout)
         ids = self.nb.ids()
         neighbors = self.nb.neighbors_at(self._round, ids)
@@ -343,7 +349,7 @@ class ChocoGossip(GossipAlgorithm):
             [*neighbors, *owed],
             self.edges,
             self.nb.weights_at(self._round, ids),
-            self.settings.max_staleness,
+            self.staleness.update(self.nb.round_trip()),
             self._round,
         )
 
@@ -377,6 +383,7 @@ class ChocoGossip(GossipAlgorithm):
             waited_s=waited,
             consensus_distance=rnd.distance,
             residual_norm=self._residual_norm(neighbors),
+            max_staleness=rnd.max_staleness,
         )
         self._scratch = None
         if self.metrics is not None:
@@ -386,6 +393,7 @@ class ChocoGossip(GossipAlgorithm):
             self.metrics.set_error_feedback_norm(stats.residual_norm)
             self.metrics.set_neighbors(len(stats.mixed))
         self._round += 1
+        self._round_end = time.perf_counter()
         return stats
 
     def finish(self, interrupted: bool = False) -> None:
@@ -483,7 +491,7 @@ class ChocoGossip(GossipAlgorithm):
         return self.step_round()
 
     def consensus_round(self) -> RoundStats:
-        return self.step_round()
+        return self.step_round(trained=False)
 
     def state_dict(self, for_joiner: bool = False) -> dict:
         return {"round": self._round}

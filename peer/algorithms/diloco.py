@@ -160,7 +160,7 @@ class DiLoCo(GossipAlgorithm):
     def consensus_round(self) -> RoundStats:
         """Gossip-only: a CHOCO round over the anchors, the parameters follow them."""
         self._settle()
-        stats = self.anchors.step_round()
+        stats = self.anchors.step_round(trained=False)
         with torch.no_grad(), self.state_lock:
             self.flat.data.copy_(self.anchor)
         return stats

@@ -78,7 +78,7 @@ class EFGradient(GossipAlgorithm):
         return self.consensus.step_round()
 
     def consensus_round(self) -> RoundStats:
-        return self.consensus.step_round()
+        return self.consensus.step_round(trained=False)
 
     def finish(self, interrupted: bool = False) -> None:
         self.consensus.finish(interrupted)

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 #: keeps as many: peer/algorithms/averaging.py's MAX_QUEUED).
 MAX_LANE = 8
 
+#: Answered pushes the round-trip estimate is taken over (``Neighbourhood.round_trip``).
+ROUND_TRIPS = 32
+
 #: The byte counters' ``kind`` label of an update kind (every other kind counts as "update").
 KIND_LABEL = {pb.RESYNC: "resync", pb.INIT: "resync", pb.BUFFERS: "buffers"}
 
@@ -112,6 +115,8 @@ class Neighbourhood:
         self._lanes_lock = threading.Lock()
         #: Jobs dropped from full lanes so far.
         self.lane_dropped = 0
+        # Seconds of the latest answered pushes, every neighbour alike (round_trip).
+        self._round_trips: deque[float] = deque(maxlen=ROUND_TRIPS)
 
     @property
     def me(self) -> str:
@@ -168,11 +173,20 @@ class Neighbourhood:
         Raises what the sender raises."""
         t0 = time.perf_counter()
         reply, wire_bytes = self.sender.push(peer, header, payload, patience)
+        seconds = time.perf_counter() - t0
+        self._round_trips.append(seconds)
         if self.metrics is not None:
             kind = KIND_LABEL.get(header.kind, "update")
-            self.metrics.observe_push(peer, time.perf_counter() - t0)
+            self.metrics.observe_push(peer, seconds)
             self.metrics.record_sent(peer, kind, wire_bytes, dense_bytes=header.dense_size)
         return reply
+
+    def round_trip(self) -> float | None:
+        """The fewest seconds among the latest answered pushes, any neighbour (a push is
+        answered once the neighbour applied it): the link's round trip with the least of this
+        host's and the neighbour's CPU delays in it; None before any."""
+        samples = list(self._round_trips)
+        return min(samples) if samples else None
 
     def submit(self, fn: Callable[..., None], *args) -> None:
         """Run ``fn(*args)`` on the push pool (pushes never block the training thread)."""

@@ -14,7 +14,7 @@ class ChocoSettings:
     codec: str
     gamma: float
     local_steps: int
-    max_staleness: int
+    max_staleness: int | str  # a bound, or "auto" (peer/algorithms/staleness.py)
     round_timeout: float
     error_feedback: bool
     robust_clip: float

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from gossipgrad.peer.config.base import Section
 from gossipgrad.peer.config.recommended import RECOMMENDED, default_for
@@ -135,9 +135,10 @@ class GossipSection(Section):
         False,
         description="diloco: exchange a phase's pseudo-gradient while the next phase "
         "computes, applying it one phase late (hides a WAN round trip behind compute). "
-        "Across a WAN set max_staleness = 2 with it, so the anchors' gossip does not wait "
-        "on its neighbours every phase (digits, 8 sites, 100 ms RTT: steps as fast as on "
-        "ideal links with 2, 0.76 of their speed with 1; BENCHMARKS.md).",
+        "Across a WAN the anchors' gossip also needs max_staleness 2 or more (auto chooses "
+        "it), so it does not wait on its neighbours every phase (digits, 8 sites, 100 ms "
+        "RTT: steps as fast as on ideal links with 2, 0.76 of their speed with 1; "
+        "BENCHMARKS.md).",
     )
     consensus_every: int = Field(
         1,
@@ -172,17 +173,20 @@ class GossipSection(Section):
         "Pure consensus: keep gamma in the range where gossip alone converges "
         "(scripts/bench_consensus.py; 0.03 with top-1%, not 0.1).",
     )
-    max_staleness: int = Field(
-        1,
-        ge=0,
-        le=64,
+    max_staleness: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = Field(
+        "auto",
         description="0: each round waits for the exchanges it opens (lock-step). 1: an "
         "exchange opened in one round is waited for and mixed in the next, so compute "
         "overlaps communication. k > 1: a round waits only for exchanges opened k rounds "
         "before; an edge carries one exchange at a time, so a link whose round trip is "
         "longer than a round mixes every few rounds (at most k apart) instead of pacing "
-        "the peers at its ends: for WAN links slower than a training step. Both ends of an "
-        "edge mix the same copies either way; waiting is bounded by round_timeout.",
+        "the peers at its ends: for WAN links slower than a training step. auto: chosen "
+        "from the measured round trip (the least of the latest pushes) and compute per "
+        "round (the median of the latest rounds): ceil(round trip / compute), at most 4; "
+        "1 while the round trip is under 10 ms, at most a quarter of a round's compute, "
+        "or not yet measured; revisited every 16 rounds, logged and in status.json "
+        "(peer/algorithms/staleness.py; docs/algorithms.md). Both ends of an edge mix the "
+        "same copies either way; waiting is bounded by round_timeout.",
     )
     round_timeout: float = Field(
         10.0, gt=0, description="Seconds to wait for a lagging neighbour before suspecting it."

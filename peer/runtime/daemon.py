@@ -422,11 +422,17 @@ class Daemon:
 
 
 def _consensus(gopt: GossipOptimizer) -> dict[str, float]:
-    """The last round's consensus-distance estimate for status.json (empty before one)."""
+    """The last round's consensus-distance estimate and staleness bound for status.json
+    (empty before one)."""
     stats = gopt.last_round
-    if stats is None or not math.isfinite(stats.consensus_distance):
+    if stats is None:
         return {}
-    return {"consensus_distance": float(stats.consensus_distance)}
+    out: dict[str, float] = {}
+    if stats.max_staleness is not None:
+        out["max_staleness"] = stats.max_staleness
+    if math.isfinite(stats.consensus_distance):
+        out["consensus_distance"] = float(stats.consensus_distance)
+    return out
 
 
 def _utilization(blocking: float, seconds: float) -> float | None:
