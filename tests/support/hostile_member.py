@@ -69,6 +69,7 @@ class Stalling:
             address, sec.channel_credentials(), options=sec.channel_args(peer)
         )
         self.outcomes: dict[str, int] = {}
+        self.details: dict[str, str] = {}  # the first detail of each status
         self._lock = threading.Lock()
         self.threads = [
             threading.Thread(target=self._loop, args=(method,), daemon=True)
@@ -91,6 +92,7 @@ class Stalling:
                 code = "OK"
             except grpc.RpcError as err:
                 code = err.code().name
+                self.details.setdefault(code, err.details() or "")
             with self._lock:
                 self.outcomes[code] = self.outcomes.get(code, 0) + 1
 
@@ -220,6 +222,7 @@ def main() -> int:
             c.close()
         server.stop(grace=0)
     report["stalled"] = {pid: s.outcomes for pid, s in stalled.items()}
+    report["stalled_details"] = {pid: s.details for pid, s in stalled.items()}
     report["impersonator_calls"] = handler.calls
     report["honest"] = sorted(honest)
     Path(args.out).write_text(json.dumps(report, indent=1))

@@ -146,6 +146,7 @@ def test_stalled_calls_leave_heartbeats_answered_within_the_heartbeat_timeout(ce
             if len(latencies) == 5:  # and the bulk slots evil may not take still serve
                 header = pb.UpdateHeader(swarm="s", sender="p1", receiver="server")
                 assert honest.push(header, b"x" * 64, timeout=5).status == pb.PushReply.ACCEPTED
+        print(f"{len(latencies)} heartbeats, slowest {max(latencies):.3f} s")
         assert len(latencies) >= 20 and max(latencies) < HEARTBEAT_TIMEOUT, latencies
         # The stalled calls were refused (over evil's limits, counted) or cut off at the
         # server's request deadline; none is left holding a thread.
