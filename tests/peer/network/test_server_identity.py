@@ -23,6 +23,7 @@ from gossipgrad.peer.network import (
     TransportError,
     TransportOptions,
     WrongServer,
+    identity,
 )
 from gossipgrad.peer.security import (
     SWARM_TLS_NAME,
@@ -123,6 +124,15 @@ def test_a_member_serving_under_another_peers_id_is_refused_by_a_dialler(certs) 
         with pytest.raises(WrongServer):
             c.push(pb.UpdateHeader(swarm="gossipgrad", sender="p0", receiver="p1"), b"x" * 64)
     assert seen == [(evil.address, "p1")] * 2
+    # The second call took the mismatch from memory (one failed handshake, not three), and
+    # so does a new client of the same pair.
+    hits = identity.REMEMBERED.hits
+    with (
+        PeerClient(evil.address, FAST, member, peer="p1") as again,
+        pytest.raises(WrongServer),
+    ):
+        again.heartbeat(beat("p0"))
+    assert identity.REMEMBERED.hits == hits + 1
     assert evil.membership.present_ids() == ["evil"]  # no heartbeat reached its handler
     with PeerClient(evil.address, FAST, member, peer="evil") as c:
         assert c.heartbeat(beat("p0")).responder.id == "evil"
