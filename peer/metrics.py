@@ -192,6 +192,13 @@ class PeerMetrics:
             registry=r,
         )
         self.first_mix.set(math.nan)
+        self.reachable = Gauge(
+            _name("reachable"),
+            "Whether a member could dial this peer back at its advertised address when it "
+            "started: 1 yes, 0 no, -1 not known (first peer, or no member could check).",
+            registry=r,
+        )
+        self.reachable.set(-1)
         self.rejected_updates = Counter(
             _name("rejected_updates"),
             "Incoming messages refused before touching the model, by reason.",

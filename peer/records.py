@@ -44,6 +44,22 @@ class TrafficTotals(_Open):
     )
 
 
+class ReachabilityStatus(_Open):
+    """What the dial-back at start found (peer/runtime/reachability.py)."""
+
+    status: str = Field(
+        "unknown", description="reachable, unreachable, or unknown (no member could check)."
+    )
+    address: str = Field("", description="The advertised address that was dialled.")
+    cause: str = Field(
+        "",
+        description="Why unreachable (refused, timed_out, wrong_identity, failed) or unknown "
+        "(first_peer, no_answer, not_supported, busy, refused_check); empty when reachable.",
+    )
+    checker: str = Field("", description="Id of the member that dialled back.")
+    detail: str = Field("", description="The transport's words, for a human.")
+
+
 class PeerStatus(TrafficTotals):
     """``run_dir/status.json``: a running peer's progress, rewritten every few steps."""
 
@@ -84,6 +100,9 @@ class PeerStatus(TrafficTotals):
     )
     final: dict[str, float] | None = Field(
         None, description="Final evaluation (metric name -> value), once training ended."
+    )
+    reachability: ReachabilityStatus | None = Field(
+        None, description="Whether a member could dial this peer back at start."
     )
     algorithm: str | None = Field(None, description="The gossip algorithm (``gossip.algorithm``).")
     max_staleness: int | None = Field(

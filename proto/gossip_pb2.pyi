@@ -161,3 +161,37 @@ class StateChunk(_message.Message):
     header: StateHeader
     data: bytes
     def __init__(self, header: _Optional[_Union[StateHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ReachabilityRequest(_message.Message):
+    __slots__ = ("swarm", "requester", "address")
+    SWARM_FIELD_NUMBER: _ClassVar[int]
+    REQUESTER_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    swarm: str
+    requester: str
+    address: str
+    def __init__(self, swarm: _Optional[str] = ..., requester: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class ReachabilityReply(_message.Message):
+    __slots__ = ("result", "checker", "detail")
+    class Result(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        RESULT_UNSPECIFIED: _ClassVar[ReachabilityReply.Result]
+        REACHABLE: _ClassVar[ReachabilityReply.Result]
+        REFUSED: _ClassVar[ReachabilityReply.Result]
+        TIMED_OUT: _ClassVar[ReachabilityReply.Result]
+        WRONG_IDENTITY: _ClassVar[ReachabilityReply.Result]
+        FAILED: _ClassVar[ReachabilityReply.Result]
+    RESULT_UNSPECIFIED: ReachabilityReply.Result
+    REACHABLE: ReachabilityReply.Result
+    REFUSED: ReachabilityReply.Result
+    TIMED_OUT: ReachabilityReply.Result
+    WRONG_IDENTITY: ReachabilityReply.Result
+    FAILED: ReachabilityReply.Result
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    CHECKER_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    result: ReachabilityReply.Result
+    checker: str
+    detail: str
+    def __init__(self, result: _Optional[_Union[ReachabilityReply.Result, str]] = ..., checker: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...

@@ -64,6 +64,11 @@ class GossipStub:
                 request_serializer=gossipgrad_dot_proto_dot_gossip__pb2.StateRequest.SerializeToString,
                 response_deserializer=gossipgrad_dot_proto_dot_gossip__pb2.StateChunk.FromString,
                 _registered_method=True)
+        self.CheckReachability = channel.unary_unary(
+                '/gossipgrad.v1.Gossip/CheckReachability',
+                request_serializer=gossipgrad_dot_proto_dot_gossip__pb2.ReachabilityRequest.SerializeToString,
+                response_deserializer=gossipgrad_dot_proto_dot_gossip__pb2.ReachabilityReply.FromString,
+                _registered_method=True)
 
 
 class GossipServicer:
@@ -114,6 +119,18 @@ class GossipServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckReachability(self, request, context):
+        """A starting peer asks a member to dial it back at the address it advertises, over the
+        authenticated channel a neighbour would use (under mutual TLS pinned to the requester's
+        certificate name). The member dials only the address the requester's own heartbeat told
+        it for the requester's id (else FAILED_PRECONDITION, "unknown_sender"), at most a few
+        times a minute per requester (else RESOURCE_EXHAUSTED, "rate_limited"), with a deadline
+        of a few seconds. An older peer answers UNIMPLEMENTED: the check is then not made.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GossipServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -136,6 +153,11 @@ def add_GossipServicer_to_server(servicer, server):
                     servicer.DownloadState,
                     request_deserializer=gossipgrad_dot_proto_dot_gossip__pb2.StateRequest.FromString,
                     response_serializer=gossipgrad_dot_proto_dot_gossip__pb2.StateChunk.SerializeToString,
+            ),
+            'CheckReachability': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckReachability,
+                    request_deserializer=gossipgrad_dot_proto_dot_gossip__pb2.ReachabilityRequest.FromString,
+                    response_serializer=gossipgrad_dot_proto_dot_gossip__pb2.ReachabilityReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -256,6 +278,33 @@ class Gossip:
             '/gossipgrad.v1.Gossip/DownloadState',
             gossipgrad_dot_proto_dot_gossip__pb2.StateRequest.SerializeToString,
             gossipgrad_dot_proto_dot_gossip__pb2.StateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckReachability(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gossipgrad.v1.Gossip/CheckReachability',
+            gossipgrad_dot_proto_dot_gossip__pb2.ReachabilityRequest.SerializeToString,
+            gossipgrad_dot_proto_dot_gossip__pb2.ReachabilityReply.FromString,
             options,
             channel_credentials,
             insecure,

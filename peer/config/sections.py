@@ -64,6 +64,15 @@ class PeerSection(Section):
         "for a donor to send its state (busy or failing donors retried). Either running out "
         "is a one-line error naming what was tried and a non-zero exit.",
     )
+    require_reachable: bool = Field(
+        True,
+        description="At start a peer with a bootstrap list asks a bootstrap peer to dial it "
+        "back at its advertised address; if that fails (refused, timed out, another identity "
+        "there) the peer exits with a one-line error naming the cause, since its neighbours "
+        "could never push to it and it would train alone. false: log it, record it in "
+        "status.json and the gossipgrad_reachable metric, and go on. A check that cannot be "
+        "made (first peer, older or busy members) is never an error.",
+    )
     join_after_steps: int = Field(
         20,
         ge=0,

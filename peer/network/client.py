@@ -119,6 +119,11 @@ class PeerClient:
             request_serializer=pb.HeartbeatRequest.SerializeToString,
             response_deserializer=pb.HeartbeatReply.FromString,
         )
+        self._reach = self._beat.unary_unary(
+            protocol.method_path(protocol.REACH),
+            request_serializer=pb.ReachabilityRequest.SerializeToString,
+            response_deserializer=pb.ReachabilityReply.FromString,
+        )
         self._random = random.Random()
         self._closed = threading.Event()
         #: Wire bytes of the last completed push (see ``push_wire_bytes``).
@@ -205,6 +210,18 @@ class PeerClient:
             protocol.HEARTBEAT,
             timeout if timeout is not None else self.options.heartbeat_timeout,
             lambda remaining: self._heartbeat(request, timeout=remaining, metadata=self._metadata),
+        )
+        return reply
+
+    def check_reachability(
+        self, request: pb.ReachabilityRequest, timeout: float
+    ) -> pb.ReachabilityReply:
+        """Ask the peer to dial this one back (on the heartbeat connection); ``timeout``
+        must leave room for the peer's own dial-back deadline."""
+        reply, _ = self._with_retries(
+            protocol.REACH,
+            timeout,
+            lambda remaining: self._reach(request, timeout=remaining, metadata=self._metadata),
         )
         return reply
 

@@ -92,6 +92,17 @@ class ClientPool:
         finally:
             client.close()
 
+    @contextlib.contextmanager
+    def fresh(self, address: str, peer: str) -> Iterator[PeerClient]:
+        """A new client for ``peer`` at ``address``, on connections of its own, closed on exit:
+        for a call whose point is to open a connection (a reachability dial-back), which a
+        kept channel, connected or backing off, would not test."""
+        client = self._new(address, peer)
+        try:
+            yield client
+        finally:
+            client.close()
+
     def drop(self, address: str) -> None:
         """Close every client at ``address``."""
         with self._lock:

@@ -1,6 +1,6 @@
 """The ``gossipgrad.v1.Gossip`` service as both ends see it: methods, codecs, handler protocol.
 
-Four methods (proto/gossip.proto):
+Five methods (proto/gossip.proto):
 
 1. ``PushUpdate`` (client-streaming): an ``UpdateHeader`` chunk, then the payload in data
    chunks (see :mod:`~gossipgrad.peer.network.framing`).
@@ -9,6 +9,7 @@ Four methods (proto/gossip.proto):
    every update that fits goes this way (:func:`fits_whole`).
 3. ``Heartbeat`` (unary): liveness plus peer exchange.
 4. ``DownloadState`` (server-streaming): a ``StateHeader`` chunk, then the state blob.
+5. ``CheckReachability`` (unary): a starting peer asks a member to dial it back.
 
 The server takes every request as raw bytes and parses it itself (:func:`parse_request`, and
 :class:`~gossipgrad.peer.network.framing.ChunkCodec` for chunks), so bytes that are no valid
@@ -35,6 +36,7 @@ PUSH = "PushUpdate"
 PUSH_WHOLE = "PushWholeUpdate"
 HEARTBEAT = "Heartbeat"
 STATE = "DownloadState"
+REACH = "CheckReachability"
 
 
 def method_path(name: str) -> str:
@@ -65,6 +67,8 @@ class GossipHandler(Protocol):
     def handle_state_request(
         self, request: pb.StateRequest
     ) -> tuple[pb.StateHeader, bytes | bytearray | memoryview]: ...
+
+    def handle_reachability(self, request: pb.ReachabilityRequest) -> pb.ReachabilityReply: ...
 
 
 def parse_request(message_cls: type[M], raw: bytes) -> M:

@@ -226,6 +226,10 @@ class GossipServer:
                     _OnPool(self._heartbeat, self._beat_pool),
                     response_serializer=pb.HeartbeatReply.SerializeToString,
                 ),
+                protocol.REACH: grpc.stream_unary_rpc_method_handler(
+                    self._check_reachability,
+                    response_serializer=pb.ReachabilityReply.SerializeToString,
+                ),
                 protocol.STATE: grpc.stream_stream_rpc_method_handler(
                     self._download_state,
                     response_serializer=STATE_CODEC.encode,
@@ -396,6 +400,27 @@ class GossipServer:
             ticket = self._admit_sender(context, identity, ticket, request.sender.id, bulk=False)
             return self._guarded(
                 protocol.HEARTBEAT, context, lambda: self.handler.handle_heartbeat(request)
+            )
+        finally:
+            if ticket is not None:
+                self.admission.leave(ticket)
+            self.deadlines.release(watch)
+
+    def _check_reachability(
+        self, requests: Iterator[bytes], context: grpc.ServicerContext
+    ) -> pb.ReachabilityReply:
+        # A bulk call: the dial-back holds this thread for up to its own deadline, so it
+        # takes a bulk slot and counts against the caller's bulk limits like a push.
+        watch = self.deadlines.watch(context, self.options.request_timeout, protocol.REACH)
+        ticket = None
+        try:
+            identity, ticket = self._admit_caller(context, bulk=True)
+            raw = self._request(requests, context)
+            self.deadlines.release(watch)
+            request = self._or_refuse(context, lambda: parse_request(pb.ReachabilityRequest, raw))
+            ticket = self._admit_sender(context, identity, ticket, request.requester, bulk=True)
+            return self._guarded(
+                protocol.REACH, context, lambda: self.handler.handle_reachability(request)
             )
         finally:
             if ticket is not None:

@@ -27,6 +27,7 @@ gradients densely, only rank 0 gossips, and ranks other than 0 write into ``run_
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -42,7 +43,9 @@ from gossipgrad.peer.flat import persistent_buffers
 from gossipgrad.peer.records import PeerStatus, PeerSummary, write_record
 from gossipgrad.peer.runtime import checkpoint
 from gossipgrad.peer.runtime.joining import JoinError, find_swarm
+from gossipgrad.peer.runtime.node import Peer
 from gossipgrad.peer.runtime.optimizer import GossipOptimizer
+from gossipgrad.peer.runtime.reachability import UNREACHABLE, NotReachable
 from gossipgrad.peer.runtime.site import SiteContext, SiteOptimizer, close_site, init_site
 from gossipgrad.peer.tasks import build_task
 from gossipgrad.peer.tasks.schedule import make_scheduler
@@ -244,10 +247,23 @@ class Daemon:
         bootstrap = peer.membership is not None and peer.membership.bootstrap
         if self.stop_requested.is_set():  # a SIGTERM while waiting: leave without a state
             log.info("asked to stop before training: leaving")
-        elif bootstrap and self._joined(gopt, resumed, started):
+        elif not bootstrap:
+            self._check_reachable(peer)  # the first peer: nobody to ask, "unknown"
+        elif self._joined(gopt, resumed, started):
             self._write_status(joined_at_step=gopt.local_step)
         if site is not None:
             gopt.sync_site()  # all ranks take the leader's state (resumed or joined)
+
+    def _check_reachable(self, peer: Peer) -> None:
+        """Have a bootstrap peer dial this one back; the outcome goes to status.json. Raises
+        NotReachable (a one-line error, a non-zero exit) if it could not and
+        ``peer.require_reachable`` is set: nobody could push to this peer."""
+        if peer.membership is None:
+            return
+        found = peer.check_reachability()
+        self._write_status(reachability=dataclasses.asdict(found))
+        if found.status == UNREACHABLE and self.cfg.peer.require_reachable:
+            raise NotReachable(f"{found.summary()} (peer.require_reachable = false to go on)")
 
     def _joined(self, gopt: GossipOptimizer, resumed: bool, started: float) -> bool:
         """Find the swarm (JoinError if no bootstrap answers within ``peer.start_timeout``:
@@ -261,6 +277,7 @@ class Daemon:
         )
         if self.stop_requested.is_set():
             return False
+        self._check_reachable(gopt.peer)
         if not resumed:
             return gopt.join_from_swarm()
         try:

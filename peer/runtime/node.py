@@ -33,6 +33,8 @@ from gossipgrad.peer.network import GossipServer, TransportError, TransportOptio
 from gossipgrad.peer.network.pool import ClientPool
 from gossipgrad.peer.runtime.donor import SnapshotCache
 from gossipgrad.peer.runtime.joining import StateDownload
+from gossipgrad.peer.runtime.reachability import CHECK_TIMEOUT_S, DialBack, Reachability
+from gossipgrad.peer.runtime.reachability import check as check_dial_back
 from gossipgrad.peer.security import TransportSecurity, resolve_security
 from gossipgrad.proto import gossip_pb2 as pb
 
@@ -209,6 +211,9 @@ class Peer:
         self._incarnations: dict[str, int] = {}
         self._membership_lock = threading.RLock()
         self.joining: StateDownload | None = None
+        self.dial_back: DialBack | None = None
+        #: What :meth:`check_reachability` found (None before it ran).
+        self.reachability: Reachability | None = None
         self._started = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -265,6 +270,7 @@ class Peer:
             self.metrics,
             self.options.state_timeout,
         )
+        self.dial_back = DialBack(self.id, self._advertised, self._dial_back)
         self._build_gossip()
         self.membership.start()
         self._started = True
@@ -336,6 +342,49 @@ class Peer:
                 peer_id,
                 peer_id,
             )
+
+    def check_reachability(self) -> Reachability:
+        """Ask the first bootstrap peer that answers to dial this peer back at its advertised
+        address (see :mod:`~gossipgrad.peer.runtime.reachability`); logs the outcome in one
+        line and publishes it as ``gossipgrad_reachable``."""
+        m = self.membership
+        found = check_dial_back(m.bootstrap, self.address, self._introduce, self._ask_dial_back)
+        self.reachability = found
+        self.metrics.reachable.set(found.gauge)
+        if found.status == "reachable":
+            log.info("%s", found.summary())
+        else:
+            log.warning("%s", found.summary())
+        return found
+
+    def _introduce(self, address: str) -> str:
+        """One heartbeat to a bootstrap address, so the member there holds our address from
+        our own word (all it will dial back); returns its id."""
+        m = self.membership
+        request = pb.HeartbeatRequest(swarm=m.swarm, sender=m.me, view_digest=m.view_digest())
+        return self._heartbeat(address, None, request, m.heartbeat_timeout).responder.id
+
+    def _ask_dial_back(self, address: str, checker: str) -> pb.ReachabilityReply:
+        """``CheckReachability`` to the member ``checker`` at ``address``, on a client pinned
+        to it (the bootstrap's unpinned one closes once membership opens a pinned one)."""
+        request = pb.ReachabilityRequest(
+            swarm=self.cfg.peer.swarm, requester=self.id, address=self.address
+        )
+        with self.clients.transient(address, checker or None) as client:
+            return client.check_reachability(request, timeout=CHECK_TIMEOUT_S)
+
+    def _advertised(self, peer_id: str) -> str | None:
+        """The address ``peer_id``'s own word advertised to this peer (None if only hearsay)."""
+        rec = self.membership.record(peer_id) if self.membership is not None else None
+        return rec.info.address if rec is not None and rec.heard_directly else None
+
+    def _dial_back(self, address: str, peer_id: str, timeout: float) -> str:
+        """One heartbeat to ``peer_id`` at ``address`` on a new client pinned to it; the id
+        that answered."""
+        m = self.membership
+        request = pb.HeartbeatRequest(swarm=m.swarm, sender=m.me, view_digest=m.view_digest())
+        with self.clients.fresh(address, peer_id) as client:
+            return client.heartbeat(request, timeout=timeout).responder.id
 
     def donors(self) -> list[pb.PeerInfo]:
         """Live peers that have trained (see ``StateDownload.donors``)."""
@@ -414,6 +463,16 @@ class Peer:
             ),
             blob,
         )
+
+    def handle_reachability(self, request: pb.ReachabilityRequest) -> pb.ReachabilityReply:
+        self._check_swarm(request.swarm)
+        if self.dial_back is None:
+            raise UpdateRejected(grpc.StatusCode.UNAVAILABLE, "stale", "peer is starting")
+        try:
+            return self.dial_back.handle(request)
+        except UpdateRejected as err:
+            self.metrics.record_rejected(err.reason)
+            raise
 
     # ------------------------------------------------------------------ membership events
 

@@ -47,6 +47,7 @@ EXPECTED = {
     "gossipgrad_peers": ("gauge", {"state"}),
     "gossipgrad_neighbors": ("gauge", set()),
     "gossipgrad_first_mix_seconds": ("gauge", set()),
+    "gossipgrad_reachable": ("gauge", set()),
     "gossipgrad_rejected_updates": ("counter", {"reason"}),
     "gossipgrad_resyncs": ("counter", {"neighbor"}),
     "gossipgrad_exchanges": ("counter", {"neighbor"}),

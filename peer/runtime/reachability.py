@@ -1,0 +1,220 @@
+"""Whether the other members can dial this peer: a dial-back at start.
+
+A peer that nobody can dial (behind NAT, or a firewall dropping inbound connections) still
+heartbeats and pushes outbound, so without a check it would train alone and exit 0. At start
+a peer with a bootstrap list therefore asks a member to dial it back:
+
+1. it heartbeats the first bootstrap address that answers, so the member holds the address
+   it advertises from its own word (``PeerRecord.heard_directly``);
+2. it asks that member (``CheckReachability``) to dial that address back;
+3. the member (:class:`DialBack`) dials only the address its table holds from the
+   requester's own heartbeat for the requester's id (under mutual TLS the transport has
+   matched that id to the caller's certificate), at most :data:`DIAL_BACKS_BURST` times and
+   then once per :data:`DIAL_BACK_EVERY_S` per requester, one dial-back per requester at a
+   time, each one heartbeat within :data:`DIAL_BACK_TIMEOUT_S` on a new client pinned to the
+   requester's certificate name: the same call, through the same client, a neighbour makes.
+
+The answer is the peer's :class:`Reachability`: ``reachable``, ``unreachable`` with a cause
+(:data:`UNREACHABLE_CAUSES`), or ``unknown`` (:data:`UNKNOWN_CAUSES`: the first peer of a
+swarm, a member too old to serve the check, busy ones). Only ``unreachable`` is an error,
+and only with ``peer.require_reachable`` (:class:`NotReachable`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import grpc
+from gossipgrad.peer.network import TransportError, UpdateRejected, WrongServer
+from gossipgrad.peer.network.limits import PeerLimiter
+from gossipgrad.peer.runtime.joining import JoinError
+from gossipgrad.proto import gossip_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+#: Seconds the member gives its dial-back (connection, TLS handshake and one heartbeat): a
+#: firewall that drops inbound packets shows as this long a wait, then ``timed_out``.
+DIAL_BACK_TIMEOUT_S = 5.0
+#: Seconds a peer waits for the member's answer: the dial-back's deadline and a margin.
+CHECK_TIMEOUT_S = DIAL_BACK_TIMEOUT_S + 5.0
+#: Dial-backs one requester may have at once, then one per DIAL_BACK_EVERY_S seconds.
+DIAL_BACKS_BURST = 2
+DIAL_BACK_EVERY_S = 10.0
+
+REACHABLE, UNREACHABLE, UNKNOWN = "reachable", "unreachable", "unknown"
+
+#: Why a dial-back failed, from the member's answer.
+UNREACHABLE_CAUSES: dict[int, str] = {
+    pb.ReachabilityReply.REFUSED: "refused",
+    pb.ReachabilityReply.TIMED_OUT: "timed_out",
+    pb.ReachabilityReply.WRONG_IDENTITY: "wrong_identity",
+    pb.ReachabilityReply.FAILED: "failed",
+}
+#: Why no answer came: no bootstrap list, no bootstrap peer answered, the members answered
+#: UNIMPLEMENTED (older versions), were busy or refused to dial.
+UNKNOWN_CAUSES = ("first_peer", "no_answer", "not_supported", "busy", "refused_check")
+
+_PLAIN_CAUSE = {
+    "refused": "the connection was refused (nothing listens there)",
+    "timed_out": f"no answer within {DIAL_BACK_TIMEOUT_S:g}s (inbound connections dropped)",
+    "wrong_identity": "something else answered there",
+    "failed": "the dial-back failed",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Reachability:
+    """What a dial-back found out about this peer's advertised address.
+
+    Attributes:
+        status: ``reachable``, ``unreachable`` or ``unknown``.
+        address: the address dialled (the one this peer advertises).
+        cause: why not reachable or not known ("" when reachable).
+        checker: the id of the member that dialled ("" if none did).
+        detail: the transport's words, for a human.
+    """
+
+    status: str
+    address: str
+    cause: str = ""
+    checker: str = ""
+    detail: str = ""
+
+    @property
+    def gauge(self) -> float:
+        """``gossipgrad_reachable``: 1 reachable, 0 unreachable, -1 unknown."""
+        return {REACHABLE: 1.0, UNREACHABLE: 0.0}.get(self.status, -1.0)
+
+    def summary(self) -> str:
+        """One line saying what was found and, if unreachable, what to open."""
+        by = f" (checked by {self.checker})" if self.checker else ""
+        detail = " ".join(self.detail.split())  # one line, whatever the transport said
+        if self.status == REACHABLE:
+            return f"reachable at {self.address}{by}"
+        if self.status == UNKNOWN:
+            return f"reachability of {self.address} unknown: {self.cause}{by} {detail}"
+        port = self.address.rsplit(":", 1)[-1]
+        return (
+            f"NOT reachable at {self.address}: {_PLAIN_CAUSE.get(self.cause, self.cause)}{by}"
+            f" [{detail}]; open TCP port {port} inbound to this host, or set peer.advertise "
+            "to an address the other sites can reach"
+        )
+
+
+class NotReachable(JoinError):
+    """This peer's advertised address cannot be dialled and ``peer.require_reachable`` is set:
+    its neighbours could never push to it, so it would train alone. One line (the daemon logs
+    it and exits non-zero)."""
+
+
+def check(
+    bootstrap: list[str],
+    address: str,
+    introduce: Callable[[str], str],
+    ask: Callable[[str, str], pb.ReachabilityReply],
+) -> Reachability:
+    """Ask the first bootstrap peer that answers to dial ``address`` back.
+
+    Args:
+        bootstrap: addresses to try, in order.
+        address: the address this peer advertises.
+        introduce: heartbeats a bootstrap address (raises on failure), so the member holds
+            ``address`` from this peer's own word before it is asked; returns its id.
+        ask: ``ask(bootstrap address, its id)``: the ``CheckReachability`` call to it
+            (raises TransportError).
+    """
+    if not bootstrap:
+        return Reachability(UNKNOWN, address, "first_peer")
+    cause, detail = "no_answer", ""
+    for target in bootstrap:
+        try:
+            reply = ask(target, introduce(target))
+        except TransportError as err:
+            code = err.code()
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                cause, detail = "not_supported", f"{target} is an older version"
+            elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                cause, detail = "busy", f"{target}: {err.detail}"
+            elif err.reason:
+                cause, detail = "refused_check", f"{target}: {err.reason}: {err.detail}"
+            else:
+                detail = f"{target}: {err}"
+            continue
+        except Exception as err:  # the introduction's transport raises its own errors
+            detail = f"{target}: {err}"
+            continue
+        if reply.result == pb.ReachabilityReply.REACHABLE:
+            return Reachability(REACHABLE, address, checker=reply.checker)
+        cause = UNREACHABLE_CAUSES.get(reply.result, "failed")
+        return Reachability(UNREACHABLE, address, cause, reply.checker, reply.detail)
+    return Reachability(UNKNOWN, address, cause, detail=detail)
+
+
+class DialBack:
+    """The member's side of ``CheckReachability``: bounded, and only to what was advertised.
+
+    Args:
+        checker: this member's id (named in every answer).
+        advertised: requester id -> the address its own heartbeats advertised here, or None.
+        dial: ``dial(address, peer_id, timeout)`` heartbeats ``peer_id`` at ``address`` through
+            a new client pinned to it and returns the id that answered; raises TransportError.
+    """
+
+    def __init__(
+        self,
+        checker: str,
+        advertised: Callable[[str], str | None],
+        dial: Callable[[str, str, float], str],
+    ) -> None:
+        self.checker = checker
+        self._advertised = advertised
+        self._dial = dial
+        self._limits = PeerLimiter(
+            max_streams=1, rate=1.0 / DIAL_BACK_EVERY_S, burst=DIAL_BACKS_BURST
+        )
+
+    def handle(self, request: pb.ReachabilityRequest) -> pb.ReachabilityReply:
+        """Dial the requester back, or raise UpdateRejected (``unknown_sender``: not the
+        address it advertised for itself; ``rate_limited``: too many dial-backs)."""
+        who, address = request.requester, request.address
+        if not who or not address or self._advertised(who) != address:
+            raise UpdateRejected(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "unknown_sender",
+                f"{who!r} has not advertised {address!r} for itself here; only the address a "
+                "peer's own heartbeat advertises is dialled back",
+            )
+        refused = self._limits.enter(who)
+        if refused is not None:
+            raise UpdateRejected(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limited", f"dial-backs: {refused}"
+            )
+        try:
+            result, detail = self._try(address, who)
+        finally:
+            self._limits.leave(who)
+        log.info(
+            "dialled %s back at %s: %s", who, address, pb.ReachabilityReply.Result.Name(result)
+        )
+        return pb.ReachabilityReply(result=result, checker=self.checker, detail=detail)
+
+    def _try(self, address: str, who: str) -> tuple[int, str]:
+        R = pb.ReachabilityReply
+        try:
+            answered = self._dial(address, who, DIAL_BACK_TIMEOUT_S)
+        except WrongServer as err:
+            return R.WRONG_IDENTITY, str(err)
+        except TransportError as err:
+            if err.refused:
+                return R.REFUSED, str(err)
+            code = err.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return R.TIMED_OUT, str(err)
+            if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                return R.WRONG_IDENTITY, str(err)
+            return R.FAILED, str(err)
+        if answered != who:
+            return R.WRONG_IDENTITY, f"{answered or 'no peer'} answered at {address}, not {who}"
+        return R.REACHABLE, ""

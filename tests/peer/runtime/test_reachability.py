@@ -1,0 +1,276 @@
+"""Issue 45, first slice: a peer learns at start whether the other members can dial it.
+
+A bootstrap peer dials the starting peer back at the address it advertises (a heartbeat on a
+new client pinned to its certificate), and dials nothing else. In-process peers on
+127.0.0.1:0 with real mutual TLS for the member's side; real ``gossipgrad-peer`` processes for
+the exit status and status.json. An address nobody can dial is a port bound, then closed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from gossipgrad.peer.network import PeerClient, TransportError, TransportOptions
+from gossipgrad.peer.records import PeerStatus, read_record
+from gossipgrad.peer.runtime.reachability import DIAL_BACK_TIMEOUT_S, DIAL_BACKS_BURST
+from gossipgrad.peer.security import TransportSecurity, write_swarm_certs
+from gossipgrad.proto import gossip_pb2 as pb
+from support.peers import start_peer
+
+pytestmark = pytest.mark.timeout(120)
+
+BIN = Path(sys.executable).parent
+OPTIONS = TransportOptions(retries=0, heartbeat_timeout=5.0)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory):
+    return write_swarm_certs(tmp_path_factory.mktemp("certs"), ["p0", "p1", "evil"])
+
+
+def tls(certs, pid: str) -> dict[str, str]:
+    return {
+        "security.ca": str(certs.ca),
+        "security.cert": str(certs.certs[pid]),
+        "security.key": str(certs.keys[pid]),
+    }
+
+
+def closed_port() -> str:
+    """A 127.0.0.1 address where nothing listens: a port bound, then closed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+class CountingListener:
+    """A TCP port that counts the connections made to it (and closes each at once)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.1)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.accepted = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.accepted += 1
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.sock.close()
+
+
+@pytest.fixture
+def listener() -> Iterator[CountingListener]:
+    lis = CountingListener()
+    yield lis
+    lis.close()
+
+
+# --- the check, in-process ------------------------------------------------------------------
+
+
+def test_a_normal_peer_is_reachable_and_the_first_is_unknown(certs) -> None:
+    p0 = start_peer("p0", [], 1, tls(certs, "p0"), widths=(8, 4, 2))
+    p1 = start_peer("p1", [p0.address], 2, tls(certs, "p1"), widths=(8, 4, 2))
+    first = p0.check_reachability()
+    assert (first.status, first.cause, first.checker) == ("unknown", "first_peer", "")
+    assert p0.metrics.registry.get_sample_value("gossipgrad_reachable") == -1
+    found = p1.check_reachability()
+    assert (found.status, found.address, found.checker) == ("reachable", p1.address, "p0")
+    assert p1.metrics.registry.get_sample_value("gossipgrad_reachable") == 1
+
+
+def test_an_address_where_nothing_listens_is_unreachable_refused(certs) -> None:
+    p0 = start_peer("p0", [], 1, tls(certs, "p0"), widths=(8, 4, 2))
+    nowhere = closed_port()
+    p1 = start_peer(
+        "p1", [p0.address], 2, {**tls(certs, "p1"), "peer.advertise": nowhere}, widths=(8, 4, 2)
+    )
+    found = p1.check_reachability()
+    assert (found.status, found.cause, found.address, found.checker) == (
+        "unreachable",
+        "refused",
+        nowhere,
+        "p0",
+    )
+    assert p1.metrics.registry.get_sample_value("gossipgrad_reachable") == 0
+
+
+def test_a_port_that_never_speaks_grpc_is_unreachable_within_the_deadline(certs) -> None:
+    """A port that takes the TCP connection and then says nothing: unreachable (gRPC gives
+    the connection up before any TLS or HTTP/2 answer), and the check waits no longer than
+    the dial-back's deadline."""
+    p0 = start_peer("p0", [], 1, tls(certs, "p0"), widths=(8, 4, 2))
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # listens, never accepts
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        p1 = start_peer(
+            "p1", [p0.address], 2, {**tls(certs, "p1"), "peer.advertise": address}, (8, 4, 2)
+        )
+        started = time.monotonic()
+        found = p1.check_reachability()
+        took = time.monotonic() - started
+    assert (found.status, found.checker) == ("unreachable", "p0")
+    assert found.cause in ("failed", "timed_out")
+    assert took < DIAL_BACK_TIMEOUT_S + 2
+
+
+def test_another_member_at_the_advertised_address_is_the_wrong_identity(certs) -> None:
+    """p1 advertises the address where 'evil' serves: the dial-back, pinned to p1's name,
+    does not take evil's certificate for p1's."""
+    p0 = start_peer("p0", [], 1, tls(certs, "p0"), widths=(8, 4, 2))
+    evil = start_peer("evil", [], 3, tls(certs, "evil"), widths=(8, 4, 2))
+    p1 = start_peer(
+        "p1",
+        [p0.address],
+        2,
+        {**tls(certs, "p1"), "peer.advertise": evil.address},
+        widths=(8, 4, 2),
+    )
+    found = p1.check_reachability()
+    assert (found.status, found.cause, found.checker) == ("unreachable", "wrong_identity", "p0")
+
+
+# --- the member's side: only what was advertised, rate-limited -------------------------------
+
+
+def ask(client: PeerClient, requester: str, address: str) -> pb.ReachabilityReply:
+    request = pb.ReachabilityRequest(swarm="gossipgrad", requester=requester, address=address)
+    return client.check_reachability(request, timeout=10.0)
+
+
+def test_the_member_dials_back_only_the_address_the_caller_advertised_for_itself(
+    certs, listener: CountingListener
+) -> None:
+    """As member p1 (its real certificate): asking for an address p1 never advertised, or
+    for another member's id, is refused and nothing is dialled; the advertised address is
+    dialled (the listener counts it, so a dial would be seen), and only
+    DIAL_BACKS_BURST times in a row."""
+    p0 = start_peer("p0", [], 1, tls(certs, "p0"), widths=(8, 4, 2))
+    bystander = CountingListener()
+    sec = TransportSecurity.from_files(certs.ca, certs.certs["p1"], certs.keys["p1"])
+    try:
+        with PeerClient(p0.address, OPTIONS, sec) as client:
+            # Not yet advertised at all.
+            with pytest.raises(TransportError) as info:
+                ask(client, "p1", listener.address)
+            assert (info.value.code(), info.value.reason) == (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "unknown_sender",
+            )
+            me = pb.PeerInfo(id="p1", address=listener.address, incarnation=time.time_ns())
+            client.heartbeat(pb.HeartbeatRequest(swarm="gossipgrad", sender=me), timeout=5)
+            # Advertised one address, asks for another.
+            with pytest.raises(TransportError) as info:
+                ask(client, "p1", bystander.address)
+            assert (info.value.code(), info.value.reason) == (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "unknown_sender",
+            )
+            # Another member's id: the certificate says p1.
+            with pytest.raises(TransportError) as info:
+                ask(client, "evil", bystander.address)
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            # The advertised address is dialled (and is no p1 server).
+            for _ in range(DIAL_BACKS_BURST):
+                reply = ask(client, "p1", listener.address)
+                assert reply.checker == "p0"
+                assert reply.result != pb.ReachabilityReply.REACHABLE
+            assert listener.accepted >= 1
+            with pytest.raises(TransportError) as info:
+                ask(client, "p1", listener.address)
+            assert (info.value.code(), info.value.reason) == (
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "rate_limited",
+            )
+        time.sleep(0.5)
+        assert bystander.accepted == 0
+        rejected = p0.metrics.registry.get_sample_value(
+            "gossipgrad_rejected_updates_total", {"reason": "unknown_sender"}
+        )
+        assert rejected == 2
+    finally:
+        bystander.close()
+
+
+# --- the daemon: a one-line error and a non-zero exit, unless opted out -----------------------
+
+
+def _daemon(run_dir: Path, bootstrap: str, advertise: str, *extra: str) -> list[str]:
+    return [
+        str(BIN / "gossipgrad-peer"),
+        "--peer.id=natted",
+        f"--peer.run_dir={run_dir}",
+        f"--peer.bootstrap={bootstrap}",
+        f"--peer.advertise={advertise}",
+        "--peer.start_timeout=20",
+        "--train.task=digits",
+        "--train.steps=2",
+        "--train.eval_every=0",
+        "--train.threads=1",
+        "--metrics.enabled=false",
+        "--checkpoint.every=0",
+        "--gossip.round_timeout=1",
+        *extra,
+    ]
+
+
+@pytest.mark.timeout(300)
+def test_an_unreachable_daemon_exits_non_zero_unless_opted_out(tmp_path: Path) -> None:
+    p0 = start_peer("p0", [], 1, widths=(8, 4, 2))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    strict_dir, lenient_dir = tmp_path / "strict", tmp_path / "lenient"
+    # Both at once (each costs an interpreter start); each advertises a port of its own.
+    strict = subprocess.Popen(
+        _daemon(strict_dir, p0.address, closed_port()),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    lenient = subprocess.Popen(
+        _daemon(lenient_dir, p0.address, closed_port(), "--peer.require_reachable=false"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        _, err = strict.communicate(timeout=240)
+        assert strict.returncode == 1, err
+        assert "Traceback" not in err
+        status = read_record(strict_dir / "status.json", PeerStatus)
+        assert status is not None and status.reachability is not None
+        assert (status.reachability.status, status.reachability.cause) == ("unreachable", "refused")
+        assert status.reachability.checker == "p0"
+        assert status.step == 0 and status.state == "starting"  # never trained
+        _, err = lenient.communicate(timeout=240)
+        assert lenient.returncode == 0, err
+        status = read_record(lenient_dir / "status.json", PeerStatus)
+        assert status is not None and status.state == "done" and status.step == 2
+        assert status.reachability is not None
+        assert (status.reachability.status, status.reachability.cause) == ("unreachable", "refused")
+    finally:
+        for proc in (strict, lenient):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
