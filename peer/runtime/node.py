@@ -33,7 +33,12 @@ from gossipgrad.peer.network import GossipServer, TransportError, TransportOptio
 from gossipgrad.peer.network.pool import ClientPool
 from gossipgrad.peer.runtime.donor import SnapshotCache
 from gossipgrad.peer.runtime.joining import StateDownload
-from gossipgrad.peer.runtime.reachability import CHECK_TIMEOUT_S, DialBack, Reachability
+from gossipgrad.peer.runtime.reachability import (
+    CHECK_TIMEOUT_S,
+    DialBack,
+    Reachability,
+    tcp_probe,
+)
 from gossipgrad.peer.runtime.reachability import check as check_dial_back
 from gossipgrad.peer.security import TransportSecurity, resolve_security
 from gossipgrad.proto import gossip_pb2 as pb
@@ -270,7 +275,13 @@ class Peer:
             self.metrics,
             self.options.state_timeout,
         )
-        self.dial_back = DialBack(self.id, self._advertised, self._dial_back)
+        dial = self.cfg.transport.dial_target
+        self.dial_back = DialBack(
+            self.id,
+            self._advertised,
+            self._dial_back,
+            lambda address, timeout: tcp_probe(dial(address), timeout),
+        )
         self._build_gossip()
         self.membership.start()
         self._started = True

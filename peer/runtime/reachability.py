@@ -12,7 +12,9 @@ a peer with a bootstrap list therefore asks a member to dial it back:
    matched that id to the caller's certificate), at most :data:`DIAL_BACKS_BURST` times and
    then once per :data:`DIAL_BACK_EVERY_S` per requester, one dial-back per requester at a
    time, each one heartbeat within :data:`DIAL_BACK_TIMEOUT_S` on a new client pinned to the
-   requester's certificate name: the same call, through the same client, a neighbour makes.
+   requester's certificate name: the same call, through the same client, a neighbour makes
+   (where that fails to connect, a bare TCP connection to the address tells a dropped or
+   refused connection from a TLS handshake that failed: :func:`tcp_probe`).
 
 The answer is the peer's :class:`Reachability`: ``reachable``, ``unreachable`` with a cause
 (:data:`UNREACHABLE_CAUSES`), or ``unknown`` (:data:`UNKNOWN_CAUSES`: the first peer of a
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
+import time
 from collections.abc import Callable
 
 import grpc
@@ -59,7 +63,8 @@ UNKNOWN_CAUSES = ("first_peer", "no_answer", "not_supported", "busy", "refused_c
 _PLAIN_CAUSE = {
     "refused": "the connection was refused (nothing listens there)",
     "timed_out": f"no answer within {DIAL_BACK_TIMEOUT_S:g}s (inbound connections dropped)",
-    "wrong_identity": "something else answered there",
+    "wrong_identity": "something else answered there (not this peer's gossip server with its "
+    "certificate)",
     "failed": "the dial-back failed",
 }
 
@@ -160,6 +165,8 @@ class DialBack:
         advertised: requester id -> the address its own heartbeats advertised here, or None.
         dial: ``dial(address, peer_id, timeout)`` heartbeats ``peer_id`` at ``address`` through
             a new client pinned to it and returns the id that answered; raises TransportError.
+        probe: ``probe(address, timeout)``: a bare TCP connection to where ``address`` is
+            dialled (:func:`tcp_probe`), made only to say why a dial failed.
     """
 
     def __init__(
@@ -167,10 +174,12 @@ class DialBack:
         checker: str,
         advertised: Callable[[str], str | None],
         dial: Callable[[str, str, float], str],
+        probe: Callable[[str, float], str],
     ) -> None:
         self.checker = checker
         self._advertised = advertised
         self._dial = dial
+        self._probe = probe
         self._limits = PeerLimiter(
             max_streams=1, rate=1.0 / DIAL_BACK_EVERY_S, burst=DIAL_BACKS_BURST
         )
@@ -202,6 +211,7 @@ class DialBack:
 
     def _try(self, address: str, who: str) -> tuple[int, str]:
         R = pb.ReachabilityReply
+        deadline = time.monotonic() + DIAL_BACK_TIMEOUT_S
         try:
             answered = self._dial(address, who, DIAL_BACK_TIMEOUT_S)
         except WrongServer as err:
@@ -214,7 +224,34 @@ class DialBack:
                 return R.TIMED_OUT, str(err)
             if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 return R.WRONG_IDENTITY, str(err)
-            return R.FAILED, str(err)
+            if code != grpc.StatusCode.UNAVAILABLE:
+                return R.FAILED, str(err)
+            # gRPC gives a connection up within about a second and says UNAVAILABLE whether
+            # the TCP handshake went unanswered or TLS failed after it: a bare connection
+            # tells which, for the rest of the deadline.
+            tcp = self._probe(address, max(1.0, deadline - time.monotonic()))
+            result = {
+                "refused": R.REFUSED,
+                "timed_out": R.TIMED_OUT,
+                "connected": R.WRONG_IDENTITY,
+            }.get(tcp, R.FAILED)
+            return result, f"{err} (TCP: {tcp})"
         if answered != who:
             return R.WRONG_IDENTITY, f"{answered or 'no peer'} answered at {address}, not {who}"
         return R.REACHABLE, ""
+
+
+def tcp_probe(address: str, timeout: float) -> str:
+    """A bare TCP connection to ``host:port``, closed at once: ``connected``, ``refused``,
+    ``timed_out`` (no answer: inbound packets dropped) or ``error: ...`` (no route, a
+    name that does not resolve)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return "connected"
+    except ConnectionRefusedError:
+        return "refused"
+    except TimeoutError:
+        return "timed_out"
+    except (OSError, ValueError) as err:
+        return f"error: {err}"

@@ -3,17 +3,20 @@
 A bootstrap peer dials the starting peer back at the address it advertises (a heartbeat on a
 new client pinned to its certificate), and dials nothing else. In-process peers on
 127.0.0.1:0 with real mutual TLS for the member's side; real ``gossipgrad-peer`` processes for
-the exit status and status.json. An address nobody can dial is a port bound, then closed.
+the exit status and status.json. An address nobody can dial is a port bound, then closed;
+one that drops inbound packets lives in a network namespace the test makes (root and ``ip``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +27,8 @@ from gossipgrad.peer.records import PeerStatus, read_record
 from gossipgrad.peer.runtime.reachability import DIAL_BACK_TIMEOUT_S, DIAL_BACKS_BURST
 from gossipgrad.peer.security import TransportSecurity, write_swarm_certs
 from gossipgrad.proto import gossip_pb2 as pb
+from support import TESTS
+from support.netlab import netlab_unavailable
 from support.peers import start_peer
 
 pytestmark = pytest.mark.timeout(120)
@@ -129,9 +134,56 @@ def test_a_port_that_never_speaks_grpc_is_unreachable_within_the_deadline(certs)
         started = time.monotonic()
         found = p1.check_reachability()
         took = time.monotonic() - started
-    assert (found.status, found.checker) == ("unreachable", "p0")
-    assert found.cause in ("failed", "timed_out")
+    assert (found.status, found.cause, found.checker) == ("unreachable", "wrong_identity", "p0")
     assert took < DIAL_BACK_TIMEOUT_S + 2
+
+
+@pytest.fixture
+def dropping_netns() -> Iterator[tuple[str, str]]:
+    """A network namespace of the test's own whose 198.18.7.2 swallows every packet: a veth
+    pair inside it, the far end's MAC address made up (no ARP answer, no reset, no ICMP),
+    as a NAT or firewall dropping inbound connections looks from outside."""
+    why = netlab_unavailable()
+    if why is not None:
+        pytest.skip(why)
+    ns = f"ggr{uuid.uuid4().hex[:6]}"
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", "-n", ns, *args], check=True, capture_output=True, timeout=10)
+
+    subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=10)
+    try:
+        ip("link", "set", "lo", "up")
+        ip("link", "add", "v0", "type", "veth", "peer", "name", "v1")
+        ip("addr", "add", "198.18.7.1/24", "dev", "v0")
+        ip("link", "set", "v0", "up")
+        ip("link", "set", "v1", "up")
+        ip("neigh", "add", "198.18.7.2", "lladdr", "02:00:00:00:07:02", "dev", "v0")
+        yield ns, "198.18.7.2:7000"
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+
+def test_an_address_whose_packets_are_dropped_is_unreachable_timed_out(
+    dropping_netns: tuple[str, str],
+) -> None:
+    ns, dropped = dropping_netns
+    script = str(TESTS / "support" / "reach_dropped.py")
+    out = subprocess.run(
+        ["ip", "netns", "exec", ns, sys.executable, script, dropped],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**os.environ, "PYTHONPATH": str(TESTS)},
+    )
+    assert out.returncode == 0, out.stderr
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (found["status"], found["cause"], found["checker"]) == (
+        "unreachable",
+        "timed_out",
+        "p0",
+    )
+    assert found["seconds"] < DIAL_BACK_TIMEOUT_S + 3
 
 
 def test_another_member_at_the_advertised_address_is_the_wrong_identity(certs) -> None:
