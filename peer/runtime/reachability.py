@@ -120,7 +120,8 @@ def check(
     introduce: Callable[[str], str],
     ask: Callable[[str, str], pb.ReachabilityReply],
 ) -> Reachability:
-    """Ask the first bootstrap peer that answers to dial ``address`` back.
+    """Ask the first bootstrap peer that answers to dial ``address`` back (twice if the
+    first dial-back timed out).
 
     Args:
         bootstrap: addresses to try, in order.
@@ -133,7 +134,10 @@ def check(
     if not bootstrap:
         return Reachability(UNKNOWN, address, "first_peer")
     cause, detail = "no_answer", ""
-    for target in bootstrap:
+    targets = list(bootstrap)
+    timed_out: Reachability | None = None  # a first "no answer", asked again once
+    while targets:
+        target = targets.pop(0)
         try:
             reply = ask(target, introduce(target))
         except TransportError as err:
@@ -152,8 +156,22 @@ def check(
             continue
         if reply.result == pb.ReachabilityReply.REACHABLE:
             return Reachability(REACHABLE, address, checker=reply.checker)
-        cause = UNREACHABLE_CAUSES.get(reply.result, "failed")
-        return Reachability(UNREACHABLE, address, cause, reply.checker, reply.detail)
+        found = Reachability(
+            UNREACHABLE,
+            address,
+            UNREACHABLE_CAUSES.get(reply.result, "failed"),
+            reply.checker,
+            reply.detail,
+        )
+        if found.cause != "timed_out" or timed_out is not None:
+            return found
+        # Silence may be a lost packet or a member too loaded to finish in time, and the
+        # verdict stops the peer: one more dial-back (a refusal or another identity is
+        # definite at once).
+        timed_out = found
+        targets.insert(0, target)
+    if timed_out is not None:
+        return timed_out
     return Reachability(UNKNOWN, address, cause, detail=detail)
 
 
