@@ -102,7 +102,9 @@ class PeerStatus(TrafficTotals):
         None, description="Final evaluation (metric name -> value), once training ended."
     )
     reachability: ReachabilityStatus | None = Field(
-        None, description="Whether a member could dial this peer back at start."
+        None,
+        description="Whether a member could dial this peer back at start: status (reachable, "
+        "unreachable, unknown), address, cause, checker (the member's id), detail.",
     )
     algorithm: str | None = Field(None, description="The gossip algorithm (``gossip.algorithm``).")
     max_staleness: int | None = Field(
