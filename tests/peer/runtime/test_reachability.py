@@ -18,11 +18,12 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
 import grpc
 import pytest
-from gossipgrad.peer.network import PeerClient, TransportError, TransportOptions
+from gossipgrad.peer.network import PeerClient, TransportError, TransportOptions, protocol
 from gossipgrad.peer.records import PeerStatus, read_record
 from gossipgrad.peer.runtime.reachability import DIAL_BACK_TIMEOUT_S, DIAL_BACKS_BURST
 from gossipgrad.peer.security import TransportSecurity, write_swarm_certs
@@ -201,6 +202,37 @@ def test_another_member_at_the_advertised_address_is_the_wrong_identity(certs) -
     )
     found = p1.check_reachability()
     assert (found.status, found.cause, found.checker) == ("unreachable", "wrong_identity", "p0")
+
+
+@pytest.fixture
+def older_member() -> Iterator[str]:
+    """A gossip server of a version before the check: it answers heartbeats only (gRPC
+    answers UNIMPLEMENTED to CheckReachability). Its address."""
+    reply = pb.HeartbeatReply(responder=pb.PeerInfo(id="old", address="", incarnation=1))
+    handler = grpc.method_handlers_generic_handler(
+        protocol.SERVICE,
+        {
+            protocol.HEARTBEAT: grpc.unary_unary_rpc_method_handler(
+                lambda request, context: reply,
+                request_deserializer=pb.HeartbeatRequest.FromString,
+                response_serializer=pb.HeartbeatReply.SerializeToString,
+            )
+        },
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), handlers=(handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(0).wait()
+
+
+def test_a_member_too_old_to_check_leaves_reachability_unknown(
+    older_member: str,
+) -> None:
+    p1 = start_peer("p1", [older_member], 2, widths=(8, 4, 2))
+    found = p1.check_reachability()
+    assert (found.status, found.cause) == ("unknown", "not_supported")
+    assert p1.metrics.registry.get_sample_value("gossipgrad_reachable") == -1
 
 
 # --- the member's side: only what was advertised, rate-limited -------------------------------
