@@ -4,7 +4,7 @@ The model is built from a ``GPT2Config`` (random initialisation, nothing downloa
 trained as a byte-level language model on the Zen of Python (``import this``), which every
 Python ships. GPT-2 ties its output layer to the token embedding; the tied weight is one
 parameter and stays one through gossip. The default algorithm here is ``diloco`` (local AdamW
-phases, compressed pseudo-gradients, an outer Nesterov step), the one meant for
+phases, compressed pseudo-gradients, an outer step on an anchor), the one meant for
 transformers. Needs the optional extra: ``pip install 'gossipgrad[hf]'``.
 
 Two peers on one machine, in two terminals::
