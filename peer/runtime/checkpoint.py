@@ -45,7 +45,7 @@ def save_atomic(path: Path, state: Any) -> None:
         with open(tmp, "wb") as f:
             # Straight to the file: a serialized copy in memory first would cost the state's
             # size again (1.6 GB for a 100M-parameter diloco peer) for the save's duration.
-            torch.save(state, f)
+            _save_raising_os_errors(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -60,6 +60,18 @@ def save_atomic(path: Path, state: Any) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _save_raising_os_errors(state: Any, f: Any) -> None:
+    """``torch.save`` to an open file. A write that fails (a full disk) surfaces as what it is,
+    the OSError: torch's zip writer, closing the archive it could not write, raises a
+    RuntimeError over it."""
+    try:
+        torch.save(state, f)
+    except RuntimeError as err:
+        if isinstance(err.__context__, OSError):
+            raise err.__context__ from None
+        raise
 
 
 def load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any] | None:

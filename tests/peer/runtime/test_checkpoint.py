@@ -82,3 +82,42 @@ def test_params_digest_is_sha256_of_the_float32_bytes() -> None:
     t = torch.arange(10, dtype=torch.float32)
     assert checkpoint.params_digest(t) == hashlib.sha256(t.numpy().tobytes()).hexdigest()[:16]
     assert checkpoint.params_digest(t.double()) == checkpoint.params_digest(t)
+
+
+def test_a_disk_that_fills_while_streaming_is_an_oserror(tmp_path: Path, monkeypatch) -> None:
+    """The save streams to its file, so a full disk strikes inside torch.save, whose zip
+    writer then raises a RuntimeError over the OSError; save_atomic raises the OSError (the
+    daemon logs it and trains on), keeps the old checkpoint and leaves no temp file."""
+    import builtins
+
+    path = tmp_path / "checkpoint.pt"
+    checkpoint.save_atomic(path, {"v": 1})
+
+    class FillsUp:
+        def __init__(self, f) -> None:
+            self.f, self.room = f, 4096
+
+        def write(self, data) -> int:
+            if len(data) > self.room:
+                raise OSError(28, "No space left on device")
+            self.room -= len(data)
+            return self.f.write(data)
+
+        def __getattr__(self, name: str):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.f.close()
+
+    real_open = builtins.open
+    monkeypatch.setattr(
+        checkpoint, "open", lambda *a, **k: FillsUp(real_open(*a, **k)), raising=False
+    )
+    with pytest.raises(OSError, match="No space"):
+        checkpoint.save_atomic(path, {"v": torch.randn(1 << 16)})
+    monkeypatch.undo()
+    assert checkpoint.load(path) == {"v": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
