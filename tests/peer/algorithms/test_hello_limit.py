@@ -9,42 +9,20 @@ gRPC on 127.0.0.1.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 from gossipgrad.peer.algorithms.edges import HELLO_RESTART_INTERVAL
 from gossipgrad.peer.network import PeerClient, TransportOptions
 from gossipgrad.proto import gossip_pb2 as pb
-from support.peers import start_peers
+from support.peers import run_rounds, start_peers
 
 pytestmark = pytest.mark.timeout(90)
 
 
-def step_rounds(peers, n: int) -> list:
-    """Each peer runs ``n`` gossip rounds on a thread of its own (as training threads do)."""
-    stats: list = []
-    errors: list[BaseException] = []
-
-    def work(p) -> None:
-        try:
-            for _ in range(n):
-                stats.append(p.algorithm.step_round())
-        except BaseException as err:
-            errors.append(err)
-
-    threads = [threading.Thread(target=work, args=(p,)) for p in peers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    return stats
-
-
 def test_hellos_in_a_loop_restart_an_edge_at_most_once_per_interval() -> None:
     p0, p1 = start_peers(2, widths=(8, 4, 2))  # p0 leads the edge (the smaller id)
-    step_rounds([p0, p1], 2)
+    run_rounds([p0, p1], 2, timeout=60, end=False)
     edge = p0.algorithm.edges["p1"]
     before = edge.restarts
     hello = pb.UpdateHeader(
@@ -66,5 +44,5 @@ def test_hellos_in_a_loop_restart_an_edge_at_most_once_per_interval() -> None:
     assert sent > 50
     assert edge.restarts - before <= 1, (sent, edge.restarts - before)
     # The edge still mixes: a few rounds after the hellos, both ends mixed an exchange.
-    stats = step_rounds([p0, p1], 4)
+    stats = run_rounds([p0, p1], 4, timeout=60, end=False)
     assert {"p0", "p1"} <= {pid for s in stats for pid in s.mixed}, stats
