@@ -184,13 +184,16 @@ def _peer(rank: int, a: dict, addresses, barrier) -> dict:
     stall0 = gopt.blocking_seconds
     round0 = gopt.round
     cpu0, t0 = time.process_time(), time.perf_counter()
-    mixed = 0
+    mixed, recorded = 0, gopt.last_round
     for _ in range(steps):
         time.sleep(wait)
         set_gradients()
-        before = gopt.round
         gopt.step()
-        mixed += gopt.round > before and bool(gopt.last_round and gopt.last_round.mixed)
+        # A round counts once its stats are recorded: at its step, or with background_rounds
+        # when the next round is handed over (the round counter moves in between).
+        if gopt.last_round is not recorded:
+            recorded = gopt.last_round
+            mixed += bool(recorded is not None and recorded.mixed)
     wall = time.perf_counter() - t0
     cpu_gossip = time.process_time() - cpu0
     rounds = max(gopt.round - round0, 1)
