@@ -108,10 +108,6 @@ def test_every_system_reports_its_compute_utilization(tmp_path: Path) -> None:
             assert r.compute_utilization is not None and 0 < r.compute_utilization < 1, name
         mean = sum(r.compute_utilization for r in b.ranks if r) / len(b.ranks)  # type: ignore[misc]
         assert b.compute_utilization == pytest.approx(mean), name
-    # DiLoCo syncs once every H = 10 steps: it waits less than DDP, which waits every step.
-    ranks = {n: report.baselines[n].ranks for n in ("ddp", "diloco")}
-    waited = {n: sum(r.communication_seconds or 0 for r in rs if r) for n, rs in ranks.items()}
-    assert waited["diloco"] < waited["ddp"], waited
     summary = (out / "summary.md").read_text()
     table = summary.split("\n\n")[2].splitlines()  # title, the run's line, the table
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table]
