@@ -36,6 +36,7 @@ round; it keeps that copy, one model more (peer/algorithms/footprint.py).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -95,13 +96,17 @@ class DiLoCo(GossipAlgorithm):
 
     # ------------------------------------------------------------------ the outer round
 
-    def _outer_round(self, overlap: bool) -> RoundStats:
+    def _outer_round(self, overlap: bool, phase_end: torch.Tensor | None = None) -> RoundStats:
         """The end of a phase: steps 1-5, or with ``overlap`` the eager variant (module
         docstring): this phase's own pseudo-gradient and the neighbours' of the phase
-        before, whose exchange ran while this phase computed."""
-        with torch.no_grad(), self.state_lock:
+        before, whose exchange ran while this phase computed. With ``phase_end`` (θ_r, kept by
+        ``hand_over`` for a round in the background) Δ is taken from it, without the lock, as
+        training goes on, and the parameters move by a' − θ_r instead of restarting from a'."""
+        theta = self.flat.data if phase_end is None else phase_end
+        reads_params = self.state_lock if phase_end is None else contextlib.nullcontext()
+        with torch.no_grad(), reads_params:
             # Δ = a − θ goes straight into the error-feedback residual (no dense copy).
-            ticket = self.average.start_difference(self.anchor, self.flat.data, self._phase)
+            ticket = self.average.start_difference(self.anchor, theta, self._phase)
         if not overlap:
             step, self.last_exchange = self.average.collect_average(ticket)
         else:
@@ -114,30 +119,15 @@ class DiLoCo(GossipAlgorithm):
             outer_step(self.anchor, step, self.momentum, self.outer)
         stats = self.anchors.step_round()
         with torch.no_grad(), self.state_lock:
-            self.flat.data.copy_(self.anchor)
+            if phase_end is None:
+                self.flat.data.copy_(self.anchor)
+            else:  # a' − θ_r, in θ_r's buffer (no temporary), then onto the parameters
+                torch.sub(self.anchor, phase_end, out=phase_end)
+                self.flat.data.add_(phase_end)
         self._phase += 1
         return stats
 
     # ------------------------------------------------------------------ interface
-
-    def _background_round(self) -> RoundStats:
-        """The end of a phase beside the next phase's first steps (module docstring): the
-        round of ``_outer_round`` on θ_r (kept by ``hand_over``), then θ ← θ + (a' − θ_r)."""
-        theta_end = self._phase_end
-        if theta_end is None:
-            raise RuntimeError("hand_over() keeps θ before a round goes to the background")
-        with torch.no_grad():
-            ticket = self.average.start_difference(self.anchor, theta_end, self._phase)
-        step, self.last_exchange = self.average.collect_average(ticket)
-        with torch.no_grad(), self.state_lock:
-            outer_step(self.anchor, step, self.momentum, self.outer)
-        stats = self.anchors.step_round()
-        with torch.no_grad(), self.state_lock:
-            # a' − θ_r, in θ_r's buffer (no temporary), then onto the parameters.
-            torch.sub(self.anchor, theta_end, out=theta_end)
-            self.flat.data.add_(theta_end)
-        self._phase += 1
-        return stats
 
     def round_due(self, local_step: int) -> bool:
         return local_step % self.outer.local_steps == 0
@@ -153,9 +143,11 @@ class DiLoCo(GossipAlgorithm):
     def after_step(self, local_step: int) -> RoundStats | None:
         if not self.round_due(local_step):
             return None
-        if self.outer.background:
-            return self._background_round()
-        return self._outer_round(self.outer.overlap)
+        if not self.outer.background:
+            return self._outer_round(self.outer.overlap)
+        if self._phase_end is None:
+            raise RuntimeError("hand_over() keeps θ before a round goes to the background")
+        return self._outer_round(overlap=False, phase_end=self._phase_end)
 
     def consensus_round(self) -> RoundStats:
         """Gossip-only: a CHOCO round over the anchors, the parameters follow them."""
