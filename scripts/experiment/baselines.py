@@ -201,12 +201,13 @@ class BaselineRun:
                 out.append({"id": f"rank{r}", "state": "starting"})
         return out
 
-    def stop(self, timeout: float = 10.0, teardown: float = 30.0) -> None:
+    def stop(self, timeout: float = 10.0, teardown: float = 90.0) -> None:
         """SIGTERM, then SIGKILL, every rank still running; close the logs.
 
         A rank that wrote its result first gets ``teardown`` seconds to exit on its own: it
-        may be ending processes of its own (a hivemind rank's DHT and averagers), and a rank
-        signalled or killed meanwhile would leave them to whoever adopts orphans."""
+        may be ending processes of its own (a hivemind rank's DHT and averagers: a SIGTERM is
+        ignored then, and the rank's own deadlines, 63 s, bound it), and a rank killed
+        meanwhile would leave them to whoever adopts orphans."""
         deadline = time.monotonic() + teardown
         for r, p in enumerate(self.procs):
             if self._finished(r):

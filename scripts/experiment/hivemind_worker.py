@@ -195,7 +195,7 @@ def reap() -> None:
             pass
 
 
-def end_children(grace: float = 3.0, kill_wait: float = 20.0) -> None:
+def end_children(grace: float = 3.0, kill_wait: float = 60.0) -> None:
     """SIGTERM, then SIGKILL, the rest of this rank's process group: hivemind's DHT and
     averager processes and their p2p daemons, which would outlive the rank otherwise; then
     reap them, so none is left even as a zombie. By group, not by parent, so that a daemon
@@ -419,14 +419,20 @@ def main(argv: list[str] | None = None) -> None:
 
     signal.signal(signal.SIGTERM, terminated)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    log.info("rank %d: pid %d, process group %d", args.rank, rank_pid, os.getpgrp())
     result = train(args)
     # The result first: the runner counts a rank done once it exists, whatever the teardown.
     write_json_atomic(Path(args.out) / f"rank{args.rank}.json", result)
     log.info("rank %d done: %s", args.rank, result["final"])
     # Every rank is past the last step, so nobody needs this one's share of the swarm any
     # more: end hivemind's processes outright rather than through its own shutdown, which
-    # can take seconds and race its background threads.
+    # can take seconds and race its background threads. A SIGTERM from the runner meanwhile
+    # must not cut this short (the rank killed half-way would leave its processes to whoever
+    # adopts orphans): the teardown is bounded by end_children's own deadlines.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    started = time.monotonic()
     end_children()
+    log.info("rank %d ended its processes in %.1f s", args.rank, time.monotonic() - started)
     logging.shutdown()
     os._exit(0)
 

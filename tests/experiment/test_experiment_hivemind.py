@@ -55,7 +55,16 @@ def test_hivemind_baseline_end_to_end(tmp_path: Path) -> None:
     # Each rank ends its DHT, averagers and p2p daemons and reaps them, zombies included. Only
     # torch's shared-memory manager (hivemind shares tensors by file) outlives its rank, by
     # design: in a session of its own, it unlinks the segments and exits after its last client.
-    assert [a for a in left["adopted"] if not a.startswith("torch_shm_manag")] == [], left
+    # On failure: the ranks' pids and process groups, their teardown, and the runner's view.
+    ranks = "\n".join(
+        line
+        for log in sorted((out / "baselines" / "hivemind").glob("rank*.log"))
+        for line in log.read_text().splitlines()
+        if "process group" in line or "ended its processes" in line
+    )
+    assert [a for a in left["adopted"] if not a.startswith("torch_shm_manag")] == [], (
+        f"{left}\n{ranks}\n{proc.stderr[-3000:]}"
+    )
     # Both averagers got the loopback settings: hivemind warns of a request timeout that is not
     # below the matchmaking window (matchmaking can deadlock), once per averager given one.
     for log in (out / "baselines" / "hivemind").glob("rank*.log"):
@@ -88,6 +97,18 @@ def test_hivemind_baseline_end_to_end(tmp_path: Path) -> None:
     # received agreed within 0.2%. A wrong socket or a double count is off by far more.
     r0, r1 = hm.ranks
     assert r0 is not None and r1 is not None
+    # Compute utilization as for every system: training time not spent in hivemind's
+    # optimizer step, per rank, and their mean in the baseline's figures and the summary.
+    for rank in (r0, r1):
+        assert 0 < (rank.communication_seconds or 0) < (rank.wall_seconds or 0)
+        assert rank.compute_utilization == pytest.approx(
+            1 - rank.communication_seconds / rank.wall_seconds, rel=1e-6
+        )
+    assert hm.compute_utilization == pytest.approx(
+        (r0.compute_utilization + r1.compute_utilization) / 2, rel=1e-6
+    )
+    summary = (out / "summary.md").read_text()
+    assert f"| {hm.compute_utilization:.2f} |" in summary, summary
     assert (r0.sent_bytes or 0) > 0
     assert r0.sent_bytes == pytest.approx(r1.received_bytes, rel=0.25)
     assert (hm.mean_sent_bytes or 0) > 0

@@ -2,8 +2,8 @@
 
 ``python subreaper.py REPORT -- CMD...`` runs CMD; every process below it whose parent dies
 before it is reparented to this one (Linux ``PR_SET_CHILD_SUBREAPER``) instead of to init. Once
-CMD ends, REPORT gets JSON: ``adopted``, every such process (``"name (status): command
-line"``, running or a zombie), and ``running``, those still running after a grace of
+CMD ends, REPORT gets JSON: ``adopted``, every such process (``"name (status, group G):
+command line"``, running or a zombie), and ``running``, those still running after a grace of
 ``GRACE_S``, which are then killed; all are reaped. A command that ends its own processes
 leaves both lists empty, whatever the host's init does with zombies. The exit status is
 CMD's."""
@@ -31,9 +31,14 @@ def adopted() -> dict[int, str]:
     line", running or a zombie."""
     out = {}
     for child in psutil.Process().children():
-        with contextlib.suppress(psutil.Error):  # ended and reaped meanwhile
+        with contextlib.suppress(psutil.Error, ProcessLookupError):  # ended and reaped meanwhile
             info = child.as_dict(["name", "status", "cmdline"])
-            out[child.pid] = f"{info['name']} ({info['status']}): {' '.join(info['cmdline'] or ())}"
+            # The process group tells whose it was (a zombie keeps it, not its command line).
+            group = os.getpgid(child.pid)
+            out[child.pid] = (
+                f"{info['name']} ({info['status']}, group {group}): "
+                f"{' '.join(info['cmdline'] or ())}"
+            )
     return out
 
 
