@@ -226,6 +226,12 @@ class PeerMetrics:
             ["neighbor"],
             registry=r,
         )
+        self.anchor_mismatches = Counter(
+            _name("anchor_mismatches"),
+            "exact-diloco: messages whose origin started the phase from another anchor than "
+            "this peer (0 while the replicas are identical).",
+            registry=r,
+        )
         self.build_info = Gauge(
             _name("build_info"),
             "Always 1; labels say which version, algorithm, codec and topology this peer runs.",
@@ -361,6 +367,10 @@ class PeerMetrics:
         """Count one dense resync of the edge to ``neighbor``."""
         self.add_neighbor(neighbor)
         self.resyncs.labels(neighbor=neighbor).inc()
+
+    def record_anchor_mismatches(self, count: int) -> None:
+        """Count ``count`` messages of a phase whose origin's anchor differed from ours."""
+        self.anchor_mismatches.inc(count)
 
     def record_exchange(self, neighbor: str) -> None:
         """Count one exchange with ``neighbor`` completed (mixed) at this end."""

@@ -107,6 +107,11 @@ class PeerStatus(TrafficTotals):
         "unreachable, unknown), address, cause, checker (the member's id), detail.",
     )
     algorithm: str | None = Field(None, description="The gossip algorithm (``gossip.algorithm``).")
+    anchor_checksum: str | None = Field(
+        None,
+        description="exact-diloco: checksum (hex) of the anchor the next phase starts from; "
+        "every peer of a swarm whose replicas agree shows the same at the same phase.",
+    )
     max_staleness: int | None = Field(
         None,
         description="The staleness bound the latest gossip round waited under: "
@@ -180,6 +185,11 @@ class PeerSummary(TrafficTotals):
         default_factory=dict,
         description="CHOCO exchanges completed per neighbour at the end (both ends of an edge "
         "count the same; departed neighbours summed under ``(departed)``).",
+    )
+    anchor_checksums: dict[int, str] = Field(
+        default_factory=dict,
+        description="exact-diloco: phase -> checksum (hex) of the anchor the phase started "
+        "from, the latest 4,096 phases (identical replicas: the same at every peer).",
     )
     site: SiteSummary | None = Field(None, description="Multi-rank sites only: this rank.")
 

@@ -16,6 +16,7 @@ class UpdateKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INIT: _ClassVar[UpdateKind]
     FINAL: _ClassVar[UpdateKind]
     BUFFERS: _ClassVar[UpdateKind]
+    SHARED: _ClassVar[UpdateKind]
 UPDATE_KIND_UNSPECIFIED: UpdateKind
 DELTA: UpdateKind
 RESYNC: UpdateKind
@@ -23,9 +24,10 @@ GRADIENT: UpdateKind
 INIT: UpdateKind
 FINAL: UpdateKind
 BUFFERS: UpdateKind
+SHARED: UpdateKind
 
 class UpdateHeader(_message.Message):
-    __slots__ = ("swarm", "sender", "receiver", "seq", "round", "kind", "checksum", "payload_size", "model_fingerprint", "dense_size", "edge_epoch", "weight", "dropped_epoch")
+    __slots__ = ("swarm", "sender", "receiver", "seq", "round", "kind", "checksum", "payload_size", "model_fingerprint", "dense_size", "edge_epoch", "weight", "dropped_epoch", "origin")
     SWARM_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +41,7 @@ class UpdateHeader(_message.Message):
     EDGE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     DROPPED_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
     swarm: str
     sender: str
     receiver: str
@@ -52,7 +55,8 @@ class UpdateHeader(_message.Message):
     edge_epoch: int
     weight: float
     dropped_epoch: int
-    def __init__(self, swarm: _Optional[str] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., seq: _Optional[int] = ..., round: _Optional[int] = ..., kind: _Optional[_Union[UpdateKind, str]] = ..., checksum: _Optional[int] = ..., payload_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., dense_size: _Optional[int] = ..., edge_epoch: _Optional[int] = ..., weight: _Optional[float] = ..., dropped_epoch: _Optional[int] = ...) -> None: ...
+    origin: str
+    def __init__(self, swarm: _Optional[str] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., seq: _Optional[int] = ..., round: _Optional[int] = ..., kind: _Optional[_Union[UpdateKind, str]] = ..., checksum: _Optional[int] = ..., payload_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., dense_size: _Optional[int] = ..., edge_epoch: _Optional[int] = ..., weight: _Optional[float] = ..., dropped_epoch: _Optional[int] = ..., origin: _Optional[str] = ...) -> None: ...
 
 class UpdateChunk(_message.Message):
     __slots__ = ("header", "data")

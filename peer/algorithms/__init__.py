@@ -4,7 +4,9 @@
 
 * ``choco``: CHOCO-SGD model gossip (choco.py), the default;
 * ``ef-gradient``: compressed gradient averaging plus CHOCO consensus (ef_gradient.py);
-* ``diloco``: local phases, compressed pseudo-gradients, an outer optimizer (diloco.py).
+* ``diloco``: local phases, compressed pseudo-gradients, an outer optimizer (diloco.py);
+* ``exact-diloco``: diloco's phases with the exact mean of every peer's compressed
+  pseudo-gradient, disseminated over the gossip graph (exact_diloco.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from gossipgrad.peer.algorithms.base import GossipAlgorithm, RoundStats
 from gossipgrad.peer.algorithms.choco import ChocoGossip
 from gossipgrad.peer.algorithms.diloco import DiLoCo
 from gossipgrad.peer.algorithms.ef_gradient import EFGradient
+from gossipgrad.peer.algorithms.exact_diloco import ExactDiLoCo
 from gossipgrad.peer.algorithms.neighbours import Identity, MembershipView, Neighbourhood
 from gossipgrad.peer.algorithms.outer import OuterSettings
 from gossipgrad.peer.algorithms.settings import ChocoSettings
@@ -26,6 +29,7 @@ __all__ = [
     "ChocoGossip",
     "DiLoCo",
     "EFGradient",
+    "ExactDiLoCo",
     "GossipAlgorithm",
     "Identity",
     "MembershipView",
@@ -48,6 +52,25 @@ def build_algorithm(
     settings = ChocoSettings.from_config(cfg)
     if cfg.algorithm == "choco":
         return ChocoGossip(flat.data, flat.initial, settings, neighbourhood, state_lock, metrics)
+    outer = OuterSettings(
+        local_steps=cfg.local_steps,
+        lr=cfg.outer_lr,
+        momentum=cfg.outer_momentum,
+        nesterov=cfg.outer_nesterov,
+        overlap=cfg.overlap,
+        background=cfg.background_rounds,
+    )
+    if cfg.algorithm == "exact-diloco":
+        return ExactDiLoCo(
+            flat,
+            cfg.codec,
+            cfg.error_feedback,
+            neighbourhood,
+            outer,
+            cfg.round_timeout,
+            state_lock,
+            metrics,
+        )
     average = CompressedAverage(
         flat.data, cfg.codec, cfg.error_feedback, neighbourhood, cfg.round_timeout, metrics
     )
@@ -61,12 +84,4 @@ def build_algorithm(
     anchor = flat.data.detach().clone()
     anchor_settings = ChocoSettings.from_config(cfg, codec=cfg.anchor_codec, gamma=cfg.anchor_gamma)
     anchors = ChocoGossip(anchor, flat.initial, anchor_settings, neighbourhood, state_lock, metrics)
-    outer = OuterSettings(
-        local_steps=cfg.local_steps,
-        lr=cfg.outer_lr,
-        momentum=cfg.outer_momentum,
-        nesterov=cfg.outer_nesterov,
-        overlap=cfg.overlap,
-        background=cfg.background_rounds,
-    )
     return DiLoCo(flat, anchor, average, anchors, outer, state_lock)

@@ -3,9 +3,10 @@
 A training loop talks to an algorithm only through ``before_step`` / ``after_step`` (wrapped by
 ``GossipOptimizer.step``); the gRPC server hands it incoming updates through ``handle_update``;
 membership tells it about peers that restarted or left; checkpoints and late joiners use
-``state_dict`` / ``load_state_dict``. Three implementations: ``choco`` (CHOCO-SGD model
-gossip), ``ef-gradient`` (compressed gradient averaging) and ``diloco`` (local phases,
-compressed pseudo-gradients, an outer optimizer).
+``state_dict`` / ``load_state_dict``. Four implementations: ``choco`` (CHOCO-SGD model
+gossip), ``ef-gradient`` (compressed gradient averaging), ``diloco`` (local phases,
+compressed pseudo-gradients, an outer optimizer) and ``exact-diloco`` (the same phases, every
+peer's pseudo-gradient disseminated to every peer: identical replicas).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class RoundStats:
     consensus_distance: float = float("nan")
     residual_norm: float = 0.0
     max_staleness: int | None = None  # the bound the round waited under (CHOCO rounds)
+    anchor_checksum: str | None = None  # exact-diloco: the anchor the next phase starts from
 
 
 class GossipAlgorithm(abc.ABC):
@@ -75,6 +77,11 @@ class GossipAlgorithm(abc.ABC):
         is already under way, within a short grace, and compute nothing new (default:
         nothing to do)."""
         return
+
+    def anchor_checksums(self) -> dict[int, str]:
+        """Phase -> checksum of the anchor the phase started from, for the records, where
+        the replicas are meant to be identical (exact-diloco); empty by default."""
+        return {}
 
     @abc.abstractmethod
     def handle_update(self, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:

@@ -227,6 +227,19 @@ class Neighbourhood:
         if start:
             self._pool.submit(self._drain, peer)
 
+    def drain(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) until every job of :meth:`submit_in_order` has
+        run; whether they all have. For a peer whose neighbours still need what it queued
+        (exact-diloco's forwards of a run's last phase) before it leaves."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lanes_lock:
+                if not self._lanes:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
     def _drain(self, peer: str) -> None:
         """Run one job of ``peer``'s lane, then hand the worker to the next lane in line."""
         with self._lanes_lock:

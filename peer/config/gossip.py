@@ -15,14 +15,18 @@ class GossipSection(Section):
     # The keys with ``default_for`` take the chosen algorithm's recommended value when left
     # unset (peer/config/recommended.py); a key set explicitly keeps its value.
 
-    algorithm: Literal["choco", "ef-gradient", "diloco"] = Field(
+    algorithm: Literal["choco", "ef-gradient", "diloco", "exact-diloco"] = Field(
         "choco",
         description="choco: compressed model gossip with public copies (default). "
         "ef-gradient: compressed gradient exchange with error feedback, plus choco gossip "
         "every consensus_every rounds to keep models together. diloco: phases of "
         "local_steps inner steps, error-feedback-compressed pseudo-gradients averaged over "
         "the neighbours, an outer SGD step on an anchor (outer_lr, outer_momentum), and choco "
-        "gossip that keeps the anchors together (for AdamW transformers; docs/algorithms.md).",
+        "gossip that keeps the anchors together (for AdamW transformers; docs/algorithms.md). "
+        "exact-diloco: diloco's phases, but every peer's error-feedback-compressed "
+        "pseudo-gradient is forwarded along spanning trees of the topology to every peer, and "
+        "every peer takes the outer step on their exact mean: identical replicas, no anchor "
+        "gossip, about n-1 messages uploaded per peer and phase.",
     )
     codec: str = Field(
         default_factory=default_for("codec"),
@@ -222,6 +226,12 @@ class GossipSection(Section):
             raise ValueError(
                 "background_rounds runs choco's and diloco's rounds beside training; "
                 "ef-gradient needs its average before the step, in the training thread"
+            )
+        if self.algorithm == "exact-diloco" and (self.background_rounds or self.overlap):
+            raise ValueError(
+                "exact-diloco takes each phase's mean before the next phase starts, so every "
+                "replica starts it from the same anchor: set background_rounds and overlap "
+                "to false"
             )
         if self.background_rounds and self.algorithm == "diloco" and self.overlap:
             raise ValueError(

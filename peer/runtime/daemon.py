@@ -333,6 +333,7 @@ class Daemon:
             **traffic,
             "neighbours": gopt.metrics.bytes_by_neighbour(),
             "exchanges": gopt.metrics.exchanges_by_neighbour(),
+            "anchor_checksums": gopt.algorithm.anchor_checksums(),
         }
         self._write_status(
             step=gopt.local_step, loss=loss_value, final=final, **traffic, **_consensus(gopt)
@@ -438,17 +439,19 @@ class Daemon:
         return gopt.metrics.traffic_totals()
 
 
-def _consensus(gopt: GossipOptimizer) -> dict[str, float]:
-    """The last round's consensus-distance estimate and staleness bound for status.json
-    (empty before one)."""
+def _consensus(gopt: GossipOptimizer) -> dict[str, float | str]:
+    """The last round's consensus-distance estimate, staleness bound and (exact-diloco)
+    anchor checksum for status.json (empty before one)."""
     stats = gopt.last_round
     if stats is None:
         return {}
-    out: dict[str, float] = {}
+    out: dict[str, float | str] = {}
     if stats.max_staleness is not None:
         out["max_staleness"] = stats.max_staleness
     if math.isfinite(stats.consensus_distance):
         out["consensus_distance"] = float(stats.consensus_distance)
+    if stats.anchor_checksum is not None:
+        out["anchor_checksum"] = stats.anchor_checksum
     return out
 
 

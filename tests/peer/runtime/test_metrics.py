@@ -52,6 +52,7 @@ EXPECTED = {
     "gossipgrad_resyncs": ("counter", {"neighbor"}),
     "gossipgrad_exchanges": ("counter", {"neighbor"}),
     "gossipgrad_push_lane_dropped": ("counter", {"neighbor"}),
+    "gossipgrad_anchor_mismatches": ("counter", set()),
     "gossipgrad_build_info": ("gauge", {"version", "algorithm", "codec", "topology"}),
 }
 

@@ -1,0 +1,401 @@
+"""Algorithm ``exact-diloco``: DiLoCo whose outer step takes the exact mean of every peer's
+compressed pseudo-gradient, disseminated over the gossip graph (no all-reduce, no coordinator).
+
+``diloco`` averages each pseudo-gradient over a neighbourhood and keeps the anchors together by
+gossiping them: the replicas differ (consensus error) and each outer step sees a partial
+average. Here every peer's message reaches every peer, as in the systems that train across the
+internet with sparse updates (SparseLoCo: top-k + 2-bit values with error feedback, H = 30;
+DeMo), so all replicas apply the same mean and stay bit-identical. It is a ``gossip.algorithm``
+of its own rather than a ``diloco`` option because it shares none of diloco's exchange: no
+anchors' CHOCO gossip (``anchor_codec``, ``anchor_gamma`` mean nothing), no neighbourhood
+weights, a wire kind of its own. Each peer i keeps an anchor a (the same at every peer) and
+runs phases of H = ``gossip.local_steps`` inner steps of its own optimizer. At the end of phase
+r:
+
+1. c_i = Q(e_i + a − θ_i);  e_i += a − θ_i − decode(c_i)   (error feedback: what Q drops stays
+   in e_i and goes out in a later phase; nothing is lost).
+2. c_i goes down the breadth-first tree of the gossip graph rooted at i; every peer forwards
+   each message it receives for the first time to its children in the message's tree
+   (peer/algorithms/dissemination.py): each peer receives each message once, and uploads about
+   n − 1 messages per phase on average.
+3. Wait (at most ``round_timeout``) until the messages of phase r of every live peer are here;
+   the phase is then closed with the messages held: later ones are late, neither applied nor
+   forwarded.
+4. Δ̄ = (1/m) Σ_o decode(c_o) over the m messages held, summed in origin-id order, and the
+   outer step a −= η (Δ̄ + ...) (peer/algorithms/outer.py; SparseLoCo puts error feedback in
+   place of outer momentum, so μ = 0 by default). Same anchor, same bytes, same order: the
+   same bits at every peer.
+5. θ = a; the checksum of the new anchor goes with the next phase's message, so a peer whose
+   replica differs from the sender's sees it (``gossipgrad_anchor_mismatches_total``), and the
+   history is in status.json and summary.json (``anchor_checksum``, ``anchor_checksums``).
+
+A message the tree did not bring (views that differ for a moment, a forwarder that died) is
+asked for from the graph neighbours a while into the wait. Under churn a phase still closes
+with what arrived by the deadline: a message that reached only part of the swarm by then
+leaves the replicas that missed it different from then on (counted as mismatches; resyncing
+them is not built yet).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+
+import grpc
+import torch
+from gossipgrad.compression import DecodeError, ErrorFeedback, from_spec
+from gossipgrad.peer.algorithms.averaging import Average
+from gossipgrad.peer.algorithms.base import GossipAlgorithm, RoundStats
+from gossipgrad.peer.algorithms.dissemination import (
+    Message,
+    Offer,
+    PhaseStore,
+    spanning_children,
+)
+from gossipgrad.peer.algorithms.neighbours import Neighbourhood
+from gossipgrad.peer.algorithms.outer import OuterSettings, outer_step
+from gossipgrad.peer.flat import FlatParameters, tensor_checksum
+from gossipgrad.peer.network.errors import UpdateRejected
+from gossipgrad.proto import gossip_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+#: Phases whose anchor checksum is kept for the records (the latest ones).
+CHECKSUM_HISTORY = 4096
+#: Tries of one forward to one peer (a failed push of a message its subtree needs).
+PUSH_TRIES = 3
+_NAME = "pseudo_gradient"
+
+
+class ExactDiLoCo(GossipAlgorithm):
+    """Exact-aggregation DiLoCo for one peer (module docstring).
+
+    Args:
+        flat: the model's parameters θ (updated in place).
+        codec: compression spec of the pseudo-gradients.
+        error_feedback: keep what the codec drops (False: the ablation without).
+        neighbourhood: the neighbour layer (ids, topology, pushes, waiting).
+        outer: H, outer lr and momentum.
+        round_timeout: seconds a phase waits for the messages of the live peers.
+        state_lock: held while θ and the anchor are read or written.
+        metrics: a PeerMetrics or None.
+    """
+
+    name = "exact-diloco"
+    kinds = (pb.SHARED,)
+
+    def __init__(
+        self,
+        flat: FlatParameters,
+        codec: str,
+        error_feedback: bool,
+        neighbourhood: Neighbourhood,
+        outer: OuterSettings,
+        round_timeout: float,
+        state_lock: threading.RLock,
+        metrics=None,
+    ) -> None:
+        # hyperparameters
+        self.outer = outer
+        self.round_timeout = round_timeout
+        self.codec = from_spec(codec)
+        # collaborators
+        self.flat = flat
+        self.nb = neighbourhood
+        self.state_lock = state_lock
+        self.metrics = metrics
+        # internal state
+        self.anchor = flat.data.detach().clone()  # θ at the phase's start, alike everywhere
+        self.momentum = torch.zeros_like(self.anchor) if outer.momentum > 0 else None
+        self.feedback = ErrorFeedback(self.codec) if error_feedback else None
+        self.store = PhaseStore()
+        self._phase = 0
+        self._checksum = tensor_checksum(self.anchor)
+        self._finished = False
+        # statistics
+        self.checksums: OrderedDict[int, int] = OrderedDict({0: self._checksum})
+        self.mismatches = 0  # messages whose origin's anchor differed from ours
+        self.late = 0  # messages that arrived after their phase closed here
+        self.received = 0  # other peers' messages taken (each once)
+        self.asked = 0  # messages asked for (a phase's wait found them missing)
+        self.forwarded = 0  # messages handed to the push lanes (own ones included)
+        self.last_applied: list[str] = []  # the origins of the latest phase's mean
+
+    @property
+    def round(self) -> int:
+        return self._phase
+
+    @property
+    def residual(self) -> torch.Tensor:
+        """e: what the codec has dropped so far and will send later (zeros without EF)."""
+        if self.feedback is None or _NAME not in self.feedback.names():
+            return torch.zeros_like(self.anchor)
+        return self.feedback.residual(_NAME)
+
+    def anchor_checksums(self) -> dict[int, str]:
+        """Phase -> checksum (hex) of the anchor each phase started from (the latest ones)."""
+        return {p: f"{c:016x}" for p, c in self.checksums.items()}
+
+    # ------------------------------------------------------------------ dissemination
+
+    def _children(self, origin: str) -> list[str]:
+        return spanning_children(self.nb.topology, self.nb.ids(), origin, self.nb.me)
+
+    def _forward(self, message: Message, skip: str = "") -> list[str]:
+        """Push ``message`` to this peer's children in its origin's tree (rule 1)."""
+        children = [p for p in self._children(message.origin) if p != skip]
+        for peer in children:
+            self.nb.submit_in_order(peer, self._push, peer, message)
+        self.forwarded += len(children)
+        return children
+
+    def _push(self, peer: str, message: Message) -> None:
+        header = self.nb.header(
+            peer,
+            pb.SHARED,
+            message.payload,
+            seq=message.phase,
+            round=message.phase,
+            origin=message.origin,
+            checksum=message.checksum,
+            **({} if message.payload else {"dense_size": 0}),  # a want is no model update
+        )
+        for attempt in range(PUSH_TRIES):
+            if not self.nb.view.is_alive(peer):
+                return
+            try:
+                reply = self.nb.push(peer, header, message.payload)
+            except Exception as err:
+                log.info("push of %s's phase %d to %s failed: %s", message.origin,
+                         message.phase, peer, err)  # fmt: skip
+                if isinstance(err, UpdateRejected) or attempt + 1 == PUSH_TRIES:
+                    return
+                continue
+            if reply.status not in (pb.PushReply.ACCEPTED, pb.PushReply.DUPLICATE):
+                log.info("%s did not take %s's phase %d: %s", peer, message.origin,
+                         message.phase, reply.detail)  # fmt: skip
+            return
+
+    def _ask(self, phase: int, missing: list[str]) -> None:
+        """Ask every graph neighbour for the messages of ``phase`` still missing (rule 3 of
+        dissemination.py): an empty SHARED update naming the origin."""
+        for peer in sorted(self.nb.all_neighbors()):
+            for origin in missing:
+                want = Message(origin, phase, b"", 0)
+                self.nb.submit_in_order(peer, self._push, peer, want)
+        self.asked += len(missing)
+
+    def _answer(self, header: pb.UpdateHeader) -> pb.PushReply:
+        """A neighbour asks for (origin, phase): send it if held here."""
+        found = self.store.lookup(header.origin, header.round)
+        if found is not None:
+            self.nb.submit_in_order(header.sender, self._push, header.sender, found)
+        return pb.PushReply(status=pb.PushReply.ACCEPTED, detail="want")
+
+    def handle_update(self, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
+        """Take one message (a server thread): store it if new, forward it down its tree; an
+        empty one asks for a message (rule 3 of dissemination.py)."""
+        self.nb.check(header, self.kinds)
+        if header.payload_size == 0:
+            return self._answer(header)
+        data = bytes(payload)
+        try:
+            shape, dtype = self.codec.inspect(data, max_numel=max(self.anchor.numel(), 1))
+        except DecodeError as err:
+            raise UpdateRejected(
+                grpc.StatusCode.INVALID_ARGUMENT, "decode_error", str(err)
+            ) from None
+        if shape != tuple(self.anchor.shape) or dtype != self.anchor.dtype:
+            raise UpdateRejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "malformed",
+                f"vector {list(shape)} {dtype} does not fit {self.anchor.numel()} values",
+            )
+        message = Message(header.origin, header.round, data, header.checksum)
+        offer = self.store.offer(message, set(self.nb.view.present_ids()) | {self.nb.me})
+        if offer is Offer.EARLY:
+            raise UpdateRejected(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "stale",
+                f"phase {message.phase} is too far ahead of {self.store.first_open}",
+            )
+        if offer is Offer.UNKNOWN:
+            raise UpdateRejected(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "unknown_sender",
+                f"origin {message.origin!r} is not a peer of this swarm",
+            )
+        self.nb.heard(header.sender)
+        if offer is Offer.NEW:
+            self.received += 1
+            if message.origin != header.sender:
+                self.nb.heard(message.origin)  # its message travels: it is not lagging
+            self._forward(message, skip=header.sender)
+            return pb.PushReply(status=pb.PushReply.ACCEPTED, detail="shared")
+        if offer is Offer.LATE:
+            self.late += 1
+        return pb.PushReply(status=pb.PushReply.DUPLICATE, detail=offer.value)
+
+    # ------------------------------------------------------------------ a phase's end
+
+    def round_due(self, local_step: int) -> bool:
+        return local_step % self.outer.local_steps == 0
+
+    def after_step(self, local_step: int) -> RoundStats | None:
+        if not self.round_due(local_step) or self._finished:
+            return None
+        return self._phase_end()
+
+    def _phase_end(self) -> RoundStats:
+        """Steps 1-5 of the module docstring."""
+        t0 = time.perf_counter()
+        phase = self._phase
+        with torch.no_grad(), self.state_lock:
+            payload = self._compress()
+        own = Message(self.nb.me, phase, payload, self._checksum)
+        self.store.offer(own, {self.nb.me})
+        pushed = self._forward(own)
+        ids = self.nb.ids()
+
+        def missing() -> list[str]:
+            return [p for p in self.nb.ids() if p not in self.store.holds(phase)]
+
+        next_ask = time.monotonic() + self._ask_after()
+
+        def repair() -> None:
+            nonlocal next_ask
+            if time.monotonic() >= next_ask:
+                if lacking := missing():
+                    self._ask(phase, lacking)
+                next_ask = time.monotonic() + self._ask_after()
+
+        waited = self.nb.wait(missing, self.round_timeout, f"phase {phase}", on_wake=repair)
+        messages = self.store.close(phase)
+        self.last_applied = [m.origin for m in messages]
+        mismatched = [m.origin for m in messages if m.checksum != self._checksum]
+        step = Average(self.codec, tuple((m.payload, 1.0 / len(messages)) for m in messages))
+        with torch.no_grad(), self.state_lock:
+            outer_step(self.anchor, step, self.momentum, self.outer)
+            self.flat.data.copy_(self.anchor)
+            self._checksum = tensor_checksum(self.anchor)
+        self._phase += 1
+        self._remember(self._phase, self._checksum)
+        if mismatched:
+            self.mismatches += len(mismatched)
+            log.warning("phase %d: the replicas of %s started it from another anchor",
+                        phase, mismatched)  # fmt: skip
+        stats = RoundStats(
+            round=phase,
+            neighbors=ids,
+            mixed=[m.origin for m in messages],
+            pushed=pushed,
+            waited_s=waited,
+            consensus_distance=0.0 if not mismatched else float("nan"),
+            residual_norm=self._residual_norm(),
+            anchor_checksum=f"{self._checksum:016x}",
+        )
+        if self.metrics is not None:
+            self.metrics.observe_round(time.perf_counter() - t0)
+            self.metrics.set_error_feedback_norm(stats.residual_norm)
+            self.metrics.set_neighbors(len(messages) - 1)
+            if mismatched:
+                self.metrics.record_anchor_mismatches(len(mismatched))
+        return stats
+
+    def _ask_after(self) -> float:
+        """Seconds into a phase's wait before missing messages are asked for, and between
+        asks: a few round trips, at most a quarter of the wait."""
+        trip = self.nb.round_trip() or 0.05
+        return min(self.round_timeout / 4, max(0.2, 8 * trip))
+
+    def _compress(self) -> bytes:
+        """Step 1: c = Q(e + a − θ), with no model-sized a − θ where error feedback is on."""
+        t0 = time.perf_counter()
+        seed = self._phase + 1
+        if self.feedback is not None:
+            data = self.feedback.compress_difference(_NAME, self.anchor, self.flat.data, seed)
+        else:
+            data = self.codec.encode(self.anchor - self.flat.data, seed=seed)
+        if self.metrics is not None:
+            self.metrics.observe_compress(time.perf_counter() - t0)
+        return data
+
+    def _residual_norm(self) -> float:
+        if self.feedback is None or _NAME not in self.feedback.names():
+            return 0.0
+        return float(torch.linalg.vector_norm(self.feedback.residual(_NAME)))
+
+    def _remember(self, phase: int, checksum: int) -> None:
+        self.checksums[phase] = checksum
+        while len(self.checksums) > CHECKSUM_HISTORY:
+            self.checksums.popitem(last=False)
+
+    # ------------------------------------------------------------------ the rest
+
+    def consensus_round(self) -> RoundStats:
+        """Gossip-only: the replicas are the same already; nothing to exchange."""
+        return RoundStats(
+            round=self._phase,
+            neighbors=[],
+            mixed=[],
+            pushed=[],
+            consensus_distance=0.0,
+            anchor_checksum=f"{self._checksum:016x}",
+        )
+
+    def finish(self, interrupted: bool = False) -> None:
+        """A last, partial phase (every peer took the same steps, so every peer runs it), and
+        the forwards still queued (at most ``round_timeout``); then nothing more: the
+        parameters end on the anchor. Interrupted: nothing new is sent."""
+        if self._finished:
+            return
+        if not interrupted:
+            with torch.no_grad(), self.state_lock:
+                partial = not torch.equal(self.anchor, self.flat.data)
+            if partial:
+                self._phase_end()
+        # The forwards of the last phase: a subtree waits for them, and leaving cancels them.
+        if not self.nb.drain(self.round_timeout if not interrupted else 1.0):
+            log.warning("finished with forwards still queued: the neighbours may miss some")
+        self._finished = True
+
+    def state_dict(self, for_joiner: bool = False) -> dict:
+        with self.state_lock:
+            state = {"anchor": self.anchor.detach().clone(), "phase": self._phase}
+            if self.momentum is not None:
+                state["momentum"] = self.momentum.detach().clone()
+            if self.feedback is not None and not for_joiner:
+                state["feedback"] = self.feedback.state_dict()
+            return state
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad(), self.state_lock:
+            self.anchor.copy_(state["anchor"])
+            if self.momentum is not None:
+                momentum = state.get("momentum")
+                if momentum is None:
+                    self.momentum.zero_()
+                else:
+                    self.momentum.copy_(momentum)
+            self._phase = int(state.get("phase", 0))
+            self._checksum = tensor_checksum(self.anchor)
+        if self.feedback is not None:
+            if "feedback" in state:
+                self.feedback.load_state_dict(state["feedback"])
+            else:
+                self.feedback.reset()
+        self.store.reset(self._phase)
+        self._remember(self._phase, self._checksum)
+
+    def forget(self, peer: str) -> None:
+        """A restarted or departed peer: its messages already held stay (they are part of
+        the phase at every peer that holds them)."""
+        return
+
+    def prune(self, present: set[str]) -> None:
+        return
+
+    def close(self) -> None:
+        self.nb.close()
