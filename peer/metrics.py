@@ -199,6 +199,20 @@ class PeerMetrics:
             registry=r,
         )
         self.reachable.set(-1)
+        self.relay_forwarded = Counter(
+            _name("relay_forwarded_bytes"),
+            "As a relay: bytes forwarded to and from each peer attached here, both ways "
+            "(one series per peer relayed for since start, at most peer.relay_capacity at once).",
+            ["attached"],
+            registry=r,
+        )
+        self.relayed = Counter(
+            _name("relayed_bytes"),
+            "Bytes this peer's tunnels carried through each relay, both ways: calls to it as "
+            "an attached peer, and its calls to peers behind that relay.",
+            ["relay"],
+            registry=r,
+        )
         self.rejected_updates = Counter(
             _name("rejected_updates"),
             "Incoming messages refused before touching the model, by reason.",
@@ -353,6 +367,14 @@ class PeerMetrics:
         return out
 
     # --- failures ----------------------------------------------------------------------------
+    def record_relay_forwarded(self, attached: str, nbytes: int) -> None:
+        """As a relay: ``nbytes`` forwarded to or from the attached peer ``attached``."""
+        self.relay_forwarded.labels(attached=attached).inc(nbytes)
+
+    def record_relayed(self, relay: str, nbytes: int) -> None:
+        """``nbytes`` this peer's tunnels carried through ``relay``."""
+        self.relayed.labels(relay=relay).inc(nbytes)
+
     def record_rejected(self, reason: str) -> None:
         """Count one refused message; ``reason`` must be in :data:`REJECT_REASONS`."""
         _check_choice(reason, REJECT_REASONS, "reject reason")

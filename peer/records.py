@@ -106,6 +106,11 @@ class PeerStatus(TrafficTotals):
         description="Whether a member could dial this peer back at start: status (reachable, "
         "unreachable, unknown), address, cause, checker (the member's id), detail.",
     )
+    relay: str | None = Field(
+        None,
+        description="Id of the member this peer is called through (docs/transport.md, Relays); "
+        "empty: called directly.",
+    )
     algorithm: str | None = Field(None, description="The gossip algorithm (``gossip.algorithm``).")
     anchor_checksum: str | None = Field(
         None,

@@ -97,7 +97,7 @@ class PushReply(_message.Message):
     def __init__(self, status: _Optional[_Union[PushReply.Status, str]] = ..., expected_seq: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("id", "address", "step", "round", "incarnation", "leaving", "metrics_address")
+    __slots__ = ("id", "address", "step", "round", "incarnation", "leaving", "metrics_address", "relay", "relay_epoch")
     ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,8 @@ class PeerInfo(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    RELAY_EPOCH_FIELD_NUMBER: _ClassVar[int]
     id: str
     address: str
     step: int
@@ -112,7 +114,9 @@ class PeerInfo(_message.Message):
     incarnation: int
     leaving: bool
     metrics_address: str
-    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., step: _Optional[int] = ..., round: _Optional[int] = ..., incarnation: _Optional[int] = ..., leaving: _Optional[bool] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    relay: str
+    relay_epoch: int
+    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., step: _Optional[int] = ..., round: _Optional[int] = ..., incarnation: _Optional[int] = ..., leaving: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., relay: _Optional[str] = ..., relay_epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("swarm", "sender", "known", "view_digest")
@@ -199,3 +203,37 @@ class ReachabilityReply(_message.Message):
     checker: str
     detail: str
     def __init__(self, result: _Optional[_Union[ReachabilityReply.Result, str]] = ..., checker: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("swarm", "peer")
+    SWARM_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    swarm: str
+    peer: str
+    def __init__(self, swarm: _Optional[str] = ..., peer: _Optional[str] = ...) -> None: ...
+
+class AttachEvent(_message.Message):
+    __slots__ = ("tunnel",)
+    TUNNEL_FIELD_NUMBER: _ClassVar[int]
+    tunnel: int
+    def __init__(self, tunnel: _Optional[int] = ...) -> None: ...
+
+class RelayOpen(_message.Message):
+    __slots__ = ("swarm", "sender", "target", "tunnel")
+    SWARM_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    TUNNEL_FIELD_NUMBER: _ClassVar[int]
+    swarm: str
+    sender: str
+    target: str
+    tunnel: int
+    def __init__(self, swarm: _Optional[str] = ..., sender: _Optional[str] = ..., target: _Optional[str] = ..., tunnel: _Optional[int] = ...) -> None: ...
+
+class RelayFrame(_message.Message):
+    __slots__ = ("open", "data")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    open: RelayOpen
+    data: bytes
+    def __init__(self, open: _Optional[_Union[RelayOpen, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...

@@ -69,6 +69,21 @@ class GossipStub:
                 request_serializer=gossipgrad_dot_proto_dot_gossip__pb2.ReachabilityRequest.SerializeToString,
                 response_deserializer=gossipgrad_dot_proto_dot_gossip__pb2.ReachabilityReply.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_stream(
+                '/gossipgrad.v1.Gossip/Attach',
+                request_serializer=gossipgrad_dot_proto_dot_gossip__pb2.AttachRequest.SerializeToString,
+                response_deserializer=gossipgrad_dot_proto_dot_gossip__pb2.AttachEvent.FromString,
+                _registered_method=True)
+        self.Relay = channel.stream_stream(
+                '/gossipgrad.v1.Gossip/Relay',
+                request_serializer=gossipgrad_dot_proto_dot_gossip__pb2.RelayFrame.SerializeToString,
+                response_deserializer=gossipgrad_dot_proto_dot_gossip__pb2.RelayFrame.FromString,
+                _registered_method=True)
+        self.Accept = channel.stream_stream(
+                '/gossipgrad.v1.Gossip/Accept',
+                request_serializer=gossipgrad_dot_proto_dot_gossip__pb2.RelayFrame.SerializeToString,
+                response_deserializer=gossipgrad_dot_proto_dot_gossip__pb2.RelayFrame.FromString,
+                _registered_method=True)
 
 
 class GossipServicer:
@@ -131,6 +146,36 @@ class GossipServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attach(self, request, context):
+        """Relays (docs/transport.md, "Relays"). A peer nobody can dial keeps this call open to a
+        reachable member, its relay: the relay answers at once with an AttachEvent whose tunnel
+        is 0 (attached; also sent every few seconds while idle), then one event per tunnel a
+        caller opens to the attached peer. Under mutual TLS the request's peer must be the
+        caller's certificate name. A member relaying for as many peers as it takes answers
+        RESOURCE_EXHAUSTED ("rate_limited"); one that relays for none FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Relay(self, request_iterator, context):
+        """A caller opens a byte tunnel to an attached peer through its relay: the first frame
+        names the target (RelayOpen), the rest carry bytes both ways. The bytes are the caller's
+        own connection to the target's gossip server (under mutual TLS, end to end: the relay
+        sees only ciphertext). A target not attached here: NOT_FOUND ("unknown_sender").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Accept(self, request_iterator, context):
+        """The attached peer's side of one tunnel, opened when its Attach stream names it: the
+        first frame's RelayOpen.tunnel is that id; the relay splices this call to the caller's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GossipServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +203,21 @@ def add_GossipServicer_to_server(servicer, server):
                     servicer.CheckReachability,
                     request_deserializer=gossipgrad_dot_proto_dot_gossip__pb2.ReachabilityRequest.FromString,
                     response_serializer=gossipgrad_dot_proto_dot_gossip__pb2.ReachabilityReply.SerializeToString,
+            ),
+            'Attach': grpc.unary_stream_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=gossipgrad_dot_proto_dot_gossip__pb2.AttachRequest.FromString,
+                    response_serializer=gossipgrad_dot_proto_dot_gossip__pb2.AttachEvent.SerializeToString,
+            ),
+            'Relay': grpc.stream_stream_rpc_method_handler(
+                    servicer.Relay,
+                    request_deserializer=gossipgrad_dot_proto_dot_gossip__pb2.RelayFrame.FromString,
+                    response_serializer=gossipgrad_dot_proto_dot_gossip__pb2.RelayFrame.SerializeToString,
+            ),
+            'Accept': grpc.stream_stream_rpc_method_handler(
+                    servicer.Accept,
+                    request_deserializer=gossipgrad_dot_proto_dot_gossip__pb2.RelayFrame.FromString,
+                    response_serializer=gossipgrad_dot_proto_dot_gossip__pb2.RelayFrame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -305,6 +365,87 @@ class Gossip:
             '/gossipgrad.v1.Gossip/CheckReachability',
             gossipgrad_dot_proto_dot_gossip__pb2.ReachabilityRequest.SerializeToString,
             gossipgrad_dot_proto_dot_gossip__pb2.ReachabilityReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gossipgrad.v1.Gossip/Attach',
+            gossipgrad_dot_proto_dot_gossip__pb2.AttachRequest.SerializeToString,
+            gossipgrad_dot_proto_dot_gossip__pb2.AttachEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Relay(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gossipgrad.v1.Gossip/Relay',
+            gossipgrad_dot_proto_dot_gossip__pb2.RelayFrame.SerializeToString,
+            gossipgrad_dot_proto_dot_gossip__pb2.RelayFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Accept(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gossipgrad.v1.Gossip/Accept',
+            gossipgrad_dot_proto_dot_gossip__pb2.RelayFrame.SerializeToString,
+            gossipgrad_dot_proto_dot_gossip__pb2.RelayFrame.FromString,
             options,
             channel_credentials,
             insecure,

@@ -73,6 +73,21 @@ class PeerSection(Section):
         "status.json and the gossipgrad_reachable metric, and go on. A check that cannot be "
         "made (first peer, older or busy members) is never an error.",
     )
+    relay: Literal["auto", "off"] = Field(
+        "auto",
+        description="What a peer the check found unreachable does. auto: it is called through "
+        "a relay, a reachable member it keeps an outbound connection to (the one with the "
+        "lowest heartbeat round trip that takes it; another when that one dies or leaves); "
+        "it exits only if no member takes it (or goes on alone, with require_reachable = "
+        "false). off: as if no member took it. docs/transport.md, Relays.",
+    )
+    relay_capacity: int = Field(
+        4,
+        ge=0,
+        description="Unreachable peers this peer relays for at once, if others can dial it "
+        "(0: none). Each costs the bytes that peer's neighbours exchange with it, twice "
+        "through this host, and a few threads per connection to it.",
+    )
     join_after_steps: int = Field(
         20,
         ge=0,

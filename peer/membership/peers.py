@@ -161,7 +161,9 @@ class PeerTable:
     def view_digest(self) -> int:
         """64-bit digest of who is in this view: ids, addresses, incarnations, leaving flags
         of self and every peer not dead (progress fields left out: they change every beat)."""
-        items = sorted((i.id, i.address, i.incarnation, i.leaving) for i in self.known_infos())
+        items = sorted(
+            (i.id, i.address, i.incarnation, i.leaving, i.relay) for i in self.known_infos()
+        )
         digest = hashlib.blake2b(repr(items).encode(), digest_size=8).digest()
         return int.from_bytes(digest, "big")
 
@@ -215,11 +217,15 @@ class PeerTable:
             rec.unanswered_since, rec.condemned, rec.gone, rec.recheck = None, False, False, False
             changed = True
         else:
+            if (info.relay, info.relay_epoch) != (rec.info.relay, rec.info.relay_epoch):
+                log.info("peer %s is called through %s", info.id, info.relay or "no relay")
+                changed = True  # its callers dial another way now
+            else:
+                changed = False
             rec.info = info
             rec.last_seen = now
             rec.heard_directly = True
             rec.unanswered_since, rec.condemned, rec.gone, rec.recheck = None, False, False, False
-            changed = False
             # A goodbye is no return: it is handled below (dead at once), and a second one
             # (its heartbeat loop and its farewell both say it) changes nothing.
             if rec.state != ALIVE and not info.leaving:
@@ -249,7 +255,16 @@ class PeerTable:
                 rec.condemned = True
             return False
         if (info.incarnation, info.address) == (rec.info.incarnation, rec.info.address):
-            return False
+            if info.relay_epoch <= rec.info.relay_epoch:
+                return False
+            # A newer choice of relay, heard second hand: where to call it (a wrong one
+            # only fails the calls; under TLS it cannot answer as the peer).
+            moved = pb.PeerInfo()
+            moved.CopyFrom(rec.info)
+            moved.relay, moved.relay_epoch = info.relay, info.relay_epoch
+            rec.info = moved
+            log.info("peer %s is called through %s (second hand)", info.id, info.relay or "none")
+            return True
         if rec.state == DEAD or rec.gone:
             # The old life is over here (dead, or nothing listens at its address): take the
             # new one to probe. Should nobody answer there, it dies again, harming no one.

@@ -124,6 +124,10 @@ class PeerClient:
             request_serializer=pb.ReachabilityRequest.SerializeToString,
             response_deserializer=pb.ReachabilityReply.FromString,
         )
+        #: Relay calls (Attach, Relay, Accept) live as long as a tunnel does: they go on a
+        #: connection of their own, opened on first use.
+        self._tunnel: grpc.Channel | None = None
+        self._tunnel_lock = threading.Lock()
         self._random = random.Random()
         self._closed = threading.Event()
         #: Wire bytes of the last completed push (see ``push_wire_bytes``).
@@ -253,6 +257,34 @@ class PeerClient:
         self.last_state_wire_bytes = head_wire + data_wire
         return header, blob
 
+    # --- relays (peer/network/relay.py) ---------------------------------------------------
+
+    def _tunnel_channel(self) -> grpc.Channel:
+        with self._tunnel_lock:
+            if self.closed:
+                raise TransportError(grpc.StatusCode.CANCELLED, "", "client closed")
+            if self._tunnel is None:
+                self._tunnel = self._open_channel()
+            return self._tunnel
+
+    def attach(self, request: pb.AttachRequest) -> Any:
+        """Open the Attach call to this peer as a relay: an iterator of AttachEvents (with
+        ``cancel()``), open until cancelled, the relay gone or the client closed."""
+        call = self._tunnel_channel().unary_stream(
+            protocol.method_path(protocol.ATTACH),
+            request_serializer=pb.AttachRequest.SerializeToString,
+            response_deserializer=pb.AttachEvent.FromString,
+        )
+        return call(request, metadata=self._metadata)
+
+    def relay_stream(self, method: str, frames: Any) -> Any:
+        """Open a ``Relay`` or ``Accept`` call (``method``) sending ``frames`` (serialized
+        RelayFrames): an iterator of the RelayFrames that come back (with ``cancel()``)."""
+        call = self._tunnel_channel().stream_stream(
+            protocol.method_path(method), response_deserializer=pb.RelayFrame.FromString
+        )
+        return call(frames, metadata=self._metadata)
+
     # --- lifecycle -------------------------------------------------------------------------
 
     @property
@@ -261,10 +293,14 @@ class PeerClient:
         return self._closed.is_set()
 
     def close(self) -> None:
-        """Close both channels (in-flight calls are cancelled); idempotent."""
+        """Close every channel (in-flight calls are cancelled); idempotent."""
         self._closed.set()
         self._bulk.close()
         self._beat.close()
+        with self._tunnel_lock:
+            tunnel, self._tunnel = self._tunnel, None
+        if tunnel is not None:
+            tunnel.close()
 
     def __enter__(self) -> PeerClient:
         return self

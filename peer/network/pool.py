@@ -26,7 +26,8 @@ class ClientPool:
 
     Args:
         options / security: what every client is built with.
-        dial: peer address -> address to connect to (``transport.dial_via``).
+        dial: ``dial(address, peer id or None)`` -> address to connect to
+            (``transport.dial_via``; a peer behind a relay: a local relay endpoint).
         on_wrong_server: passed to every client (see :class:`PeerClient`).
     """
 
@@ -34,7 +35,7 @@ class ClientPool:
         self,
         options: TransportOptions,
         security: TransportSecurity | None = None,
-        dial: Callable[[str], str] = str,
+        dial: Callable[[str, str | None], str] = lambda address, peer: address,
         on_wrong_server: Callable[[str, str], None] | None = None,
     ) -> None:
         self._options = options
@@ -44,9 +45,9 @@ class ClientPool:
         self._clients: dict[Key, PeerClient] = {}
         self._lock = threading.Lock()
 
-    def _new(self, address: str, peer: str | None) -> PeerClient:
+    def _new(self, address: str, peer: str | None, direct: bool = False) -> PeerClient:
         return PeerClient(
-            self._dial(address),
+            self._dial(address, None if direct else peer),
             options=self._options,
             security=self._security,
             peer=peer,
@@ -96,8 +97,9 @@ class ClientPool:
     def fresh(self, address: str, peer: str) -> Iterator[PeerClient]:
         """A new client for ``peer`` at ``address``, on connections of its own, closed on exit:
         for a call whose point is to open a connection (a reachability dial-back), which a
-        kept channel, connected or backing off, would not test."""
-        client = self._new(address, peer)
+        kept channel, connected or backing off, would not test. Dialled at ``address``
+        itself, even for a peer called through a relay."""
+        client = self._new(address, peer, direct=True)
         try:
             yield client
         finally:

@@ -1,6 +1,6 @@
 """The ``gossipgrad.v1.Gossip`` service as both ends see it: methods, codecs, handler protocol.
 
-Five methods (proto/gossip.proto):
+Eight methods (proto/gossip.proto):
 
 1. ``PushUpdate`` (client-streaming): an ``UpdateHeader`` chunk, then the payload in data
    chunks (see :mod:`~gossipgrad.peer.network.framing`).
@@ -10,6 +10,8 @@ Five methods (proto/gossip.proto):
 3. ``Heartbeat`` (unary): liveness plus peer exchange.
 4. ``DownloadState`` (server-streaming): a ``StateHeader`` chunk, then the state blob.
 5. ``CheckReachability`` (unary): a starting peer asks a member to dial it back.
+6. ``Attach`` (server-streaming), ``Relay`` and ``Accept`` (bidirectional): a peer nobody can
+   dial is called through a relay (:mod:`~gossipgrad.peer.network.relay`).
 
 The server takes every request as raw bytes and parses it itself (:func:`parse_request`, and
 :class:`~gossipgrad.peer.network.framing.ChunkCodec` for chunks), so bytes that are no valid
@@ -37,6 +39,9 @@ PUSH_WHOLE = "PushWholeUpdate"
 HEARTBEAT = "Heartbeat"
 STATE = "DownloadState"
 REACH = "CheckReachability"
+ATTACH = "Attach"
+RELAY = "Relay"
+ACCEPT = "Accept"
 
 
 def method_path(name: str) -> str:

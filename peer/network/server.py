@@ -62,6 +62,7 @@ from gossipgrad.peer.network.protocol import (
     parse_request,
     parse_whole_update,
 )
+from gossipgrad.peer.network.relay import ACCEPT_TIMEOUT_S, THREADS_PER_ATTACHED, RelayHub
 from gossipgrad.peer.security import TransportSecurity
 from gossipgrad.proto import gossip_pb2 as pb
 
@@ -94,6 +95,7 @@ class GossipServer:
             ``rate_limited``) before the handler sees it, so the engine can count it;
             handler-raised rejections are the handler's to count.
         security: TLS material and/or swarm token (None: plaintext, anyone may call).
+        relays: the relay side of Attach, Relay and Accept (None: relays for nobody).
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class GossipServer:
         options: TransportOptions | None = None,
         on_reject: Callable[[str, str], None] | None = None,
         security: TransportSecurity | None = None,
+        relays: RelayHub | None = None,
     ) -> None:
         self.handler = handler
         self.bind = bind
@@ -110,6 +113,7 @@ class GossipServer:
         self.on_reject = on_reject
         self.security = security
         self.admission = Admission(self.options, security)
+        self.relays = relays if relays is not None else RelayHub(0)
         self._pool = BufferPool(self.options.recv_pool_bytes)
         #: Paces the chunks of every state download this server streams (one shared budget).
         self.state_pacer = BytePacer(self.options.state_rate_bytes, self.options.chunk_size)
@@ -117,6 +121,7 @@ class GossipServer:
         self.deadlines = CallDeadlines()
         self._server: grpc.Server | None = None
         self._beat_pool: futures.ThreadPoolExecutor | None = None
+        self._relay_pool: futures.ThreadPoolExecutor | None = None
         self._port = 0
         self._lock = threading.Lock()
 
@@ -133,6 +138,12 @@ class GossipServer:
             self._beat_pool = futures.ThreadPoolExecutor(
                 max_workers=o.heartbeat_slots, thread_name_prefix="gossip-heartbeat"
             )
+            # Relay calls last as long as a tunnel: threads of their own, as many as the
+            # relay's bounds allow, plus a few that refuse the others.
+            self._relay_pool = futures.ThreadPoolExecutor(
+                max_workers=self.relays.capacity * THREADS_PER_ATTACHED + 4,
+                thread_name_prefix="gossip-relay",
+            )
             server = grpc.server(
                 futures.ThreadPoolExecutor(
                     max_workers=o.bulk_threads, thread_name_prefix="gossip-server"
@@ -145,7 +156,8 @@ class GossipServer:
                 self._port = self._bind(server)
             except OSError:
                 self._beat_pool.shutdown(wait=False)
-                self._beat_pool = None
+                self._relay_pool.shutdown(wait=False)
+                self._beat_pool = self._relay_pool = None
                 raise
             server.start()
             self._server = server
@@ -189,11 +201,13 @@ class GossipServer:
         with self._lock:
             server, self._server = self._server, None
             beat_pool, self._beat_pool = self._beat_pool, None
+            relay_pool, self._relay_pool = self._relay_pool, None
         if server is None:
             return
         server.stop(grace).wait()
-        if beat_pool is not None:
-            beat_pool.shutdown(wait=False)
+        for pool in (beat_pool, relay_pool):
+            if pool is not None:
+                pool.shutdown(wait=False)
         self.deadlines.close()
         log.info("gossip server on %s stopped", self.address)
 
@@ -233,6 +247,16 @@ class GossipServer:
                 protocol.STATE: grpc.stream_stream_rpc_method_handler(
                     self._download_state,
                     response_serializer=STATE_CODEC.encode,
+                ),
+                protocol.ATTACH: grpc.stream_stream_rpc_method_handler(
+                    _OnPool(self._attach, self._relay_pool),
+                    response_serializer=pb.AttachEvent.SerializeToString,
+                ),
+                protocol.RELAY: grpc.stream_stream_rpc_method_handler(
+                    _OnPool(self._relay, self._relay_pool)
+                ),
+                protocol.ACCEPT: grpc.stream_stream_rpc_method_handler(
+                    _OnPool(self._accept, self._relay_pool)
                 ),
             },
         )
@@ -453,6 +477,55 @@ class GossipServer:
             if ticket is not None:
                 self.admission.leave(ticket)
             self.deadlines.release(watch)
+
+    # --- relays (peer/network/relay.py) ---------------------------------------------------
+
+    def _opening(
+        self, requests: Iterator[bytes], context: grpc.ServicerContext, what: str, cls: type
+    ) -> tuple[str | None, Any]:
+        """A relay call's caller (certificate identity) and its first request, parsed as
+        ``cls``, within ``request_timeout``; ends the call if refused."""
+        watch = self.deadlines.watch(context, self.options.request_timeout, what)
+        try:
+            identity = self._or_refuse(context, lambda: self.admission.authenticate(context))
+            raw = self._request(requests, context)
+        finally:
+            self.deadlines.release(watch)
+        return identity, self._or_refuse(context, lambda: parse_request(cls, raw))
+
+    def _attach(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
+        identity, request = self._opening(requests, context, protocol.ATTACH, pb.AttachRequest)
+        self._or_refuse(context, lambda: self.admission.check_claim(identity, request.peer))
+        yield from self._or_refuse(context, lambda: self.relays.attach(request, context))
+
+    def _relay(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
+        identity, frame = self._opening(requests, context, protocol.RELAY, pb.RelayFrame)
+        if not frame.HasField("open"):
+            self._refuse(context, malformed("a relay call must open with RelayOpen"))
+        opening = frame.open
+        self._or_refuse(context, lambda: self.admission.check_claim(identity, opening.sender))
+        caller = identity or opening.sender or context.peer()
+        tunnel = self._or_refuse(
+            context, lambda: self.relays.open(opening, caller, requests, context)
+        )
+        try:
+            if not tunnel.accepted.wait(ACCEPT_TIMEOUT_S):
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"{opening.target} did not accept the tunnel within {ACCEPT_TIMEOUT_S:g}s",
+                )
+            yield from self.relays.to_caller(tunnel)
+        finally:
+            self.relays.close(tunnel)
+
+    def _accept(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
+        identity, frame = self._opening(requests, context, protocol.ACCEPT, pb.RelayFrame)
+        if not frame.HasField("open"):
+            self._refuse(context, malformed("an accept call must open with RelayOpen"))
+        tunnel = self._or_refuse(
+            context, lambda: self.relays.accept(frame.open, identity, requests, context)
+        )
+        yield from self.relays.to_target(tunnel)
 
     def _paced(self, nbytes: int, context: grpc.ServicerContext, watch: Watch) -> bool:
         """Wait until ``nbytes`` of state may go (``state_rate_bytes``); False if the caller

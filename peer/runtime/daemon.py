@@ -255,15 +255,30 @@ class Daemon:
             gopt.sync_site()  # all ranks take the leader's state (resumed or joined)
 
     def _check_reachable(self, peer: Peer) -> None:
-        """Have a bootstrap peer dial this one back; the outcome goes to status.json. Raises
-        NotReachable (a one-line error, a non-zero exit) if it could not and
-        ``peer.require_reachable`` is set: nobody could push to this peer."""
+        """Have a bootstrap peer dial this one back; the outcome goes to status.json. If it
+        could not, the peer is called through a relay (``peer.relay = "auto"``); with none,
+        raises NotReachable (a one-line error, a non-zero exit) if ``peer.require_reachable``
+        is set: nobody could push to this peer."""
         if peer.membership is None:
             return
         found = peer.check_reachability()
-        self._write_status(reachability=dataclasses.asdict(found))
-        if found.status == UNREACHABLE and self.cfg.peer.require_reachable:
-            raise NotReachable(f"{found.summary()} (peer.require_reachable = false to go on)")
+        self._write_status(reachability=dataclasses.asdict(found), relay="")
+        if found.status != UNREACHABLE:
+            return
+        relay = peer.start_relaying() if self.cfg.peer.relay == "auto" else ""
+        self._write_status(relay=relay)
+        if relay:
+            return
+        why = (
+            "; ".join(f"{k}: {v}" for k, v in sorted(peer.relay_refusals.items()))
+            or "no member to relay"
+            if self.cfg.peer.relay == "auto"
+            else "peer.relay = off"
+        )
+        line = f"not reachable and no relay: {found.summary()}; relays tried: {why}"
+        if self.cfg.peer.require_reachable:
+            raise NotReachable(f"{line} (peer.require_reachable = false to go on)")
+        log.warning("%s; training alone", line)
 
     def _joined(self, gopt: GossipOptimizer, resumed: bool, started: float) -> bool:
         """Find the swarm (JoinError if no bootstrap answers within ``peer.start_timeout``:
@@ -373,7 +388,11 @@ class Daemon:
                 self._save_checkpoint(gopt)
             if self._status_due():
                 self._write_status(
-                    step=step, loss=loss_value, **self._traffic(gopt), **_consensus(gopt)
+                    step=step,
+                    loss=loss_value,
+                    relay=gopt.peer.relay,
+                    **self._traffic(gopt),
+                    **_consensus(gopt),
                 )
         return loss_value, evals
 

@@ -29,8 +29,15 @@ from gossipgrad.peer.flat import FlatParameters, FloatBuffers
 from gossipgrad.peer.membership.heartbeats import Membership, PeerListTooLong
 from gossipgrad.peer.membership.topology import topology_from_name
 from gossipgrad.peer.metrics import UNATTRIBUTED, PeerMetrics
-from gossipgrad.peer.network import GossipServer, TransportError, TransportOptions, UpdateRejected
+from gossipgrad.peer.network import (
+    GossipServer,
+    TransportError,
+    TransportOptions,
+    UpdateRejected,
+    protocol,
+)
 from gossipgrad.peer.network.pool import ClientPool
+from gossipgrad.peer.network.relay import Attachment, RelayDialer, RelayHub
 from gossipgrad.peer.runtime.donor import SnapshotCache
 from gossipgrad.peer.runtime.joining import StateDownload
 from gossipgrad.peer.runtime.reachability import (
@@ -40,6 +47,7 @@ from gossipgrad.peer.runtime.reachability import (
     tcp_probe,
 )
 from gossipgrad.peer.runtime.reachability import check as check_dial_back
+from gossipgrad.peer.runtime.relaying import ATTACH_TIMEOUT_S, RelayKeeper
 from gossipgrad.peer.security import TransportSecurity, resolve_security
 from gossipgrad.proto import gossip_pb2 as pb
 
@@ -104,6 +112,10 @@ def transport_security(cfg: PeerConfig) -> TransportSecurity | None:
 #: Most (address, peer) pairs :meth:`Peer._wrong_server` logs (each is logged once; beyond
 #: this they are only counted, so invented ids cannot grow the set without bound).
 MAX_WRONG_SERVERS_LOGGED = 1024
+
+#: Seconds a peer that is done relays on for the peers still attached to it (they detach as
+#: they end), before it leaves.
+RELAY_LINGER_S = 30.0
 
 #: Listen hosts that bind every interface (not an address another machine can dial).
 WILDCARD_HOSTS = ("0.0.0.0", "[::]", "::")
@@ -191,15 +203,32 @@ class Peer:
         self.clients = ClientPool(
             self.options,
             self.security,
-            cfg.transport.dial_target,
+            self._dial_target,
             on_wrong_server=self._wrong_server,
         )
+        #: As a relay: the peers attached here and their tunnels.
+        self.relays = RelayHub(
+            cfg.peer.relay_capacity,
+            cfg.peer.swarm,
+            self.metrics.record_relay_forwarded,
+        )
+        #: Local endpoints of the peers this one calls through their relays.
+        self.relay_dialer = RelayDialer(
+            lambda target: pb.RelayOpen(swarm=cfg.peer.swarm, sender=self.id, target=target),
+            self._relay_route,
+            self.metrics.record_relayed,
+        )
+        #: This peer's own relay, when nobody can dial it (None: called directly).
+        self.relay_keeper: RelayKeeper | None = None
+        # peer id -> the relay it was last called through ("": directly)
+        self._routes: dict[str, str] = {}
         self.server = GossipServer(
             self,
             bind=cfg.peer.listen,
             options=self.options,
             on_reject=lambda reason, _peer: self.metrics.record_rejected(reason),
             security=self.security,
+            relays=self.relays,
         )
         self.topology = topology_from_name(
             cfg.gossip.topology, seed=cfg.train.seed, degree=cfg.gossip.degree
@@ -308,13 +337,17 @@ class Peer:
         if not self._started:
             return
         self._started = False
+        self._relay_until_detached(RELAY_LINGER_S)
         try:
             self.membership.announce_leaving()
         except Exception as err:  # best effort
             log.debug("announce_leaving failed: %s", err)
         self.membership.stop()
         self.algorithm.close()
+        if self.relay_keeper is not None:
+            self.relay_keeper.close()
         self.server.stop(grace=0.5)
+        self.relay_dialer.close()
         self.clients.close()
         self.metrics.stop()
 
@@ -396,6 +429,99 @@ class Peer:
         request = pb.HeartbeatRequest(swarm=m.swarm, sender=m.me, view_digest=m.view_digest())
         with self.clients.fresh(address, peer_id) as client:
             return client.heartbeat(request, timeout=timeout).responder.id
+
+    # ------------------------------------------------------------------ relays
+
+    def _relay_until_detached(self, timeout: float) -> None:
+        """Before leaving, relay on for the peers attached here until they detach (they end
+        too), at most ``timeout`` seconds: peers that finish about together end their last
+        exchanges through this peer, rather than alone once it left."""
+        deadline = time.monotonic() + timeout
+        if self.relays.attached():
+            log.info("relaying on for %s until they finish", ", ".join(self.relays.attached()))
+        while self.relays.attached() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def _dial_target(self, address: str, peer_id: str | None) -> str:
+        """Where a client for ``peer_id`` at ``address`` connects: a local relay endpoint if
+        the peer is called through a relay, else the address (``transport.dial_via``)."""
+        rec = self.membership.record(peer_id) if peer_id and self.membership else None
+        if rec is not None and rec.info.relay:
+            return self.relay_dialer.endpoint(peer_id)
+        return self.cfg.transport.dial_target(address)
+
+    def _relay_route(self, target: str):
+        """The relay ``target`` is called through now, and how to open a Relay call there."""
+        rec = self.membership.record(target) if self.membership is not None else None
+        relay = rec.info.relay if rec is not None else ""
+        if not relay:
+            return None
+        if relay == self.id:  # relaying for it ourselves: to our own server
+            address = self.address
+        else:
+            relay_rec = self.membership.record(relay)
+            if relay_rec is None or relay_rec.info.relay:
+                return None
+            address = relay_rec.info.address
+        client = self.clients.get(address, relay)
+        return relay, lambda frames: client.relay_stream(protocol.RELAY, frames)
+
+    def _local_address(self) -> str:
+        """This peer's own gossip server as dialled from this host (a tunnel's far end)."""
+        host = self.cfg.peer.listen.rsplit(":", 1)[0]
+        if host in WILDCARD_HOSTS:
+            host = "[::1]" if ":" in host else "127.0.0.1"
+        return f"{host}:{self.server.port}"
+
+    def _attach(self, info: pb.PeerInfo) -> Attachment:
+        """Attach to member ``info`` as this peer's relay (raises TransportError if it does
+        not take this peer)."""
+        client = self.clients.get(info.address, info.id)
+        attachment = Attachment(
+            info.id,
+            client.attach,
+            lambda frames: client.relay_stream(protocol.ACCEPT, frames),
+            pb.AttachRequest(swarm=self.cfg.peer.swarm, peer=self.id),
+            self._local_address(),
+            lambda n: self.metrics.record_relayed(info.id, n),
+        )
+        attachment.start(ATTACH_TIMEOUT_S)
+        return attachment
+
+    def _round_trip(self, info: pb.PeerInfo) -> float:
+        m = self.membership
+        request = pb.HeartbeatRequest(swarm=m.swarm, sender=m.me, view_digest=m.view_digest())
+        started = time.monotonic()
+        self._heartbeat(info.address, info.id, request, m.heartbeat_timeout)
+        return time.monotonic() - started
+
+    def start_relaying(self) -> str:
+        """Be called through a relay from now on (see :mod:`~gossipgrad.peer.runtime.
+        relaying`): the relay's id, or "" if no member takes this peer (then
+        :attr:`relay_refusals` says why)."""
+        if self.relay_keeper is None:
+            self.relay_keeper = RelayKeeper(
+                self.membership, self._round_trip, self._attach, self._relay_changed
+            )
+        relay = self.relay_keeper.choose()
+        if relay:
+            self.relay_keeper.start()
+        return relay
+
+    @property
+    def relay(self) -> str:
+        """The id of the member that relays for this peer ("": called directly)."""
+        return self.relay_keeper.relay if self.relay_keeper is not None else ""
+
+    @property
+    def relay_refusals(self) -> dict[str, str]:
+        """Why the members tried last did not take this peer as a relay."""
+        return dict(self.relay_keeper.refusals) if self.relay_keeper is not None else {}
+
+    def _relay_changed(self, relay: str) -> None:
+        """This peer chose another relay: its neighbours hear it with the next heartbeats;
+        the peer list's digest changed, so the rest hear it in the lists."""
+        self._on_membership_change()
 
     def donors(self) -> list[pb.PeerInfo]:
         """Live peers that have trained (see ``StateDownload.donors``)."""
@@ -522,6 +648,13 @@ class Peer:
         # departed series.
         for pid in self.metrics.neighbor_ids - present:
             self.metrics.remove_neighbor(pid)
+        # A peer called another way now (a relay chosen, or another): its clients reconnect.
+        for info in m.known_infos():
+            if info.id != self.id and self._routes.get(info.id, "") != info.relay:
+                self._routes[info.id] = info.relay
+                self.clients.drop(info.address)
+        for pid in set(self._routes) - present:
+            del self._routes[pid]
         # Channels to peers that left go too (a probe of a dead peer uses one of its own).
         self.clients.prune(self._kept_clients())
 

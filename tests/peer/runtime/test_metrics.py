@@ -48,6 +48,8 @@ EXPECTED = {
     "gossipgrad_neighbors": ("gauge", set()),
     "gossipgrad_first_mix_seconds": ("gauge", set()),
     "gossipgrad_reachable": ("gauge", set()),
+    "gossipgrad_relay_forwarded_bytes": ("counter", {"attached"}),
+    "gossipgrad_relayed_bytes": ("counter", {"relay"}),
     "gossipgrad_rejected_updates": ("counter", {"reason"}),
     "gossipgrad_resyncs": ("counter", {"neighbor"}),
     "gossipgrad_exchanges": ("counter", {"neighbor"}),
@@ -83,6 +85,8 @@ def filled(m: PeerMetrics) -> PeerMetrics:
     m.set_error_feedback_norm(2.0)
     m.set_peers(alive=2, suspect=0, dead=0)
     m.set_neighbors(1)
+    m.record_relay_forwarded("b", 100)
+    m.record_relayed("b", 100)
     return m
 
 

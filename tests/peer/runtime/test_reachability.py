@@ -303,7 +303,7 @@ def test_the_member_dials_back_only_the_address_the_caller_advertised_for_itself
 def _daemon(run_dir: Path, bootstrap: str, advertise: str, *extra: str) -> list[str]:
     return [
         str(BIN / "gossipgrad-peer"),
-        "--peer.id=natted",
+        f"--peer.id=natted-{run_dir.name}",  # one id per daemon: each its own address
         f"--peer.run_dir={run_dir}",
         f"--peer.bootstrap={bootstrap}",
         f"--peer.advertise={advertise}",
@@ -320,8 +320,12 @@ def _daemon(run_dir: Path, bootstrap: str, advertise: str, *extra: str) -> list[
 
 
 @pytest.mark.timeout(300)
-def test_an_unreachable_daemon_exits_non_zero_unless_opted_out(tmp_path: Path) -> None:
-    p0 = start_peer("p0", [], 1, widths=(8, 4, 2))
+def test_an_unreachable_daemon_without_a_relay_exits_non_zero_unless_opted_out(
+    tmp_path: Path,
+) -> None:
+    """The only member relays for nobody (peer.relay_capacity = 0): no relay, so the strict
+    daemon stops with the one-line error, the lenient one trains alone."""
+    p0 = start_peer("p0", [], 1, {"peer.relay_capacity": 0}, widths=(8, 4, 2))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     strict_dir, lenient_dir = tmp_path / "strict", tmp_path / "lenient"
     # Both at once (each costs an interpreter start); each advertises a port of its own.
@@ -343,11 +347,15 @@ def test_an_unreachable_daemon_exits_non_zero_unless_opted_out(tmp_path: Path) -
         _, err = strict.communicate(timeout=240)
         assert strict.returncode == 1, err
         assert "Traceback" not in err
+        assert "not reachable and no relay: NOT reachable at" in err
+        assert "p0: RESOURCE_EXHAUSTED: rate_limited: relaying for 0 peers" in err
         status = read_record(strict_dir / "status.json", PeerStatus)
         assert status is not None and status.reachability is not None
         assert (status.reachability.status, status.reachability.cause) == ("unreachable", "refused")
         assert status.reachability.checker == "p0"
+        assert status.id == "natted-strict"
         assert status.step == 0 and status.state == "starting"  # never trained
+        assert status.relay == ""
         _, err = lenient.communicate(timeout=240)
         assert lenient.returncode == 0, err
         status = read_record(lenient_dir / "status.json", PeerStatus)

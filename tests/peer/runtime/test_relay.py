@@ -1,0 +1,366 @@
+"""Issue 45, second slice: a peer that nobody can dial is called through a relay.
+
+An outbound-only peer is emulated as in test_reachability.py: it advertises an address where
+no gossip server is (here a port that counts the connections made to it, so a call that
+bypassed the relay would show), while its real server listens on another port it dials
+itself. In-process peers on 127.0.0.1:0 with real mutual TLS; real ``gossipgrad-peer``
+processes for the relay killed mid-run.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from gossipgrad.experiment.analysis import consensus_distance
+from gossipgrad.experiment.launch import LocalSwarm
+from gossipgrad.peer.config import build_config
+from gossipgrad.peer.flat import FlatParameters
+from gossipgrad.peer.network import PeerClient, TransportError, TransportOptions, protocol
+from gossipgrad.peer.network.relay import MAX_TUNNELS_PER_CALLER, RelayDialer, open_frame
+from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
+from gossipgrad.peer.runtime.node import Peer
+from gossipgrad.peer.security import TransportSecurity, write_swarm_certs
+from gossipgrad.proto import gossip_pb2 as pb
+from support.peers import (
+    FAST_MEMBERSHIP,
+    assert_mirrors_exact,
+    close_started,
+    distance,
+    run_rounds,
+    start_peer,
+    started,
+    started_count,
+    wait_until_met,
+)
+from support.swarms import BASE
+from torch import nn
+
+pytestmark = pytest.mark.timeout(120)
+
+IDS = ["p0", "p1", "x", "y", "j", "evil"]
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory):
+    return write_swarm_certs(tmp_path_factory.mktemp("certs"), IDS)
+
+
+def tls(certs, pid: str) -> dict[str, str]:
+    return {
+        "security.ca": str(certs.ca),
+        "security.cert": str(certs.certs[pid]),
+        "security.key": str(certs.keys[pid]),
+    }
+
+
+def security(certs, pid: str) -> TransportSecurity:
+    return TransportSecurity.from_files(certs.ca, certs.certs[pid], certs.keys[pid])
+
+
+class CountingListener:
+    """A TCP port that counts the connections made to it (and closes each at once): the
+    address an outbound-only peer advertises."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.1)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.accepted = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.accepted += 1
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.sock.close()
+
+
+@pytest.fixture
+def nat() -> Iterator[list[CountingListener]]:
+    """Two advertised addresses nobody can reach a gossip server at."""
+    listeners = [CountingListener(), CountingListener()]
+    yield listeners
+    for lis in listeners:
+        lis.close()
+
+
+def sample(peer: Peer, name: str, labels: dict[str, str] | None = None) -> float:
+    return peer.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+def outbound_only(peer: Peer) -> str:
+    """The reachability check finds ``peer`` unreachable; it attaches to a relay."""
+    found = peer.check_reachability()
+    assert found.status == "unreachable", found
+    relay = peer.start_relaying()
+    assert relay, peer.relay_refusals
+    return relay
+
+
+def swarm(certs, advertised: dict[str, str]) -> list[Peer]:
+    """p0, p1, x, y (a ring p0-p1-x-y: x and y are neighbours), the same seeds every time."""
+    peers: list[Peer] = []
+    for i, pid in enumerate(["p0", "p1", "x", "y"]):
+        extra = {"peer.advertise": advertised[pid]} if pid in advertised else {}
+        bootstrap = [peers[0].address] if peers else []
+        peers.append(start_peer(pid, bootstrap, 200 + i, {**tls(certs, pid), **extra}))
+    wait_until_met(peers)
+    return peers
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_two_outbound_only_neighbours_train_through_relays_like_a_direct_swarm(
+    certs, nat: list[CountingListener]
+) -> None:
+    """x and y advertise addresses where nothing serves gossip: every call to them goes
+    through their relays (none reaches those addresses), x and y talk to each other through
+    them, under end-to-end mutual TLS, and the swarm mixes as one where everybody can be
+    dialled: every edge's mirrors exact, and the same spread after the same rounds."""
+    rounds = 15
+    mark = started_count()
+    direct = swarm(certs, {})
+    start = distance(direct)
+    run_rounds(direct, rounds)
+    direct_after = distance(direct)
+    close_started(mark)
+
+    peers = swarm(certs, {"x": nat[0].address, "y": nat[1].address})
+    p0, p1, x, y = peers
+    assert distance(peers) == pytest.approx(start)  # the same models to begin with
+    relays = {q.id: outbound_only(q) for q in (x, y)}
+    assert set(relays.values()) <= {"p0", "p1"}
+    # Every peer learns whom to call through which relay.
+    wait_for(
+        lambda: all(
+            p.membership.record(q).info.relay == relays[q]
+            for p in peers
+            for q in relays
+            if p.id != q
+        ),
+        10,
+        "the relays to spread",
+    )
+    # The channels dialled before (while x and y were not yet known to be unreachable) are
+    # closed as the change is applied: wait until no new connection comes for a second.
+    before = [-1]
+    while before != [lis.accepted for lis in nat]:
+        before = [lis.accepted for lis in nat]
+        time.sleep(1.0)
+    run_rounds(peers, rounds)
+    assert assert_mirrors_exact(peers) == 8
+    assert "y" in x.algorithm.edges and x.algorithm.edges["y"].mixed > 0
+    after = distance(peers)
+    assert after < start / 2
+    assert after <= 2 * direct_after, (after, direct_after)
+    # Nothing dialled the advertised addresses once the relays were known.
+    assert [lis.accepted for lis in nat] == before
+    # Bytes counted at both ends: the relay per attached peer, the attached peer per relay.
+    by_id = {p.id: p for p in peers}
+    for q, relay in relays.items():
+        forwarded = sample(by_id[relay], "gossipgrad_relay_forwarded_bytes_total", {"attached": q})
+        carried = sample(by_id[q], "gossipgrad_relayed_bytes_total", {"relay": relay})
+        assert forwarded > 0 and carried > 0, (q, relay, forwarded, carried)
+    # Only x and y are relayed for; p0 and p1 call each other directly.
+    assert sorted(p0.relays.attached() + p1.relays.attached()) == sorted(relays)
+
+
+def test_an_outbound_only_joiner_downloads_its_state_through_a_relay(certs) -> None:
+    """The only donor, x, cannot be dialled; neither can the joiner j: j's download goes
+    through x's relay p0 (p0 has not trained, so it is no donor) and brings x's state."""
+    mark = started_count()
+    nowhere = [CountingListener(), CountingListener()]
+    try:
+        p0 = start_peer("p0", [], 1, tls(certs, "p0"))
+        blob = bytes(range(256)) * 4096  # 1 MiB of state
+        torch.manual_seed(2)
+        flat = FlatParameters(nn.Sequential(nn.Linear(40, 30), nn.Tanh(), nn.Linear(30, 5)))
+        cfg = build_config(
+            {},
+            {
+                "peer.id": "x",
+                "peer.bootstrap": [p0.address],
+                "peer.advertise": nowhere[0].address,
+                **FAST_MEMBERSHIP,
+                **tls(certs, "x"),
+            },
+        )
+        x = started(Peer(cfg, flat, state_source=lambda: (50, 5, blob)))
+        x.update_progress(50, 5)
+        assert outbound_only(x) == "p0"
+        j = start_peer(
+            "j", [p0.address], 3, {**tls(certs, "j"), "peer.advertise": nowhere[1].address}
+        )
+        assert outbound_only(j) == "p0"
+        wait_until_met([p0, x, j])
+        wait_for(lambda: j.membership.record("x").info.relay == "p0", 10, "j to learn x's relay")
+        wait_for(lambda: bool(j.donors()), 10, "x to be seen as a donor")
+        header, state = j.download_state(timeout=30)
+        assert (header.sender, header.step, bytes(state)) == ("x", 50, blob)
+        assert sample(p0, "gossipgrad_relay_forwarded_bytes_total", {"attached": "x"}) > len(blob)
+        assert sample(j, "gossipgrad_relayed_bytes_total", {"relay": "p0"}) > len(blob)
+    finally:
+        close_started(mark)
+        for lis in nowhere:
+            lis.close()
+
+
+def test_a_relay_is_no_way_around_the_targets_admission_nor_its_own_bounds(certs) -> None:
+    """Through p0, evil (a member) may reach x, but x's own server checks evil's
+    certificate against the sender it claims, end to end; the relay refuses a sender that is
+    not the caller's certificate, a target not attached to it, and a caller's tunnels
+    beyond MAX_TUNNELS_PER_CALLER."""
+    p0 = start_peer("p0", [], 1, tls(certs, "p0"))
+    lis = CountingListener()
+    opened: list = []
+    hold = threading.Event()
+    dialer = None
+    try:
+        x = start_peer("x", [p0.address], 3, {**tls(certs, "x"), "peer.advertise": lis.address})
+        assert outbound_only(x) == "p0"
+        sec = security(certs, "evil")
+        options = TransportOptions(retries=0)
+        relay = PeerClient(p0.address, options, sec, peer="p0")
+        opened.append(relay)
+
+        def opening(sender: str, target: str) -> Iterator[bytes]:
+            yield open_frame(pb.RelayOpen(swarm="gossipgrad", sender=sender, target=target))
+            hold.wait(30)
+
+        def refused(sender: str, target: str) -> grpc.StatusCode:
+            with pytest.raises(grpc.RpcError) as info:
+                list(relay.relay_stream(protocol.RELAY, opening(sender, target)))
+            return info.value.code()
+
+        assert refused("evil", "nobody") == grpc.StatusCode.NOT_FOUND
+        assert refused("p1", "x") == grpc.StatusCode.PERMISSION_DENIED
+        # A whole gRPC connection to x through the relay, TLS pinned to x's name.
+        dialer = RelayDialer(
+            lambda target: pb.RelayOpen(swarm="gossipgrad", sender="evil", target=target),
+            lambda target: ("p0", lambda frames: relay.relay_stream(protocol.RELAY, frames)),
+        )
+        with PeerClient(dialer.endpoint("x"), options, sec, peer="x") as to_x:
+            honest = pb.PeerInfo(id="evil", address="127.0.0.1:1", incarnation=1)
+            reply = to_x.heartbeat(pb.HeartbeatRequest(swarm="gossipgrad", sender=honest))
+            assert reply.responder.id == "x"
+            forged = pb.PeerInfo(id="p1", address="127.0.0.1:1", incarnation=1)
+            with pytest.raises(TransportError) as info:
+                to_x.heartbeat(pb.HeartbeatRequest(swarm="gossipgrad", sender=forged))
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # Tunnels held open (each waits for its first bytes) up to the cap, then refused.
+        wait_for(lambda: not p0.relays.tunnels().get("evil"), 10, "evil's tunnel to close")
+        for _ in range(MAX_TUNNELS_PER_CALLER):
+            opened.append(relay.relay_stream(protocol.RELAY, opening("evil", "x")))
+        wait_for(lambda: p0.relays.tunnels().get("evil") == MAX_TUNNELS_PER_CALLER, 20, "tunnels")
+        assert refused("evil", "x") == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        hold.set()
+        for call in opened:
+            call.cancel() if hasattr(call, "cancel") else call.close()
+        if dialer is not None:
+            dialer.close()
+        lis.close()
+
+
+# --- real processes: the relay SIGKILLed mid-run ---------------------------------------------
+
+
+def closed_port() -> str:
+    """A 127.0.0.1 address where nothing listens: a port bound, then closed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_killed_relay_is_replaced_and_the_swarm_ends_in_consensus(tmp_path: Path) -> None:
+    """peer2 and peer3 (neighbours on the ring) cannot be dialled; the relay they use is
+    SIGKILLed mid-run. Both are called through the other reachable peer within a few
+    heartbeat intervals, the three survivors finish, no exchange between them was mixed at
+    one end only, and they end together (the bound of the all-reachable swarm test)."""
+    advertised = {2: closed_port(), 3: closed_port()}
+    interval = float(BASE["membership.heartbeat_interval"])
+    swarm = LocalSwarm(
+        tmp_path / "swarm",
+        4,
+        {**BASE, "train.steps": "500", "checkpoint.every": "0"},
+        peer_overrides=lambda i: {"peer.advertise": advertised[i]} if i in advertised else {},
+    )
+    try:
+        swarm.start()
+
+        def relays() -> dict[int, str]:
+            out = {}
+            for i in advertised:
+                status = read_record(swarm.peer_dir(i) / "status.json", PeerStatus)
+                out[i] = status.relay if status is not None and status.relay else ""
+            return out
+
+        wait_for(lambda: all(relays().values()) and swarm.status(2).step >= 100, 150, "relays")
+        first = relays()
+        victim = int(first[2].removeprefix("peer"))
+        assert victim in (0, 1), first
+        swarm.kill(victim)
+        killed_at = time.monotonic()
+        other = f"peer{1 - victim}"
+        # Every peer that used the victim moves to the other reachable peer.
+        moved = {i for i, r in first.items() if r == first[2]}
+        wait_for(lambda: all(relays()[i] == other for i in moved), 30, "the new relay")
+        took = time.monotonic() - killed_at
+        print(f"relay replaced {took:.2f}s after the kill ({took / interval:.1f} intervals)")
+        # The Attach call breaks at the kill; the status file is rewritten every 0.5 s.
+        assert took < 5 * interval + 1.0
+        assert swarm.wait(300), "swarm did not finish"
+        survivors = [i for i in range(4) if i != victim]
+        assert swarm.failed() == [victim]
+        summaries = {
+            i: read_record(swarm.peer_dir(i) / "summary.json", PeerSummary) for i in survivors
+        }
+        for i, s in summaries.items():
+            assert s is not None and s.steps == 500, i
+        # Every edge among the survivors that both still counted at the end (a peer that
+        # finished first left: the other counts it under "(departed)"): both ends mixed the
+        # same exchanges.
+        mixed = 0
+        for i in survivors:
+            for j in survivors:
+                mine = summaries[i].exchanges.get(f"peer{j}")
+                theirs = summaries[j].exchanges.get(f"peer{i}")
+                if i < j and mine is not None and theirs is not None:
+                    assert mine == theirs, (i, j)
+                    mixed += mine
+        # The two unreachable ones mixed with each other (the one that finished first left:
+        # the other counts it under "(departed)").
+        assert max(summaries[2].exchanges.get("peer3", 0), summaries[3].exchanges.get("peer2", 0))
+        cd = consensus_distance([swarm.peer_dir(i) / "params.pt" for i in survivors])
+        assert cd is not None
+        print(f"relative consensus distance of the survivors {cd[1]:.3e}")
+        assert cd[1] < 1e-3
+        # Both relays forwarded; the attached peers' status names the one they ended on.
+        log = (swarm.out / f"peer{1 - victim}.log").read_text()
+        assert "relaying for peer2" in log and "relaying for peer3" in log
+    finally:
+        swarm.stop(timeout=10)
