@@ -17,6 +17,7 @@ class UpdateKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINAL: _ClassVar[UpdateKind]
     BUFFERS: _ClassVar[UpdateKind]
     SHARED: _ClassVar[UpdateKind]
+    ANCHOR: _ClassVar[UpdateKind]
 UPDATE_KIND_UNSPECIFIED: UpdateKind
 DELTA: UpdateKind
 RESYNC: UpdateKind
@@ -25,6 +26,7 @@ INIT: UpdateKind
 FINAL: UpdateKind
 BUFFERS: UpdateKind
 SHARED: UpdateKind
+ANCHOR: UpdateKind
 
 class UpdateHeader(_message.Message):
     __slots__ = ("swarm", "sender", "receiver", "seq", "round", "kind", "checksum", "payload_size", "model_fingerprint", "dense_size", "edge_epoch", "weight", "dropped_epoch", "origin")

@@ -139,6 +139,14 @@ class PhaseStore:
                 del self._closed[p]
             return [held[o] for o in sorted(held)]
 
+    def advance(self, first_open: int) -> None:
+        """Phases before ``first_open`` count as closed, their messages dropped (a replica
+        that took another peer's anchor of that phase); later ones stay."""
+        with self._lock:
+            for p in [p for p in self._phases if p < first_open]:
+                del self._phases[p]
+            self._first_open = max(self._first_open, first_open)
+
     def reset(self, first_open: int) -> None:
         """Drop everything; phases before ``first_open`` count as closed (a resumed state)."""
         with self._lock:

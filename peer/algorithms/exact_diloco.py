@@ -31,9 +31,23 @@ r:
 
 A message the tree did not bring (views that differ for a moment, a forwarder that died) is
 asked for from the graph neighbours a while into the wait. Under churn a phase still closes
-with what arrived by the deadline: a message that reached only part of the swarm by then
-leaves the replicas that missed it different from then on (counted as mismatches; resyncing
-them is not built yet).
+with what arrived by the deadline, and a replica can end a phase apart from the others (it
+missed a message that the rest applied, or it restarted from an older checkpoint). The
+checksums bring it back:
+
+* a peer whose phase's messages show that most origins (ties: the smallest origin's group)
+  started the phase from another anchor asks that group's smallest origin for its anchor of
+  the next phase (an empty ANCHOR update; answered once the asked peer has reached that
+  phase), waits for it at its next phase end (at most ``round_timeout``) and takes it, the
+  steps since the phase began kept on top (θ += a' − a);
+* a peer phases behind (its message is answered late by a peer two phases or more past it,
+  or a message comes from four or more phases ahead) asks the same, stops waiting for its
+  stale phase once an anchor of a later phase is here, puts its own late message back into
+  its residual, and starts the swarm's phase from that anchor.
+
+A replica is therefore apart for at most a phase or two (tested: a peer killed and restarted
+from its checkpoint 30 phases behind). The outer momentum of a peer that took an anchor
+restarts at 0.
 """
 
 from __future__ import annotations
@@ -42,6 +56,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -69,6 +84,16 @@ PUSH_TRIES = 3
 _NAME = "pseudo_gradient"
 
 
+@dataclass(frozen=True)
+class _Anchor:
+    """An anchor another peer sent (whole): the one it starts ``phase`` from."""
+
+    phase: int
+    anchor: torch.Tensor
+    checksum: int
+    sender: str
+
+
 class ExactDiLoCo(GossipAlgorithm):
     """Exact-aggregation DiLoCo for one peer (module docstring).
 
@@ -84,7 +109,7 @@ class ExactDiLoCo(GossipAlgorithm):
     """
 
     name = "exact-diloco"
-    kinds = (pb.SHARED,)
+    kinds = (pb.SHARED, pb.ANCHOR)
 
     def __init__(
         self,
@@ -101,6 +126,7 @@ class ExactDiLoCo(GossipAlgorithm):
         self.outer = outer
         self.round_timeout = round_timeout
         self.codec = from_spec(codec)
+        self.dense = from_spec("none")  # an anchor sent whole, to a peer that resyncs
         # collaborators
         self.flat = flat
         self.nb = neighbourhood
@@ -114,6 +140,11 @@ class ExactDiLoCo(GossipAlgorithm):
         self._phase = 0
         self._checksum = tensor_checksum(self.anchor)
         self._finished = False
+        self._resync: _Anchor | None = None  # an anchor received, adopted at a phase's end
+        self._resync_lock = threading.Lock()
+        self._asked_anchor = -1  # the latest phase whose anchor this peer asked for
+        self._awaited: str | None = None  # the peer asked, until its anchor came
+        self._anchor_requests: list[tuple[str, int]] = []  # (peer, phase) to answer later
         # statistics
         self.checksums: OrderedDict[int, int] = OrderedDict({0: self._checksum})
         self.mismatches = 0  # messages whose origin's anchor differed from ours
@@ -122,6 +153,7 @@ class ExactDiLoCo(GossipAlgorithm):
         self.asked = 0  # messages asked for (a phase's wait found them missing)
         self.forwarded = 0  # messages handed to the push lanes (own ones included)
         self.last_applied: list[str] = []  # the origins of the latest phase's mean
+        self.resyncs = 0  # anchors adopted from another peer
 
     @property
     def round(self) -> int:
@@ -176,6 +208,10 @@ class ExactDiLoCo(GossipAlgorithm):
             if reply.status not in (pb.PushReply.ACCEPTED, pb.PushReply.DUPLICATE):
                 log.info("%s did not take %s's phase %d: %s", peer, message.origin,
                          message.phase, reply.detail)  # fmt: skip
+            elif reply.detail == Offer.LATE.value and reply.expected_seq > message.phase + 1:
+                # The peer is two phases or more past the one of this message: so is the
+                # swarm (this peer restarted from an older state, or was cut off).
+                self._ask_anchor(peer, reply.expected_seq)
             return
 
     def _ask(self, phase: int, missing: list[str]) -> None:
@@ -194,10 +230,142 @@ class ExactDiLoCo(GossipAlgorithm):
             self.nb.submit_in_order(header.sender, self._push, header.sender, found)
         return pb.PushReply(status=pb.PushReply.ACCEPTED, detail="want")
 
+    # ------------------------------------------------------------------ resyncing a replica
+
+    def _ask_anchor(self, peer: str, phase: int) -> None:
+        """Ask ``peer`` for the anchor it starts ``phase`` from (an empty ANCHOR update), once
+        per phase: this replica differs from the swarm's, or the swarm is phases ahead. The
+        next phase end waits for it (at most ``round_timeout``) and takes it."""
+        if peer == self.nb.me:
+            return
+        with self._resync_lock:
+            if self._asked_anchor >= phase:
+                return
+            self._asked_anchor = phase
+            self._awaited = peer
+        log.warning("this replica is not the swarm's; asking %s for its anchor of phase %d",
+                    peer, phase)  # fmt: skip
+        header = self.nb.header(peer, pb.ANCHOR, b"", round=phase, dense_size=0)
+        self.nb.submit_in_order(peer, self._push_anchor, peer, header, b"")
+
+    def _answer_anchors(self) -> None:
+        """Answer the requests for an anchor of a phase this peer has now reached."""
+        with self._resync_lock:
+            due = [(p, ph) for p, ph in self._anchor_requests if ph <= self._phase]
+            self._anchor_requests = [r for r in self._anchor_requests if r not in due]
+        for peer, _ in due:
+            self.nb.submit_in_order(peer, self._send_anchor, peer)
+
+    def _await_anchor(self) -> None:
+        """An anchor was asked for: wait for it (at most ``round_timeout``)."""
+        with self._resync_lock:
+            peer = self._awaited
+        if peer is None:
+            return
+        self.nb.wait(
+            lambda: [] if self._awaited is None else [peer], self.round_timeout, "an anchor"
+        )
+        with self._resync_lock:
+            self._awaited = None
+
+    def _send_anchor(self, peer: str) -> None:
+        """Answer a peer that asked: this peer's anchor, whole, and the phase it starts."""
+        with torch.no_grad(), self.state_lock:
+            data = self.dense.encode(self.anchor)
+            phase, checksum = self._phase, self._checksum
+        header = self.nb.header(peer, pb.ANCHOR, data, round=phase, checksum=checksum, dense_size=0)
+        self._push_anchor(peer, header, data)
+
+    def _push_anchor(self, peer: str, header: pb.UpdateHeader, data: bytes) -> None:
+        if not self.nb.view.is_alive(peer):
+            return
+        try:
+            self.nb.push(peer, header, data)
+        except Exception as err:
+            log.info("anchor push to %s failed: %s", peer, err)
+
+    def _take_anchor(self, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
+        """An ANCHOR update: a request (empty: send ours) or an anchor to adopt at the next
+        phase end (kept if it is the newest phase offered and its checksum holds)."""
+        if header.payload_size == 0:  # answered once this peer has reached that phase
+            with self._resync_lock:
+                self._anchor_requests.append((header.sender, header.round))
+            self._answer_anchors()
+            return pb.PushReply(status=pb.PushReply.ACCEPTED, detail="anchor wanted")
+        anchor = torch.zeros_like(self.anchor)
+        try:
+            self.dense.decode_add_(bytes(payload), anchor)
+        except (DecodeError, ValueError, RuntimeError) as err:
+            raise UpdateRejected(
+                grpc.StatusCode.INVALID_ARGUMENT, "decode_error", f"anchor: {err}"
+            ) from None
+        if tensor_checksum(anchor) != header.checksum:
+            raise UpdateRejected(
+                grpc.StatusCode.INVALID_ARGUMENT, "malformed", "anchor checksum mismatch"
+            )
+        with self._resync_lock:
+            if self._resync is None or header.round > self._resync.phase:
+                self._resync = _Anchor(header.round, anchor, header.checksum, header.sender)
+            if self._awaited == header.sender:
+                self._awaited = None
+        self.nb.heard(header.sender)
+        return pb.PushReply(status=pb.PushReply.ACCEPTED, detail="anchor")
+
+    def _resync_ahead(self, phase: int) -> bool:
+        """An anchor of a later phase than ``phase`` is here: this peer is behind."""
+        with self._resync_lock:
+            return self._resync is not None and self._resync.phase > phase
+
+    def _adopt(self, keep_progress: bool) -> bool:
+        """Take the anchor received, if it starts this phase or a later one: the anchor, its
+        phase and checksum become this peer's (the outer momentum restarts at 0); with
+        ``keep_progress`` the parameters keep the steps taken since the phase began on top
+        of it (θ += a' − a), else they start from it."""
+        with self._resync_lock:
+            got, self._resync = self._resync, None
+        if got is None or got.phase < self._phase:
+            return False
+        with torch.no_grad(), self.state_lock:
+            if keep_progress:
+                self.flat.data.add_(got.anchor).sub_(self.anchor)
+            else:
+                self.flat.data.copy_(got.anchor)
+            self.anchor.copy_(got.anchor)
+            if self.momentum is not None:
+                self.momentum.zero_()
+            self._phase, self._checksum = got.phase, got.checksum
+        self.store.advance(got.phase)
+        self._remember(got.phase, got.checksum)
+        self.resyncs += 1
+        if self.metrics is not None:
+            self.metrics.record_resync(got.sender)
+        log.warning("took %s's anchor: phase %d, %016x", got.sender, got.phase, got.checksum)
+        self._answer_anchors()
+        return True
+
+    def _reference(self, messages: list[Message], started: int) -> Message | None:
+        """The message whose origin holds the swarm's replica at this phase: of the
+        checksum most origins share (ties: the one the smallest origin has), the smallest
+        origin's message; None if this peer started the phase from that replica
+        (``started``: its checksum)."""
+        groups: dict[int, list[str]] = {}
+        for m in messages:
+            groups.setdefault(m.checksum, []).append(m.origin)
+        best = min(groups, key=lambda c: (-len(groups[c]), min(groups[c])))
+        if best == started:
+            return None
+        first = min(groups[best])
+        return next(m for m in messages if m.origin == first)
+
+    # ------------------------------------------------------------------ receiving
+
     def handle_update(self, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
         """Take one message (a server thread): store it if new, forward it down its tree; an
-        empty one asks for a message (rule 3 of dissemination.py)."""
+        empty one asks for a message (rule 3 of dissemination.py); an ANCHOR asks for or
+        brings an anchor (a replica that resyncs)."""
         self.nb.check(header, self.kinds)
+        if header.kind == pb.ANCHOR:
+            return self._take_anchor(header, payload)
         if header.payload_size == 0:
             return self._answer(header)
         data = bytes(payload)
@@ -216,6 +384,7 @@ class ExactDiLoCo(GossipAlgorithm):
         message = Message(header.origin, header.round, data, header.checksum)
         offer = self.store.offer(message, set(self.nb.view.present_ids()) | {self.nb.me})
         if offer is Offer.EARLY:
+            self._ask_anchor(header.sender, message.phase)  # we are phases behind
             raise UpdateRejected(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "stale",
@@ -236,7 +405,10 @@ class ExactDiLoCo(GossipAlgorithm):
             return pb.PushReply(status=pb.PushReply.ACCEPTED, detail="shared")
         if offer is Offer.LATE:
             self.late += 1
-        return pb.PushReply(status=pb.PushReply.DUPLICATE, detail=offer.value)
+        # expected_seq: the oldest phase still open here (a sender far behind it resyncs).
+        return pb.PushReply(
+            status=pb.PushReply.DUPLICATE, detail=offer.value, expected_seq=self.store.first_open
+        )
 
     # ------------------------------------------------------------------ a phase's end
 
@@ -251,6 +423,8 @@ class ExactDiLoCo(GossipAlgorithm):
     def _phase_end(self) -> RoundStats:
         """Steps 1-5 of the module docstring."""
         t0 = time.perf_counter()
+        self._await_anchor()
+        self._adopt(keep_progress=True)  # an anchor received during the phase
         phase = self._phase
         with torch.no_grad(), self.state_lock:
             payload = self._compress()
@@ -260,6 +434,8 @@ class ExactDiLoCo(GossipAlgorithm):
         ids = self.nb.ids()
 
         def missing() -> list[str]:
+            if self._resync_ahead(phase):
+                return []  # the swarm is past this phase: nothing more will come for it
             return [p for p in self.nb.ids() if p not in self.store.holds(phase)]
 
         next_ask = time.monotonic() + self._ask_after()
@@ -272,9 +448,12 @@ class ExactDiLoCo(GossipAlgorithm):
                 next_ask = time.monotonic() + self._ask_after()
 
         waited = self.nb.wait(missing, self.round_timeout, f"phase {phase}", on_wake=repair)
+        if self._resync_ahead(phase):
+            return self._skip_to_swarm(phase, payload, waited, t0)
         messages = self.store.close(phase)
         self.last_applied = [m.origin for m in messages]
-        mismatched = [m.origin for m in messages if m.checksum != self._checksum]
+        started = self._checksum  # the anchor this phase started from
+        mismatched = [m.origin for m in messages if m.checksum != started]
         step = Average(self.codec, tuple((m.payload, 1.0 / len(messages)) for m in messages))
         with torch.no_grad(), self.state_lock:
             outer_step(self.anchor, step, self.momentum, self.outer)
@@ -282,10 +461,14 @@ class ExactDiLoCo(GossipAlgorithm):
             self._checksum = tensor_checksum(self.anchor)
         self._phase += 1
         self._remember(self._phase, self._checksum)
+        self._answer_anchors()
         if mismatched:
             self.mismatches += len(mismatched)
             log.warning("phase %d: the replicas of %s started it from another anchor",
                         phase, mismatched)  # fmt: skip
+            reference = self._reference(messages, started)
+            if reference is not None:
+                self._ask_anchor(reference.origin, self._phase)
         stats = RoundStats(
             round=phase,
             neighbors=ids,
@@ -304,11 +487,31 @@ class ExactDiLoCo(GossipAlgorithm):
                 self.metrics.record_anchor_mismatches(len(mismatched))
         return stats
 
+    def _skip_to_swarm(self, phase: int, payload: bytes, waited: float, t0: float) -> RoundStats:
+        """The swarm is past ``phase`` (an anchor of a later one came): its own message was
+        late everywhere, so what it carried goes back into the residual (sent later), and
+        the peer takes the anchor, the parameters starting from it."""
+        if self.feedback is not None and _NAME in self.feedback.names():
+            with torch.no_grad():
+                self.codec.decode_add_(payload, self.feedback.residual(_NAME))
+        self.store.close(phase)
+        self._adopt(keep_progress=False)
+        if self.metrics is not None:
+            self.metrics.observe_round(time.perf_counter() - t0)
+        return RoundStats(
+            round=phase,
+            neighbors=self.nb.ids(),
+            mixed=[],
+            pushed=[],
+            waited_s=waited,
+            anchor_checksum=f"{self._checksum:016x}",
+        )
+
     def _ask_after(self) -> float:
         """Seconds into a phase's wait before missing messages are asked for, and between
         asks: a few round trips, at most a quarter of the wait."""
         trip = self.nb.round_trip() or 0.05
-        return min(self.round_timeout / 4, max(0.2, 8 * trip))
+        return min(self.round_timeout / 4, max(1.0, 8 * trip))
 
     def _compress(self) -> bytes:
         """Step 1: c = Q(e + a − θ), with no model-sized a − θ where error feedback is on."""

@@ -34,7 +34,7 @@ MAX_LANE = 8
 ROUND_TRIPS = 32
 
 #: The byte counters' ``kind`` label of an update kind (every other kind counts as "update").
-KIND_LABEL = {pb.RESYNC: "resync", pb.INIT: "resync", pb.BUFFERS: "buffers"}
+KIND_LABEL = {pb.RESYNC: "resync", pb.INIT: "resync", pb.ANCHOR: "resync", pb.BUFFERS: "buffers"}
 
 
 class MembershipView(Protocol):
