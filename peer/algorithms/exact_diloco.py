@@ -144,7 +144,8 @@ class ExactDiLoCo(GossipAlgorithm):
         self._resync_lock = threading.Lock()
         self._asked_anchor = -1  # the latest phase whose anchor this peer asked for
         self._awaited: str | None = None  # the peer asked, until its anchor came
-        self._anchor_requests: list[tuple[str, int]] = []  # (peer, phase) to answer later
+        # peer -> the phase whose anchor it asked for, answered once reached (one per peer)
+        self._anchor_requests: dict[str, int] = {}
         # statistics
         self.checksums: OrderedDict[int, int] = OrderedDict({0: self._checksum})
         self.mismatches = 0  # messages whose origin's anchor differed from ours
@@ -251,9 +252,10 @@ class ExactDiLoCo(GossipAlgorithm):
     def _answer_anchors(self) -> None:
         """Answer the requests for an anchor of a phase this peer has now reached."""
         with self._resync_lock:
-            due = [(p, ph) for p, ph in self._anchor_requests if ph <= self._phase]
-            self._anchor_requests = [r for r in self._anchor_requests if r not in due]
-        for peer, _ in due:
+            due = [p for p, ph in self._anchor_requests.items() if ph <= self._phase]
+            for p in due:
+                del self._anchor_requests[p]
+        for peer in due:
             self.nb.submit_in_order(peer, self._send_anchor, peer)
 
     def _await_anchor(self) -> None:
@@ -289,7 +291,7 @@ class ExactDiLoCo(GossipAlgorithm):
         phase end (kept if it is the newest phase offered and its checksum holds)."""
         if header.payload_size == 0:  # answered once this peer has reached that phase
             with self._resync_lock:
-                self._anchor_requests.append((header.sender, header.round))
+                self._anchor_requests[header.sender] = header.round
             self._answer_anchors()
             return pb.PushReply(status=pb.PushReply.ACCEPTED, detail="anchor wanted")
         anchor = torch.zeros_like(self.anchor)

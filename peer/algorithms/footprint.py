@@ -12,6 +12,10 @@ size relative to the model (1 for ``gossip.copy_dtype = "float32"``, 1/2 for flo
   with ``outer_momentum > 0``) + 2 d c M (the anchors' CHOCO copies) + M (the parameters at
   the phase's end, only with ``background_rounds``). The neighbours' pseudo-gradients stay
   compressed until they are decoded into the anchor.
+* exact-diloco: M (the anchor, alike at every peer) + M (the residual; none without error
+  feedback) + M (the outer momentum, only with ``outer_momentum > 0``); no copies. The
+  messages it holds stay compressed: at most (4 open + 2 kept closed phases) × n of them
+  (peer/algorithms/dissemination.py), a dense anchor while one is taken or sent (2 M).
 * ef-gradient: M (residual) + M (DGC velocity, only with ``ef_momentum > 0``) + M (the dense
   average written into the gradients) + 2 d c M (the consensus copies).
 
@@ -47,6 +51,8 @@ def gossip_state_bytes(g: GossipSection, degree: int, model_bytes: int) -> int:
     if g.algorithm == "choco":
         return copies
     residual = model_bytes if g.error_feedback else 0
+    if g.algorithm == "exact-diloco":
+        return model_bytes + residual + (model_bytes if g.outer_momentum > 0 else 0)
     if g.algorithm == "diloco":
         momentum = model_bytes if g.outer_momentum > 0 else 0
         phase_end = model_bytes if g.background_rounds else 0

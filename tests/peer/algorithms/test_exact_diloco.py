@@ -23,6 +23,8 @@ from gossipgrad.peer.algorithms.dissemination import (
     PhaseStore,
     spanning_children,
 )
+from gossipgrad.peer.algorithms.footprint import gossip_state_bytes
+from gossipgrad.peer.config import build_config
 from gossipgrad.peer.flat import tensor_checksum
 from gossipgrad.peer.membership.topology import topology_from_name
 from gossipgrad.peer.runtime.optimizer import GossipOptimizer
@@ -242,6 +244,21 @@ def test_a_replica_that_differs_takes_the_swarms_anchor_and_reconverges() -> Non
         for a in algos:
             assert torch.equal(a.anchor, algos[0].anchor)
         assert len({a.anchor_checksums()[a.round] for a in algos}) == 1
+    finally:
+        for o in opts:
+            o.close()
+
+
+def test_footprint_is_anchor_and_residual() -> None:
+    g = build_config({}, {"gossip.algorithm": "exact-diloco"}).gossip
+    assert gossip_state_bytes(g, degree=6, model_bytes=1000) == 2000  # no copies per edge
+    opts = start_optimizers(2, algorithm="exact-diloco", local_steps=1)
+    try:
+        step_all(opts, [o.flat.data + 0.1 for o in opts])
+        a = opts[0].algorithm
+        kept = [a.anchor, a.residual]
+        assert sum(t.numel() * t.element_size() for t in kept) == 2 * opts[0].flat.nbytes
+        assert a.momentum is None
     finally:
         for o in opts:
             o.close()
