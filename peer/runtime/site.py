@@ -126,6 +126,8 @@ class _FollowerPeer:
         self.address = ""
         self.metrics_port = 0
         self.membership = None
+        #: Only the leader talks to the swarm, through a relay or not.
+        self.relay = ""
 
     def update_progress(self, step: int, round_: int) -> None:
         pass
