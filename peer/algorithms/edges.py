@@ -46,6 +46,7 @@ acknowledged, so one that crosses the FINAL is mixed at both ends or at none.
 from __future__ import annotations
 
 import enum
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -282,17 +283,18 @@ class Edge:
         if update.kind is Kind.INIT:
             c.initial.copy_to(self.mirror)
         elif update.kind is Kind.RESYNC:
-            dense = c.dense.decode(update.payload, max_numel=self.mirror.numel())
-            if dense.shape != self.mirror.shape:
+            shape, dtype = c.dense.inspect(update.payload, max_numel=self.mirror.numel())
+            if shape != tuple(self.mirror.shape):
                 raise DecodeError(
-                    f"resync of {dense.numel()} values, expected {self.mirror.numel()}"
+                    f"resync of {math.prod(shape)} values, expected {self.mirror.numel()}"
                 )
-            if dense.dtype != self.mirror.dtype:
+            if dtype != self.mirror.dtype:
                 raise DecodeError(
-                    f"resync of {dense.dtype} copies, ours are {self.mirror.dtype}: "
+                    f"resync of {dtype} copies, ours are {self.mirror.dtype}: "
                     "gossip.copy_dtype must be the same at every peer"
                 )
-            self.mirror.copy_(dense)
+            # Straight into the mirror: no model-sized decoded copy beside the payload.
+            c.dense.decode(update.payload, out=self.mirror)
         else:
             c.codec.decode_add_(update.payload, self.mirror, cast=True)
         return self.finish(update)
