@@ -143,26 +143,30 @@ class HeartbeatReply(_message.Message):
     def __init__(self, responder: _Optional[_Union[PeerInfo, _Mapping]] = ..., known: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., view_digest: _Optional[int] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("swarm", "requester")
+    __slots__ = ("swarm", "requester", "state_format")
     SWARM_FIELD_NUMBER: _ClassVar[int]
     REQUESTER_FIELD_NUMBER: _ClassVar[int]
+    STATE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     swarm: str
     requester: str
-    def __init__(self, swarm: _Optional[str] = ..., requester: _Optional[str] = ...) -> None: ...
+    state_format: int
+    def __init__(self, swarm: _Optional[str] = ..., requester: _Optional[str] = ..., state_format: _Optional[int] = ...) -> None: ...
 
 class StateHeader(_message.Message):
-    __slots__ = ("sender", "step", "round", "payload_size", "model_fingerprint")
+    __slots__ = ("sender", "step", "round", "payload_size", "model_fingerprint", "state_format")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     sender: str
     step: int
     round: int
     payload_size: int
     model_fingerprint: str
-    def __init__(self, sender: _Optional[str] = ..., step: _Optional[int] = ..., round: _Optional[int] = ..., payload_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    state_format: int
+    def __init__(self, sender: _Optional[str] = ..., step: _Optional[int] = ..., round: _Optional[int] = ..., payload_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., state_format: _Optional[int] = ...) -> None: ...
 
 class StateChunk(_message.Message):
     __slots__ = ("header", "data")

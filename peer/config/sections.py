@@ -285,15 +285,16 @@ class TransportSection(Section):
     state_timeout: float = Field(
         120.0,
         gt=0,
-        description="Deadline of one state download from one donor, seconds; allow at least "
-        "the state's size over the donors' state_rate_bytes.",
+        description="Deadline of one state download from one donor, seconds, plus the "
+        "state's declared size over min_rate_bytes (or over state_rate_bytes where that is "
+        "slower): a download's deadline grows with what it carries.",
     )
     max_state_downloads: int = Field(
         2,
         ge=1,
-        description="State downloads this peer serves at once (each holds a serialised copy "
-        "of model and optimizer state); a joiner asking while all are taken is told the "
-        "donor is busy and asks another.",
+        description="State downloads this peer serves at once (they send from one snapshot "
+        "of model and optimizer state, taken once per step); a joiner asking while all are "
+        "taken is told the donor is busy and asks another.",
     )
     state_rate_bytes: float = Field(
         0.0,

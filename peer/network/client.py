@@ -230,29 +230,72 @@ class PeerClient:
         return reply
 
     def download_state(
-        self, request: pb.StateRequest, timeout: float | None = None
-    ) -> tuple[pb.StateHeader, bytearray]:
-        """Download the peer's state: its StateHeader and the blob (a ``bytearray``)."""
+        self,
+        request: pb.StateRequest,
+        timeout: float | None = None,
+        sink: Callable[[pb.StateHeader], framing.PayloadWriter | None] | None = None,
+    ) -> tuple[pb.StateHeader, Any]:
+        """Download the peer's state: its StateHeader and the blob (a ``bytearray``), or
+        what ``sink(header)`` returned, having been written every data chunk as it came (a
+        state read into tensors as it arrives; a sink that returns None: the blob).
+
+        The download may take ``timeout`` (default ``state_timeout``) plus the time its
+        declared size needs at the slowest rate expected (:meth:`TransportOptions.
+        state_deadline`): a state of many GB over a slow link is not cut off by a deadline
+        sized for small ones, and one that stalls is cut off once that time has passed.
+        """
+        fixed = timeout if timeout is not None else self.options.state_timeout
         result, _ = self._with_retries(
             protocol.STATE,
-            timeout if timeout is not None else self.options.state_timeout,
-            lambda remaining: self._download_once(request, remaining),
+            self.options.state_deadline(self.options.max_state_bytes, fixed),
+            lambda remaining: self._download_once(request, remaining, fixed, sink),
         )
         return result
 
     def _download_once(
-        self, request: pb.StateRequest, remaining: float
-    ) -> tuple[pb.StateHeader, bytearray]:
+        self,
+        request: pb.StateRequest,
+        remaining: float,
+        fixed: float,
+        sink: Callable[[pb.StateHeader], framing.PayloadWriter | None] | None,
+    ) -> tuple[pb.StateHeader, Any]:
+        started = time.monotonic()
         call = self._state(request, timeout=remaining, metadata=self._metadata)
+        timer: threading.Timer | None = None
+        cut = threading.Event()  # set when the timer cancels the call
         try:
             header = framing.read_header(call, STATE_CODEC)
-            blob, data_wire = framing.receive_payload(
-                call, header.payload_size, self.options.max_state_bytes, what="state"
+            size, limit = header.payload_size, self.options.max_state_bytes
+            # From here the call has what its declared size needs (checked against the cap
+            # before any byte is written), not the bound of the largest state accepted.
+            allowed = self.options.state_deadline(min(size, limit), fixed)
+            timer = threading.Timer(
+                max(0.0, allowed - (time.monotonic() - started)), _cut, (call, cut)
             )
+            timer.daemon = True
+            timer.start()
+            writer = sink(header) if sink is not None else None
+            if writer is None:
+                blob, data_wire = framing.receive_payload(call, size, limit, what="state")
+            else:
+                data_wire = framing.receive_into(call, size, limit, writer.write, what="state")
+                blob = writer
         except framing.FrameError as err:
             call.cancel()
             code = err.code(malformed=grpc.StatusCode.DATA_LOSS)
             raise TransportError(code, err.reason, err.why) from None
+        except grpc.RpcError:
+            if cut.is_set():  # cancelled by the deadline its size allowed
+                raise TransportError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    "",
+                    f"state of {header.payload_size} bytes not downloaded in "
+                    f"{time.monotonic() - started:.0f}s",
+                ) from None
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
         head_wire = len(STATE_CODEC.header_bytes(header)) + framing.GRPC_FRAME_OVERHEAD
         self.last_state_wire_bytes = head_wire + data_wire
         return header, blob
@@ -402,3 +445,9 @@ def _with_payload_size(header: pb.UpdateHeader, size: int) -> pb.UpdateHeader:
     filled.CopyFrom(header)
     filled.payload_size = size
     return filled
+
+
+def _cut(call: grpc.Call, cut: threading.Event) -> None:
+    """Cancel a call at the deadline its size allowed (``cut`` tells the reader why)."""
+    cut.set()
+    call.cancel()

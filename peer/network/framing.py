@@ -10,12 +10,14 @@ and both directions use the same three pieces:
    ...}`` (tag byte 0x12, varint length, bytes), which any protobuf implementation reads;
    any other encoding a foreign sender produces falls back to the protobuf parser.
 2. :func:`frames`, the sending side: the header chunk, then ``chunk_size`` slices of the
-   payload, each counted in a :class:`WireTally`.
+   payload, each counted in a :class:`WireTally`; a payload produced as it is sent
+   (:class:`StreamedPayload`, a state read off its tensors) is sliced by :func:`rechunk`.
 3. :func:`read_header` and :func:`receive_payload`, the receiving side: the first chunk must
    be the header; its declared size is checked against the receiver's cap *before* a buffer
    is allocated, the buffer grows with the bytes that arrive (a declared size alone pins at
    most :data:`EAGER_BYTES`), and the running total is checked against the declared size on
-   every chunk.
+   every chunk. :func:`receive_into` makes the same checks and hands each chunk to a writer
+   instead of a buffer (a state read into its tensors as it arrives).
 
 Receive-side problems raise :class:`FrameError` with a reject reason (``malformed`` or
 ``too_large``); each end maps it to its own status.
@@ -24,8 +26,8 @@ Receive-side problems raise :class:`FrameError` with a reject reason (``malforme
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -165,6 +167,46 @@ def frames(
         yield piece
 
 
+@dataclasses.dataclass(frozen=True)
+class StreamedPayload:
+    """A payload of known ``size`` produced piece by piece as it is sent (a state serialized
+    from its tensors), instead of one buffer holding all of it: ``pieces()`` yields views
+    adding up to ``size`` bytes, each valid until the next is asked for."""
+
+    size: int
+    pieces: Callable[[], Iterator[memoryview]]
+
+
+def rechunk(pieces: Iterable[memoryview], chunk_size: int, size: int) -> Iterator[memoryview]:
+    """``pieces`` as ``chunk_size`` slices (the last one shorter): zero-copy views where a
+    slice lies within one piece, else a chunk's worth copied together (small tensors, a
+    piece's end). Raises ValueError if they do not add up to ``size`` bytes (a bug of the
+    producer: the header declared ``size``)."""
+    carry = bytearray()
+    total = 0
+    for piece in pieces:
+        view = as_bytes_view(piece)
+        total += view.nbytes
+        if total > size:
+            raise ValueError(f"payload pieces exceed the declared {size} bytes")
+        if carry:
+            need = chunk_size - len(carry)
+            carry += view[:need]
+            view = view[need:]
+            if len(carry) < chunk_size:
+                continue
+            yield memoryview(carry)
+            carry = bytearray()
+        full = view.nbytes - view.nbytes % chunk_size
+        for offset in range(0, full, chunk_size):
+            yield view[offset : offset + chunk_size]
+        carry += view[full:]
+    if total != size:
+        raise ValueError(f"payload pieces of {total} bytes, declared {size}")
+    if carry:
+        yield memoryview(carry)
+
+
 def as_bytes_view(payload: bytes | bytearray | memoryview) -> memoryview:
     """A flat unsigned-byte view of any bytes-like payload (no copy)."""
     view = memoryview(payload)
@@ -220,6 +262,50 @@ def receive_payload(
     if release is not None:
         release(fill.buf)
     raise FrameError("malformed", why)
+
+
+class PayloadWriter(Protocol):
+    """Where :func:`receive_into` hands a payload's chunks as they arrive."""
+
+    def write(self, part: memoryview) -> str | None:
+        """Take the next bytes (not kept past the call); why they are refused, or None."""
+
+
+def receive_into(
+    chunks: Iterator[Any],
+    size: int,
+    limit: int,
+    write: Callable[[memoryview], str | None],
+    what: str = "payload",
+) -> int:
+    """Hand the data chunks after a header declaring ``size`` bytes, under ``limit``, to
+    ``write`` as they arrive, instead of gathering them in one buffer (e.g. into the tensors
+    of a state as it downloads); ``write`` returns why it refuses the bytes, or None, and
+    keeps no view past its call. The same checks as :func:`receive_payload`: ``size >
+    limit`` refused (``too_large``) before anything is written, a second header, an
+    undecodable chunk or a total past or short of ``size`` refused (``malformed``).
+
+    Returns the wire bytes of the data chunks received.
+    """
+    if size > limit:
+        raise FrameError(
+            "too_large", f"{what} of {size} bytes exceeds the receiver's limit of {limit}"
+        )
+    wire = offset = 0
+    for part in chunks:
+        if not isinstance(part, memoryview):
+            why = part.why if isinstance(part, Malformed) else "second header in stream"
+            raise FrameError("malformed", why)
+        offset += part.nbytes
+        if offset > size:
+            raise FrameError("malformed", f"{what} longer than header.payload_size={size}")
+        why = write(part)
+        if why is not None:
+            raise FrameError("malformed", why)
+        wire += data_chunk_wire_bytes(part.nbytes)
+    if offset != size:
+        raise FrameError("malformed", f"{what} of {offset} bytes, header.payload_size={size}")
+    return wire
 
 
 class _Fill:

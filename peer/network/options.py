@@ -48,7 +48,8 @@ class TransportOptions:
     min_rate_bytes: float = 1e6
     #: Default deadline of a heartbeat, retries included.
     heartbeat_timeout: float = 5.0
-    #: Default deadline of a state download, retries included.
+    #: Deadline of a state download, retries included, plus its size over the slower of
+    #: ``min_rate_bytes`` and ``state_rate_bytes`` (:meth:`state_deadline`).
     state_timeout: float = 600.0
     #: Extra attempts after the first for calls failing with a code in ``retry_codes``.
     #: Every call is safe to retry: heartbeats and downloads are reads, and a receiver
@@ -131,6 +132,17 @@ class TransportOptions:
         payload needs at ``min_rate_bytes``, so a dense resync of a large model over a slow
         link is not cancelled (and sent again, forever) by a deadline sized for sparse ones."""
         return self.push_timeout + payload_bytes / self.min_rate_bytes
+
+    def state_deadline(self, payload_bytes: int, fixed: float | None = None) -> float:
+        """Seconds a state download of ``payload_bytes`` may take: ``fixed`` (default
+        ``state_timeout``) plus the payload's time at ``min_rate_bytes``, or at
+        ``state_rate_bytes`` where donors serve slower than that (a 100M-parameter state with
+        AdamW's moments and a diloco anchor, 1.6 GB, needs 128 s at 100 Mbit/s, past a fixed
+        120 s)."""
+        rate = self.min_rate_bytes
+        if self.state_rate_bytes:
+            rate = min(rate, self.state_rate_bytes)
+        return (self.state_timeout if fixed is None else fixed) + payload_bytes / rate
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1:

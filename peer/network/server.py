@@ -32,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -47,10 +48,11 @@ from gossipgrad.peer.network.deadlines import CallDeadlines, Watch
 from gossipgrad.peer.network.errors import UpdateRejected, abort, malformed
 from gossipgrad.peer.network.framing import (
     FrameError,
+    StreamedPayload,
     as_bytes_view,
-    frames,
     read_header,
     receive_payload,
+    rechunk,
 )
 from gossipgrad.peer.network.malloc import tune_malloc
 from gossipgrad.peer.network.options import TransportOptions, server_channel_args
@@ -467,8 +469,8 @@ class GossipServer:
             ticket = self._admit_sender(
                 context, identity, ticket, request.requester, bulk=True, state=True
             )
-            header, view = self._guarded(protocol.STATE, context, lambda: self._state_for(request))
-            for chunk in frames(STATE_CODEC.header_bytes(header), view, self.options.chunk_size):
+            header, data = self._guarded(protocol.STATE, context, lambda: self._state_for(request))
+            for chunk in itertools.chain((STATE_CODEC.header_bytes(header),), data):
                 if not self._paced(len(chunk), context, watch):
                     return
                 yield chunk
@@ -540,18 +542,22 @@ class GossipServer:
             wait = end - time.monotonic()
         return True
 
-    def _state_for(self, request: pb.StateRequest) -> tuple[pb.StateHeader, memoryview]:
-        """The handler's state as a header with payload_size set and a byte view of the blob."""
+    def _state_for(self, request: pb.StateRequest) -> tuple[pb.StateHeader, Iterator[memoryview]]:
+        """The handler's state as a header with payload_size set and its data chunks: slices
+        of a blob, or of a payload produced as it is sent (:class:`StreamedPayload`)."""
         header, blob = self.handler.handle_state_request(request)
-        view = as_bytes_view(blob)
-        if header.payload_size not in (0, view.nbytes):
-            raise ValueError(
-                f"state header says {header.payload_size} bytes, blob has {view.nbytes}"
-            )
+        chunk = self.options.chunk_size
+        if isinstance(blob, StreamedPayload):
+            size, data = blob.size, rechunk(blob.pieces(), chunk, blob.size)
+        else:
+            view = as_bytes_view(blob)
+            size, data = view.nbytes, (view[i : i + chunk] for i in range(0, view.nbytes, chunk))
+        if header.payload_size not in (0, size):
+            raise ValueError(f"state header says {header.payload_size} bytes, blob has {size}")
         out = pb.StateHeader()
         out.CopyFrom(header)
-        out.payload_size = view.nbytes
-        return out, view
+        out.payload_size = size
+        return out, data
 
 
 class _OnPool:

@@ -1,42 +1,46 @@
-"""The donor side of a state download: the state serialized at most once per snapshot.
+"""The donor side of a state download: the state snapshotted at most once per progress.
 
-Serializing a peer's state (parameters, optimizer moments, the algorithm's counters) takes the
-training lock and a few times the model's size in memory. Done per request, a member that
-asks for the state and cancels the download at once, in a loop, stalls training and churns
-memory at the rate it can send requests. So the serialized state is kept with the progress it
-was taken at, the (step, round) the training loop last reported, and served again to every
-request until the loop reports a later step or round: one serialization per snapshot, however
-many downloads, completed or cancelled, ask for it. Once progress moves past it, the blob is
-dropped (not kept for the rest of the run), so between downloads it costs no memory.
+Snapshotting a peer's state (parameters, optimizer moments, the algorithm's counters) takes the
+training lock and a copy of the state in memory. Done per request, a member that asks for the
+state and cancels the download at once, in a loop, stalls training and churns memory at the
+rate it can send requests. So the snapshot is kept with the progress it was taken at, the
+(step, round) the training loop last reported, and served again to every request until the
+loop reports a later step or round: one snapshot per progress, however many downloads,
+completed or cancelled, ask for it. Once progress moves past it, it is dropped (not kept for
+the rest of the run), so between downloads it costs no memory; a download under way keeps the
+snapshot it is sending until it ends.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
-#: (step, round, serialized state), as a peer's state source returns it.
-Snapshot = tuple[int, int, bytes]
+#: (step, round, snapshot), as a peer's state source returns it: the snapshot is a
+#: :class:`~gossipgrad.peer.runtime.state_stream.StateWriter` (sent as it is serialized) or
+#: a serialized blob.
+Snapshot = tuple[int, int, Any]
 
 
 class SnapshotCache:
-    """A peer's serialized state for joiners, taken from ``source`` at most once per
-    reported (step, round).
+    """A peer's state for joiners, taken from ``source`` at most once per reported
+    (step, round).
 
     Args:
-        source: serializes the state under the training lock; returns the step and round it
-            was taken at and the blob.
+        source: snapshots the state under the training lock; returns the step and round it
+            was taken at and the snapshot.
 
-    Statistics (for tests and logs): ``serialized`` calls of ``source``, ``reused`` requests
-    served from the kept snapshot.
+    Statistics (for tests and logs): ``serialized`` calls of ``source`` (snapshots taken),
+    ``reused`` requests served from the kept snapshot.
     """
 
     def __init__(self, source: Callable[[], Snapshot]) -> None:
         self._source = source
-        # Held while serializing, so concurrent requests wait for one serialization ...
+        # Held while snapshotting, so concurrent requests wait for one snapshot ...
         self._serializing = threading.Lock()
         # ... and only around the kept snapshot, so the training loop's progress() never
-        # waits on a serialization (which itself waits for the training lock).
+        # waits on a snapshot (which itself waits for the training lock).
         self._slot = threading.Lock()
         self._kept: Snapshot | None = None
         self._progress = (0, 0)

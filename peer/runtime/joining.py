@@ -30,6 +30,7 @@ import time
 from typing import TYPE_CHECKING
 
 import grpc
+from gossipgrad.peer.runtime.state_stream import STATE_FORMAT, StateReader
 from gossipgrad.proto import gossip_pb2 as pb
 
 if TYPE_CHECKING:
@@ -192,8 +193,9 @@ class StateDownload:
 
     def download(
         self, timeout: float | None = None, min_step: int = 1, patience: float = 0.0
-    ) -> tuple[pb.StateHeader, bytes] | None:
-        """Fetch the state of one live donor at ``min_step`` or more.
+    ) -> tuple[pb.StateHeader, bytes | dict] | None:
+        """Fetch the state of one live donor at ``min_step`` or more: the state read as it
+        arrived (a dict), or from a donor that sends a ``torch.save`` blob, the blob.
 
         1. If no live peer is at ``min_step`` now, return None (the swarm itself is young:
            peers started together train from their common seeded initialisation).
@@ -203,7 +205,8 @@ class StateDownload:
            have passed since the start; then raise.
 
         Args:
-            timeout: deadline of one download from one donor (default ``state_timeout``).
+            timeout: deadline of one download from one donor (default ``state_timeout``),
+                plus what its declared size needs at the slowest rate expected.
             min_step: the least step a donor must be at (its own step, as it reports it in
                 the download).
             patience: seconds to keep retrying after the first pass (0: one pass).
@@ -234,14 +237,15 @@ class StateDownload:
 
     def _download_from(
         self, info: pb.PeerInfo, timeout: float, min_step: int, failures: dict[str, str]
-    ) -> tuple[pb.StateHeader, bytes] | None:
-        """One download from donor ``info``: (header, blob), or None with the reason in
+    ) -> tuple[pb.StateHeader, bytes | dict] | None:
+        """One download from donor ``info``: (header, state or blob), or None with the reason in
         ``failures``."""
         log.info("downloading state from %s (step %d)", info.id, info.step)
         t0 = time.monotonic()
+        request = pb.StateRequest(swarm=self.swarm, requester=self.me, state_format=STATE_FORMAT)
         try:
-            header, blob = self.clients.get(info.address, info.id).download_state(
-                pb.StateRequest(swarm=self.swarm, requester=self.me), timeout=timeout
+            header, got = self.clients.get(info.address, info.id).download_state(
+                request, timeout=timeout, sink=_reader_for
             )
         except grpc.RpcError as err:
             busy = err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -257,9 +261,15 @@ class StateDownload:
             failures[info.id] = f"{info.id} at {info.address} (at step {header.step})"
             return None
         seconds = time.monotonic() - t0
-        self.metrics.record_received(info.id, "state", len(blob))
+        self.metrics.record_received(info.id, "state", header.payload_size)
         log.info(
             "downloaded state of %s: step %d, %d bytes in %.2fs",
-            info.id, header.step, len(blob), seconds,
+            info.id, header.step, header.payload_size, seconds,
         )  # fmt: skip
-        return header, blob
+        return header, got.state() if isinstance(got, StateReader) else got
+
+
+def _reader_for(header: pb.StateHeader) -> StateReader | None:
+    """Where a download's chunks go: into tensors as they arrive if the donor streams its
+    state (format 1), else (None) into one blob, for ``torch.load``."""
+    return StateReader(header.payload_size) if header.state_format == STATE_FORMAT else None

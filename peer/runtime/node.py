@@ -36,6 +36,7 @@ from gossipgrad.peer.network import (
     UpdateRejected,
     protocol,
 )
+from gossipgrad.peer.network.framing import StreamedPayload
 from gossipgrad.peer.network.pool import ClientPool
 from gossipgrad.peer.network.relay import Attachment, RelayDialer, RelayHub
 from gossipgrad.peer.runtime.donor import SnapshotCache
@@ -48,6 +49,7 @@ from gossipgrad.peer.runtime.reachability import (
 )
 from gossipgrad.peer.runtime.reachability import check as check_dial_back
 from gossipgrad.peer.runtime.relaying import ATTACH_TIMEOUT_S, RelayKeeper
+from gossipgrad.peer.runtime.state_stream import STATE_FORMAT, StateWriter
 from gossipgrad.peer.security import TransportSecurity, resolve_security
 from gossipgrad.proto import gossip_pb2 as pb
 
@@ -156,8 +158,9 @@ class Peer:
     Args:
         cfg: the whole peer config (each component receives only its own section).
         flat: the model's parameters, re-homed into one tensor.
-        state_source: returns (step, round, blob) for a joining peer's state download;
-            called at most once per (step, round) reported to :meth:`update_progress`.
+        state_source: returns (step, round, snapshot) for a joining peer's state download,
+            the snapshot a ``StateWriter`` (or a serialized blob); called at most once per
+            (step, round) reported to :meth:`update_progress`.
         registry: Prometheus registry for this peer's metrics (None: a fresh one).
         state_lock: held by the training thread around optimizer steps, and by the algorithm
             around reading and writing the parameters.
@@ -169,7 +172,7 @@ class Peer:
         self,
         cfg: PeerConfig,
         flat: FlatParameters,
-        state_source: Callable[[], tuple[int, int, bytes]] | None = None,
+        state_source: Callable[[], tuple[int, int, StateWriter | bytes]] | None = None,
         registry=None,
         state_lock: threading.RLock | None = None,
         buffers: FloatBuffers | None = None,
@@ -177,7 +180,7 @@ class Peer:
         self.cfg = cfg
         self.flat = flat
         self._buffers = buffers
-        #: A joiner's state, serialized at most once per reported (step, round).
+        #: A joiner's state, snapshotted at most once per reported (step, round).
         self.snapshots = SnapshotCache(state_source) if state_source is not None else None
         self.state_lock = state_lock if state_lock is not None else threading.RLock()
         self.metrics = PeerMetrics(registry=registry)
@@ -188,14 +191,6 @@ class Peer:
                 f"the model's dense copy ({flat.nbytes} bytes) does not fit "
                 f"transport.max_payload_bytes ({self.options.max_payload_bytes}): a resync "
                 "could never be sent; raise transport.max_payload_bytes"
-            )
-        t = cfg.transport
-        if t.state_rate_bytes and flat.nbytes / t.state_rate_bytes > t.state_timeout:
-            log.warning(
-                "transport.state_timeout %.0fs is shorter than the parameters alone (%d bytes) "
-                "take at transport.state_rate_bytes: state downloads will time out",
-                t.state_timeout,
-                flat.nbytes,
             )
         # (address, peer id) pairs whose server held another member's certificate, logged once
         self._wrong_servers: set[tuple[str, str]] = set()
@@ -529,10 +524,10 @@ class Peer:
 
     def download_state(
         self, timeout: float | None = None, min_step: int = 1, patience: float = 0.0
-    ) -> tuple[pb.StateHeader, bytes] | None:
-        """A donor's state, or None if no live peer is at ``min_step`` (see
-        ``StateDownload.download``; raises JoinError when donors were there but none
-        served within ``patience``)."""
+    ) -> tuple[pb.StateHeader, bytes | dict] | None:
+        """A donor's state (read as it arrived, or a blob from an older donor), or None if
+        no live peer is at ``min_step`` (see ``StateDownload.download``; raises JoinError
+        when donors were there but none served within ``patience``)."""
         return self.joining.download(timeout, min_step, patience)
 
     # ------------------------------------------------------------------ handler (server side)
@@ -584,21 +579,32 @@ class Peer:
                 grpc.StatusCode.RESOURCE_EXHAUSTED, "too_large", str(err)
             ) from None
 
-    def handle_state_request(self, request: pb.StateRequest) -> tuple[pb.StateHeader, bytes]:
+    def handle_state_request(
+        self, request: pb.StateRequest
+    ) -> tuple[pb.StateHeader, bytes | StreamedPayload]:
         self._check_swarm(request.swarm)
         if self.snapshots is None:
             raise UpdateRejected(grpc.StatusCode.UNAVAILABLE, "stale", "no state to share")
-        step, round_, blob = self.snapshots.get()
-        self.metrics.record_sent(request.requester, "state", len(blob))
+        step, round_, snapshot = self.snapshots.get()
+        payload, state_format = snapshot, 0
+        if isinstance(snapshot, StateWriter):
+            if request.state_format >= STATE_FORMAT:  # sent as it is serialized
+                payload = StreamedPayload(snapshot.size, snapshot.pieces)
+                state_format = STATE_FORMAT
+            else:  # an older joiner reads a torch.save blob only
+                payload = snapshot.blob()
+        size = payload.size if isinstance(payload, StreamedPayload) else len(payload)
+        self.metrics.record_sent(request.requester, "state", size)
         return (
             pb.StateHeader(
                 sender=self.id,
                 step=step,
                 round=round_,
-                payload_size=len(blob),
+                payload_size=size,
                 model_fingerprint=self.flat.fingerprint,
+                state_format=state_format,
             ),
-            blob,
+            payload,
         )
 
     def handle_reachability(self, request: pb.ReachabilityRequest) -> pb.ReachabilityReply:

@@ -32,7 +32,7 @@ import io
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from gossipgrad.peer.algorithms import GossipAlgorithm, RoundStats
@@ -42,6 +42,7 @@ from gossipgrad.peer.network.malloc import trim_malloc
 from gossipgrad.peer.runtime.background import BackgroundRound
 from gossipgrad.peer.runtime.checkpoint import params_digest
 from gossipgrad.peer.runtime.node import Peer
+from gossipgrad.peer.runtime.state_stream import StateWriter, host_copy, on_host
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class GossipOptimizer:
         self.peer = Peer(
             config,
             self.flat,
-            state_source=self._state_blob,
+            state_source=self._state_snapshot,
             registry=registry,
             state_lock=self.state_lock,
             buffers=self.buffers,
@@ -240,16 +241,21 @@ class GossipOptimizer:
         if not for_joiner:
             self._wait_for_round()
         with self.state_lock:
-            return {
-                "params": self.flat.data.detach().clone(),
-                "buffers": {n: b.detach().clone() for n, b in persistent_buffers(self.model)},
-                "optimizer": self.optimizer.state_dict(),
-                "local_step": self.local_step,
-                "round": self.round,
-                "fingerprint": self.flat.fingerprint,
-                "algorithm": self.config.gossip.algorithm,
-                "gossip": self.algorithm.state_dict(for_joiner),
-            }
+            return self._state(for_joiner, lambda t: t.detach().clone())
+
+    def _state(self, for_joiner: bool, copy: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+        """:meth:`state_dict` under the lock, with parameters and buffers taken by ``copy``
+        (the optimizer's tensors are its own: the caller copies them if it needs to)."""
+        return {
+            "params": copy(self.flat.data),
+            "buffers": {n: copy(b) for n, b in persistent_buffers(self.model)},
+            "optimizer": self.optimizer.state_dict(),
+            "local_step": self.local_step,
+            "round": self.round,
+            "fingerprint": self.flat.fingerprint,
+            "algorithm": self.config.gossip.algorithm,
+            "gossip": self.algorithm.state_dict(for_joiner),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self._wait_for_round()  # a round handed over before is over before the state changes
@@ -275,18 +281,21 @@ class GossipOptimizer:
             gossip = state.get("gossip", {"round": state.get("round", 0)})
             self.algorithm.load_state_dict(_to_device(gossip, self.flat.data.device))
 
-    def _state_blob(self) -> tuple[int, int, bytes]:
-        """The state a joining peer downloads, serialised under the lock (never torn)."""
-        buf = io.BytesIO()
+    def _state_snapshot(self) -> tuple[int, int, StateWriter]:
+        """The state a joining peer downloads: every tensor copied once, under the lock, into
+        host memory, and sent from that copy. The copy is what keeps the download consistent
+        (never torn): training goes on while the state is sent, which may take minutes, and
+        holding the lock for as long would stall it. Serialized as it is sent, not before."""
         with self.state_lock:
-            state = self.state_dict(for_joiner=True)
-            torch.save(state, buf)
+            state = self._state(True, host_copy)
+            state["optimizer"] = host_copy(state["optimizer"])  # its own tensors, live
+            state["gossip"] = on_host(state["gossip"])  # the algorithm's copies already
         # Evidence for the joiner's side (its status.json start_params): what was sent.
         log.info(
             "serving state at step %d (round %d), params %s",
             state["local_step"], state["round"], params_digest(state["params"]),
         )  # fmt: skip
-        return state["local_step"], state["round"], buf.getvalue()
+        return state["local_step"], state["round"], StateWriter(state)
 
     def join_from_swarm(
         self,
@@ -317,8 +326,9 @@ class GossipOptimizer:
         )
         if got is None:
             return False
-        _, blob = got
-        state = torch.load(io.BytesIO(blob), map_location=self.flat.data.device, weights_only=True)
+        _, state = got
+        if not isinstance(state, dict):  # a torch.save blob, from an older donor
+            state = torch.load(io.BytesIO(state), map_location="cpu", weights_only=True)
         self.load_state_dict(state)
         log.info("joined at step %d (round %d) from the swarm", self.local_step, self.round)
         return True

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import threading
+import time
 
 import grpc
 import pytest
@@ -18,14 +19,28 @@ from gossipgrad.peer.config import build_config
 from gossipgrad.peer.network import PeerClient, protocol
 from gossipgrad.peer.network.protocol import STATE_CODEC
 from gossipgrad.peer.runtime.optimizer import GossipOptimizer
+from gossipgrad.peer.runtime.state_stream import STATE_FORMAT, StateReader
 from gossipgrad.proto import gossip_pb2 as pb
 from torch import nn
 
 NUMEL = 1 << 21  # 8 MB: serialising takes long enough for a step to land in the middle
 
 
+def fetch(client: PeerClient, request: pb.StateRequest) -> tuple[pb.StateHeader, dict]:
+    """Download and read a state as a joiner does: into tensors as it arrives (a request for
+    format 1), or one torch.save blob (an older joiner's request, format 0)."""
+    header, got = client.download_state(
+        request, sink=lambda h: StateReader(h.payload_size) if h.state_format else None
+    )
+    assert header.state_format == request.state_format
+    if isinstance(got, StateReader):
+        return header, got.state()
+    return header, torch.load(io.BytesIO(bytes(got)), weights_only=True)
+
+
 @pytest.mark.timeout(120)
-def test_state_downloaded_during_training_is_one_consistent_snapshot() -> None:
+@pytest.mark.parametrize("state_format", [STATE_FORMAT, 0], ids=["streamed", "blob"])
+def test_state_downloaded_during_training_is_one_consistent_snapshot(state_format: int) -> None:
     torch.manual_seed(0)
     model = nn.Linear(NUMEL // 8, 8, bias=False)
     with torch.no_grad():
@@ -53,10 +68,10 @@ def test_state_downloaded_during_training_is_one_consistent_snapshot() -> None:
         steps: list[int] = []
         with PeerClient(donor.peer.address) as client:
             for _ in range(12):
-                header, blob = client.download_state(
-                    pb.StateRequest(swarm=cfg.peer.swarm, requester="joiner")
+                request = pb.StateRequest(
+                    swarm=cfg.peer.swarm, requester="joiner", state_format=state_format
                 )
-                state = torch.load(io.BytesIO(bytes(blob)), weights_only=False)
+                header, state = fetch(client, request)
                 k = state["local_step"]
                 params = state["params"]
                 assert header.step == k
@@ -76,13 +91,16 @@ def test_state_downloaded_during_training_is_one_consistent_snapshot() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("state_format", [STATE_FORMAT, 0], ids=["streamed", "blob"])
 def test_downloads_cancelled_in_a_loop_serialize_the_state_once_per_step(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, state_format: int
 ) -> None:
     """Finding 3: every state request serialized the whole state under the training lock,
     so a member asking and cancelling in a loop stalled training at the rate it could ask.
     Now a snapshot is taken once per (step, round) the training loop reports, and served to
-    every request until the next one."""
+    every request until the next one; so does torch.save: the snapshot's skeleton, and for
+    an older joiner's request the blob it reads."""
+    saves_per_snapshot = 1 if state_format else 2
     saves: list[int] = []
     real_save = torch.save
 
@@ -97,7 +115,7 @@ def test_downloads_cancelled_in_a_loop_serialize_the_state_once_per_step(
         {}, {"peer.id": "donor", "metrics.enabled": False, "gossip.local_steps": 1_000_000}
     )
     donor = GossipOptimizer(model, opt, cfg)
-    request = pb.StateRequest(swarm=cfg.peer.swarm, requester="evil")
+    request = pb.StateRequest(swarm=cfg.peer.swarm, requester="evil", state_format=state_format)
     channel = grpc.insecure_channel(donor.peer.address)
     download = channel.unary_stream(
         protocol.method_path(protocol.STATE),
@@ -105,19 +123,29 @@ def test_downloads_cancelled_in_a_loop_serialize_the_state_once_per_step(
         response_deserializer=STATE_CODEC.decode,
     )
     try:
-        for _ in range(20):
+        served = 0
+        while served < 20:
             call = download(request, timeout=10)
-            next(call)  # the header: the state was serialized for this request
+            try:
+                next(call)  # the header: the state was snapshotted for this request
+            except grpc.RpcError as err:
+                # "donor busy": the server has not yet seen the last two cancels (a loaded
+                # host); a refused request is turned away before any snapshot is taken.
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+                time.sleep(0.05)
+                continue
             call.cancel()
-        assert len(saves) == 1, len(saves)
+            served += 1
+        assert donor.peer.snapshots.serialized == 1
+        assert len(saves) == saves_per_snapshot, len(saves)
         model.weight.grad = torch.ones_like(model.weight)
         donor.step()  # a new step: the next request takes a new snapshot
         with PeerClient(donor.peer.address) as client:
             for _ in range(3):
-                header, blob = client.download_state(request)
-                state = torch.load(io.BytesIO(bytes(blob)), weights_only=False)
+                header, state = fetch(client, request)
                 assert header.step == state["local_step"] == 1
-        assert len(saves) == 2, len(saves)
+        assert donor.peer.snapshots.serialized == 2
+        assert len(saves) == 2 * saves_per_snapshot, len(saves)
     finally:
         channel.close()
         donor.close()
