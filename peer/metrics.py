@@ -163,8 +163,9 @@ class PeerMetrics:
         )
         self.consensus_distance = Gauge(
             _name("consensus_distance"),
-            "Local estimate ||x_i - sum_j w_ij xhat_j|| of the distance to the neighbours' "
-            "average (CHOCO-SGD, Koloskova et al. 2019).",
+            "Local estimate ||sum_j w_ij (xhat_j - xhat_i)|| of the distance to the "
+            "neighbours: the pull of their public copies on this peer's at the latest mix "
+            "(CHOCO-SGD, Koloskova et al. 2019).",
             registry=r,
         )
         self.error_feedback_norm = Gauge(

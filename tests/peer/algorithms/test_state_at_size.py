@@ -64,7 +64,7 @@ def test_the_consensus_step_in_slices_is_the_step_in_one(
 ) -> None:
     """Slices of 7 elements (any length over and under a slice): x moves by
     γ Σ w (mirror − public), each pull clipped to ``clip``, and the distance returned is
-    ||Σ w (mirror − x)|| of x before the step."""
+    the norm of that weighted pull, ||Σ w (mirror − public)||, before γ."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(numel, generator=gen, dtype=torch.float64)
     ps = [
@@ -81,7 +81,7 @@ def test_the_consensus_step_in_slices_is_the_step_in_one(
         if clip > 0 and float(pull.norm()) > clip:
             pull = pull * (clip / float(pull.norm()))
         expected += gamma * p.weight * pull
-        toward += p.weight * (p.mirror - x)
+        toward += p.weight * pull
     old = mixing.CHUNK
     mixing.CHUNK = 7
     try:
