@@ -22,6 +22,13 @@ baseline measured in the same process and run:
   daemon's atomic save of that state to disk (temporary file, fsync, rename) over the same
   ``torch.save`` to memory, and the resident memory its peak added, in model bytes.
 
+Then, per size, a state download and the dense resync after it (``--join``, choco, AdamW: a
+state of 3 models): a donor past the rounds whose edges open from the shared initial model
+serves its state to a fresh joiner (``join_from_swarm``); whether it arrived bit-identical,
+the download's time over a ``torch.save`` of the same state to memory, and the resident
+memory each end's peak added, in model bytes; then the rounds until the new edge's first
+exchange each way, a dense resync, is mixed: their time and peak over the edge's state.
+
     python scripts/bench_scale.py --sizes 1M,10M,100M --algorithms choco,diloco
 """
 
@@ -288,6 +295,203 @@ def run_case(args: argparse.Namespace, numel: int, algorithm: str) -> list[dict]
     return sorted(out, key=lambda r: r["rank"])
 
 
+# ------------------------------------------------------------------ state download and resync
+
+
+def join_main(rank: int, args: dict, to_joiner, to_donor, results) -> None:
+    """A donor (rank 0) or a joiner (rank 1) of the state download case."""
+    try:
+        results.put(_join(rank, args, to_joiner, to_donor))
+    except BaseException as err:  # reported by the parent, which then stops
+        results.put({"rank": rank, "error": f"{err!r}\n{traceback.format_exc()}"})
+
+
+def state_digest(state: object) -> str:
+    """SHA-256 over a nested state's tensors' bytes and plain values, in walk order."""
+    import hashlib
+
+    h = hashlib.sha256()
+
+    def walk(obj: object) -> None:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                h.update(repr(k).encode())
+                walk(v)
+        elif isinstance(obj, list | tuple):
+            for v in obj:
+                walk(v)
+        else:
+            h.update(repr(obj).encode())
+
+    walk(state)
+    return h.hexdigest()
+
+
+def _settled_kib() -> int:
+    """Resident memory once freed memory is back with the system; the peak starts here."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    reset_peak()
+    return memory_kib("VmRSS")
+
+
+def _join(rank: int, a: dict, to_joiner, to_donor) -> dict:
+    """Rank 0 trains alone past the rounds whose edges open from the shared initial model,
+    then serves its state; rank 1 joins, downloading it (``join_from_swarm``); then both run
+    rounds, whose first exchange each way is a dense resync of a new edge. Each reports the
+    resident memory the download and the resync added at their peak, and their times."""
+    from gossipgrad.peer.algorithms.choco import INIT_ROUNDS
+    from gossipgrad.peer.algorithms.footprint import gossip_state_bytes
+    from gossipgrad.peer.config import build_config
+    from gossipgrad.peer.runtime.optimizer import GossipOptimizer
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build_model(a["numel"])
+    params = list(model.parameters())
+    for p in params:  # a constant gradient: the steps' compute is not what is measured
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    numel = sum(p.numel() for p in params)
+    model_bytes = 4 * numel
+    overrides = {
+        "peer.id": f"p{rank}",
+        "peer.listen": "127.0.0.1:0",
+        "peer.bootstrap": [] if rank == 0 else [to_joiner.get(timeout=600)],
+        "peer.join_after_steps": 1,
+        "metrics.enabled": False,
+        "gossip.algorithm": a["algorithm"],
+        "gossip.topology": "ring",
+        "gossip.local_steps": 1,
+        **a["set"],
+    }
+    out: dict = {"rank": rank, "numel": numel, "model_bytes": model_bytes}
+    gopt = GossipOptimizer(model, optimizer, build_config({}, overrides))
+    try:
+        if rank == 0:
+            # Past the first rounds, a new edge opens with a dense copy (RESYNC), not INIT.
+            while gopt.round < INIT_ROUNDS:
+                gopt.step()
+            state = gopt.state_dict(for_joiner=True)
+            out["state_bytes"] = sum(t.numel() * t.element_size() for t in _tensors(state))
+            t0 = time.perf_counter()
+            torch.save(state, io.BytesIO())
+            out["save_s"] = time.perf_counter() - t0
+            out["digest"] = state_digest(state)
+            del state
+            before = _settled_kib()
+            to_joiner.put(gopt.peer.address)
+            to_donor.get(timeout=a["timeout"])  # the joiner has the state
+            out["download_peak_kib"] = memory_kib("VmHWM") - before
+        else:
+            if not gopt.wait_for_peers(2, 120):
+                raise RuntimeError("the joiner did not find the donor in 120 s")
+            before = _settled_kib()
+            t0 = time.perf_counter()
+            if not gopt.join_from_swarm(min_step=1):
+                raise RuntimeError("no donor to join from")
+            out["download_s"] = time.perf_counter() - t0
+            out["download_peak_kib"] = memory_kib("VmHWM") - before
+            out["digest"] = state_digest(gopt.state_dict(for_joiner=True))
+            to_donor.put("joined")
+        # The resync: each side's first exchange on the new edge is a dense copy of x.
+        before = _settled_kib()
+        t0 = time.perf_counter()
+        rounds = 0
+        while rounds < 20 and not (gopt.last_round is not None and gopt.last_round.mixed):
+            gopt.step()
+            rounds += 1
+        out["resync_s"] = time.perf_counter() - t0
+        out["resync_mixed"] = bool(gopt.last_round is not None and gopt.last_round.mixed)
+        out["resync_peak_kib"] = memory_kib("VmHWM") - before
+        out["resyncs"] = sum(
+            s.value for s in gopt.metrics.resyncs.collect()[0].samples if s.name.endswith("total")
+        )
+        out["edge_state_bytes"] = gossip_state_bytes(gopt.config.gossip, 1, model_bytes)
+        gopt.finish()
+    finally:
+        gopt.close()
+    return out
+
+
+def _tensors(obj: object) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, list | tuple):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def run_join_case(args: argparse.Namespace, numel: int, algorithm: str) -> dict:
+    """The state download and resync case (:func:`_join`): the donor's and the joiner's
+    figures, in model bytes and seconds, or SystemExit on a failure."""
+    ctx = mp.get_context("spawn")
+    to_joiner, to_donor, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    settings = {"numel": numel, "algorithm": algorithm, "set": args.set, "timeout": args.timeout}
+    procs = [
+        ctx.Process(target=join_main, args=(r, settings, to_joiner, to_donor, results), daemon=True)
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    out = []
+    try:
+        for _ in procs:
+            out.append(results.get(timeout=args.timeout))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    failed = [r for r in out if "error" in r]
+    if failed:
+        raise SystemExit(f"bench_scale: peer {failed[0]['rank']} failed:\n{failed[0]['error']}")
+    donor, joiner = sorted(out, key=lambda r: r["rank"])
+    m = donor["model_bytes"]
+    return {
+        "size": numel,
+        "algorithm": algorithm,
+        "model_bytes": m,
+        "state_over_model": donor["state_bytes"] / m,
+        "identical": donor["digest"] == joiner["digest"],
+        "download_s": joiner["download_s"],
+        "save_s": donor["save_s"],
+        "download_over_save": joiner["download_s"] / donor["save_s"],
+        "donor_peak_over_model": donor["download_peak_kib"] * 1024 / m,
+        "joiner_peak_over_model": joiner["download_peak_kib"] * 1024 / m,
+        "resync_s": max(donor["resync_s"], joiner["resync_s"]),
+        "resyncs": min(donor["resyncs"], joiner["resyncs"]),
+        "resync_mixed": donor["resync_mixed"] and joiner["resync_mixed"],
+        "edge_state_over_model": donor["edge_state_bytes"] / m,
+        "resync_peak_over_model": max(donor["resync_peak_kib"], joiner["resync_peak_kib"])
+        * 1024
+        / m,
+    }
+
+
+JOIN_COLUMNS = [
+    ("size", "params", "{:,}"),
+    ("algorithm", "algorithm", "{}"),
+    ("state_over_model", "state/model", "{:.2f}"),
+    ("identical", "identical", "{}"),
+    ("download_s", "download s", "{:.2f}"),
+    ("save_s", "torch.save s", "{:.2f}"),
+    ("download_over_save", "download/save", "{:.2f}"),
+    ("donor_peak_over_model", "donor peak/model", "{:.2f}"),
+    ("joiner_peak_over_model", "joiner peak/model", "{:.2f}"),
+    ("resyncs", "resyncs", "{:.0f}"),
+    ("resync_s", "resync s", "{:.2f}"),
+    ("edge_state_over_model", "edge state/model", "{:.2f}"),
+    ("resync_peak_over_model", "resync peak/model", "{:.2f}"),
+]
+
+
 def summarise(numel: int, algorithm: str, peers: list[dict]) -> dict:
     """The swarm's figures: memory at its worst peer, times at the median peer."""
 
@@ -334,17 +538,21 @@ COLUMNS = [
 ]
 
 
-def print_table(rows: list[dict]) -> None:
-    print("| " + " | ".join(title for _, title, _ in COLUMNS) + " |")
-    print("|" + "|".join("---" for _ in COLUMNS) + "|")
+def print_table(rows: list[dict], columns: list[tuple[str, str, str]] = COLUMNS) -> None:
+    print("| " + " | ".join(title for _, title, _ in columns) + " |")
+    print("|" + "|".join("---" for _ in columns) + "|")
     for row in rows:
-        print("| " + " | ".join(fmt.format(row[key]) for key, _, fmt in COLUMNS) + " |")
+        print("| " + " | ".join(fmt.format(row[key]) for key, _, fmt in columns) + " |")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--sizes", default="1M,10M,100M", help="model sizes, e.g. 1M,10M,100M")
-    p.add_argument("--algorithms", default="choco,diloco", help="comma-separated algorithms")
+    p.add_argument(
+        "--algorithms",
+        default="choco,diloco",
+        help='comma-separated algorithms ("": the state download case only)',
+    )
     p.add_argument("--peers", type=int, default=3, help="peer processes on a ring (default 3)")
     p.add_argument("--rounds", type=int, default=6, help="gossip rounds per case (default 6)")
     p.add_argument(
@@ -364,6 +572,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         metavar="KEY=VALUE",
         help="a config override for every peer (repeatable), e.g. gossip.codec=int8",
+    )
+    p.add_argument(
+        "--join",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure a state download and the resync after it, per size (default on)",
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
     p.add_argument("--json", type=Path, help="also write the rows to this file")
@@ -401,9 +615,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"bench_scale: {numel:,} parameters, {algorithm} ...", file=sys.stderr, flush=True
             )
             rows.append(summarise(numel, algorithm, run_case(args, numel, algorithm)))
-    print_table(rows)
+    joins = []
+    for numel in args.sizes if args.join else []:
+        print(f"bench_scale: {numel:,} parameters, state download ...", file=sys.stderr, flush=True)
+        joins.append(run_join_case(args, numel, "choco"))
+    if rows:
+        print_table(rows)
+    if joins:
+        print("\n" if rows else "", end="")
+        print_table(joins, JOIN_COLUMNS)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        args.json.write_text(json.dumps({"cases": rows, "joins": joins}, indent=2))
     return 0
 
 
