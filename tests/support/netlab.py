@@ -5,6 +5,12 @@ Layout: one hub namespace holding two bridges, ``br0`` and ``br1``, joined by a 
 benchmarking range, RFC 2544), plugged into ``br0`` or ``br1`` by its group. Taking ``lk0``
 down partitions the two groups; a peer's own link can be delayed (netem) or flapped. Nothing
 is created in the caller's namespace, and :meth:`close` deletes every namespace.
+
+A peer in ``natted`` sits behind a NAT of its own (nftables needed): its namespace holds
+only ``eth0`` = 10.77.(i).2/24, routed through a router namespace ``<prefix>r<i>`` whose
+``eth0`` on the bridge has the peer's public address 198.18.0.(i+1) and which masquerades
+what goes out and drops every new connection coming in (a site behind a typical NAT or
+stateful firewall: it can dial out, nobody can dial it).
 """
 
 from __future__ import annotations
@@ -15,20 +21,44 @@ import subprocess
 import uuid
 
 
-def netlab_unavailable() -> str | None:
-    """Why a NetLab cannot run here, or None."""
+def netlab_unavailable(nat: bool = False) -> str | None:
+    """Why a NetLab (``nat``: with peers behind NAT) cannot run here, or None."""
     if os.geteuid() != 0:
         return "needs root for network namespaces"
     if shutil.which("ip") is None:
         return "needs iproute2 (ip)"
+    if nat and shutil.which("nft") is None:
+        return "needs nftables (nft) for NAT"
     return None
+
+
+#: The router's rules: masquerade outbound, drop every new connection from outside.
+NAT_RULES = """
+table ip nat {
+  chain outbound_nat { type nat hook postrouting priority 100; oifname "eth0" masquerade; }
+}
+table inet filter {
+  chain from_outside {
+    type filter hook forward priority 0; policy drop;
+    iifname "in0" accept
+    ct state established,related accept
+  }
+  chain to_router {
+    type filter hook input priority 0; policy drop;
+    iifname "lo" accept
+    iifname "in0" accept
+    ct state established,related accept
+  }
+}
+"""
 
 
 class NetLab:
     """Namespaces ``<prefix>h`` (hub) and ``<prefix>0..n-1`` (peers)."""
 
-    def __init__(self, groups: list[int]) -> None:
+    def __init__(self, groups: list[int], natted: set[int] = frozenset()) -> None:
         self.groups = groups
+        self.natted = set(natted)
         self.prefix = f"ggt{uuid.uuid4().hex[:6]}"
         self.hub = f"{self.prefix}h"
         self.created: list[str] = []
@@ -38,7 +68,13 @@ class NetLab:
 
     @staticmethod
     def address(i: int) -> str:
+        """Peer i's public address (its NAT router's, for a peer behind NAT)."""
         return f"198.18.0.{i + 1}"
+
+    @staticmethod
+    def private_address(i: int) -> str:
+        """The address a peer behind NAT has inside (nobody outside can route to it)."""
+        return f"10.77.{i}.2"
 
     def _ip(self, *args: str) -> None:
         subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
@@ -59,12 +95,37 @@ class NetLab:
             self._ip("netns", "add", ns)
             self.created.append(ns)
             self._ip("-n", ns, "link", "set", "lo", "up")
+            public = f"{self.prefix}r{i}" if i in self.natted else ns
+            if public != ns:
+                self._ip("netns", "add", public)
+                self.created.append(public)
+                self._ip("-n", public, "link", "set", "lo", "up")
             self._ip(*hub, "link", "add", f"v{i}", "type", "veth", "peer", "name", "eth0")
-            self._ip(*hub, "link", "set", "eth0", "netns", ns)
+            self._ip(*hub, "link", "set", "eth0", "netns", public)
             self._ip(*hub, "link", "set", f"v{i}", "master", f"br{group}", "up")
-            self._ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
-            self._ip("-n", ns, "link", "set", "eth0", "up")
+            self._ip("-n", public, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+            self._ip("-n", public, "link", "set", "eth0", "up")
+            if public != ns:
+                self._nat(i, ns, public)
         return self
+
+    def _nat(self, i: int, ns: str, router: str) -> None:
+        """Peer i's namespace behind ``router``: a private link, a default route, the rules."""
+        self._ip("-n", router, "link", "add", "in0", "type", "veth", "peer", "name", "out0")
+        self._ip("-n", router, "link", "set", "out0", "netns", ns)
+        self._ip("-n", ns, "link", "set", "out0", "name", "eth0")
+        self._ip("-n", router, "addr", "add", f"10.77.{i}.1/24", "dev", "in0")
+        self._ip("-n", router, "link", "set", "in0", "up")
+        self._ip("-n", ns, "addr", "add", f"{self.private_address(i)}/24", "dev", "eth0")
+        self._ip("-n", ns, "link", "set", "eth0", "up")
+        self._ip("-n", ns, "route", "add", "default", "via", f"10.77.{i}.1")
+        run = ["ip", "netns", "exec", router]
+        subprocess.run(
+            [*run, "sysctl", "-qw", "net.ipv4.ip_forward=1"], check=True, capture_output=True
+        )
+        subprocess.run(
+            [*run, "nft", "-f", "-"], input=NAT_RULES, text=True, check=True, capture_output=True
+        )
 
     def partition(self) -> None:
         """Cut the link between the two groups."""
