@@ -13,7 +13,8 @@ baseline measured in the same process and run:
   bytes; peak/model the same at the high-water mark (start-up and rounds' transients).
 * round CPU/copy: the process's CPU time per round (every thread: encode, pushes, the
   server's decode, mixing, checksums, heartbeats) less that of the same steps without gossip,
-  over the time of one ``copy_`` of the model.
+  over the time of one ``copy_`` of the model (the median of one timed after each of those
+  steps: the contention for cores and memory bandwidth the rounds met).
 * stall/phase: the training thread's time blocked in gossip per round, over a phase's compute
   (``local_steps`` x ``--accelerator-ms``); utilization: the wall time of the same steps
   without gossip over their wall time with it (1: gossip costs the training nothing).
@@ -88,16 +89,29 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def copy_seconds(t: torch.Tensor) -> float:
-    """Best of three ``copy_`` of ``t`` into a buffer of its size."""
-    out = torch.empty_like(t)
-    out.copy_(t)  # page faults out of the way
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        out.copy_(t)
-        best = min(best, time.perf_counter() - t0)
-    return best
+class CopyClock:
+    """Times one ``copy_`` of a model-sized tensor into another, between the steps the rounds
+    run beside, so that the copy a round is measured against meets the same contention for
+    cores and memory bandwidth as the round (peers on a shared host; one copy timed before
+    the rounds, on a host the other peers had left quiet, once made every round look 2-3x as
+    costly as it was). Both buffers are allocated before the memory baseline is read."""
+
+    def __init__(self, numel: int) -> None:
+        self.source = torch.randn(numel)
+        self.target = torch.empty_like(self.source)
+        self.target.copy_(self.source)  # page faults out of the way
+        self.wall: list[float] = []
+        self.cpu = 0.0  # the training thread's CPU in the copies timed
+
+    def time_one(self) -> None:
+        c0, t0 = time.thread_time(), time.perf_counter()
+        self.target.copy_(self.source)
+        self.wall.append(time.perf_counter() - t0)
+        self.cpu += time.thread_time() - c0
+
+    def seconds(self) -> float:
+        """The median copy: the contention a typical round met."""
+        return statistics.median(self.wall)
 
 
 def peer_main(rank: int, args: dict, addresses, barrier, results) -> None:
@@ -143,7 +157,7 @@ def _peer(rank: int, a: dict, addresses, barrier) -> dict:
     optimizer = torch.optim.SGD(params, lr=a["lr"])
     numel = sum(p.numel() for p in params)
     model_bytes = 4 * numel
-    copy_s = copy_seconds(torch.cat([p.detach().reshape(-1) for p in params]))
+    copies = CopyClock(numel)
     wait = a["accelerator_ms"] / 1000
     steps = a["rounds"] * a["local_steps"]
     # The same steps without gossip: the CPU that training itself takes. Every peer starts
@@ -196,13 +210,15 @@ def _peer(rank: int, a: dict, addresses, barrier) -> dict:
         time.sleep(wait)
         set_gradients()
         gopt.step()
+        copies.time_one()
         # A round counts once its stats are recorded: at its step, or with background_rounds
         # when the next round is handed over (the round counter moves in between).
         if gopt.last_round is not recorded:
             recorded = gopt.last_round
             mixed += bool(recorded is not None and recorded.mixed)
-    wall = time.perf_counter() - t0
-    cpu_gossip = time.process_time() - cpu0
+    copy_s = copies.seconds()
+    wall = time.perf_counter() - t0 - sum(copies.wall)
+    cpu_gossip = time.process_time() - cpu0 - copies.cpu
     rounds = max(gopt.round - round0, 1)
     stall_s = gopt.blocking_seconds - stall0
     # The state kept between rounds: read once the last exchanges are mixed and no push or
