@@ -348,7 +348,7 @@ class Daemon:
             **traffic,
             "neighbours": gopt.metrics.bytes_by_neighbour(),
             "exchanges": gopt.metrics.exchanges_by_neighbour(),
-            "anchor_checksums": gopt.algorithm.anchor_checksums(),
+            "anchor_checksums": gopt.anchor_checksums(),
         }
         self._write_status(
             step=gopt.local_step, loss=loss_value, final=final, **traffic, **_consensus(gopt)

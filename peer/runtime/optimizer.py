@@ -114,6 +114,10 @@ class GossipOptimizer:
         """ef-gradient / diloco: the stats of the last compressed exchange (else None)."""
         return getattr(self.peer.algorithm, "last_exchange", None)
 
+    def anchor_checksums(self) -> dict[int, str]:
+        """exact-diloco: the anchor's checksum after each phase (empty for the others)."""
+        return self.algorithm.anchor_checksums()
+
     @property
     def param_groups(self) -> list[dict]:
         """The wrapped optimizer's parameter groups (to read or set the learning rate)."""

@@ -218,6 +218,10 @@ class SiteOptimizer:
     def last_exchange(self):
         return self.gopt.last_exchange if self.gopt is not None else None
 
+    def anchor_checksums(self) -> dict[int, str]:
+        """The leader's anchor checksum after each phase (empty on the other ranks)."""
+        return self.gopt.anchor_checksums() if self.gopt is not None else {}
+
     @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
