@@ -8,6 +8,7 @@ from .layout import Layout
 from .panels import Panel, rejected_by_reason, stat, table, timeseries
 from .promql import (
     RECEIVED,
+    RELAY_FORWARDED,
     SENT,
     compression_ratio,
     lifetime_compression_ratio,
@@ -69,6 +70,13 @@ def _traffic_panels(s: str) -> list[Panel]:
         ),
         timeseries("Sent bandwidth by kind", [(rate(SENT, s, "kind"), "{{kind}}")], "Bps"),
         timeseries("Bytes sent per gossip round", [(per_round, "{{peer}}")], "decbytes"),
+        timeseries(
+            "Relayed bandwidth (relay → attached peer)",
+            [(rate(RELAY_FORWARDED, s, "peer, attached"), "{{peer}} → {{attached}}")],
+            "Bps",
+            "Bytes each relay forwards to and from each unreachable peer attached to it, both "
+            "ways (its tunnels: calls to that peer, and that peer's calls to peers behind it).",
+        ),
     ]
 
 

@@ -454,6 +454,7 @@ def test_dashboard_structure() -> None:
         "gossipgrad_peers",
         "gossipgrad_rejected_updates_total",
         "gossipgrad_resyncs_total",
+        "gossipgrad_relay_forwarded_bytes_total",
     ]
     dashes = {p.name: json.loads(p.read_text()) for p in DASHBOARD_DIR.glob("*.json")}
     assert len({d["uid"] for d in dashes.values()}) == len(dashes)
