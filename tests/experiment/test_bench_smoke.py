@@ -176,3 +176,26 @@ def test_bench_leave_measures_the_cpu_of_both_ways_to_exit() -> None:
     assert sorted(runs) == ["fast exit", "teardown"], stdout
     assert all(0 < float(v) < 60 for v in runs.values()), runs
     assert re.search(r"^ratio teardown / fast exit: [0-9.]+x$", stdout, re.M), stdout
+
+
+@pytest.mark.timeout(240)
+def test_bench_relay_runs_the_swarm_direct_and_through_a_relay(tmp_path: Path) -> None:
+    """One pair of short runs: in the relayed one peer1 and peer2 are called through peer0,
+    which counts the bytes it forwarded for each; the table and the ratio are printed."""
+    stdout = run_script(
+        "bench_relay.py", "--steps", "120", "--pairs", "1", "--accelerator-ms", "10",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    rows = dict(
+        re.findall(r"^(direct|relayed)\s+([0-9.]+)\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+", stdout, re.M)
+    )
+    assert sorted(rows) == ["direct", "relayed"], stdout
+    assert re.search(r"^ratio\s+[0-9.]+x", stdout, re.M), stdout
+    assert re.search(r"relayed / direct by pair [0-9.]+; median [0-9.]+$", stdout, re.M), stdout
+    pair = json.loads((tmp_path / "relay.json").read_text())["pairs"][0]
+    direct, relayed = pair["direct"], pair["relayed"]
+    assert not any(direct["forwarded"].values())  # nobody relayed
+    assert relayed["relays"] == {"peer1": "peer0", "peer2": "peer0"}
+    assert relayed["forwarded"]["peer1"] > 0 and relayed["forwarded"]["peer2"] > 0
+    assert all(v > 0 for v in relayed["carried"].values()) and len(relayed["carried"]) == 2
+    assert direct["steps"] == relayed["steps"] == 120
