@@ -227,6 +227,18 @@ class Daemon:
                 log.info("resumed from checkpoint at step %d", gopt.local_step)
                 self._write_status(step=gopt.local_step)  # not 0 while it finds the swarm
         started = time.monotonic()
+        bootstrap = peer.membership is not None and peer.membership.bootstrap
+        checked = False
+        if bootstrap and cfg.peer.expected_peers > 1 and not resumed:
+            # Reachability (and a relay) before the wait: a peer nobody can dial is present to
+            # another such peer only once it is called through its relay, so two of them
+            # waiting for each other would wait out start_timeout.
+            find_swarm(
+                peer.membership, cfg.peer.start_timeout, started=started, stop=self.stop_requested
+            )
+            if not self.stop_requested.is_set():
+                self._check_reachable(peer)
+                checked = True
         # A peer resuming from its checkpoint rejoins a swarm that already trains: waiting
         # for expected_peers would leave its neighbours waiting for it (up to start_timeout,
         # forever short of a peer that stays down).
@@ -244,12 +256,11 @@ class Daemon:
         # A late joiner starts from the swarm's state instead of from scratch; so does a peer
         # whose checkpoint the swarm has left join_after_steps or more behind (resumed, it
         # would lag the others to the end and train its last steps alone).
-        bootstrap = peer.membership is not None and peer.membership.bootstrap
         if self.stop_requested.is_set():  # a SIGTERM while waiting: leave without a state
             log.info("asked to stop before training: leaving")
         elif not bootstrap:
             self._check_reachable(peer)  # the first peer: nobody to ask, "unknown"
-        elif self._joined(gopt, resumed, started):
+        elif self._joined(gopt, resumed, started, checked):
             self._write_status(joined_at_step=gopt.local_step)
         if site is not None:
             gopt.sync_site()  # all ranks take the leader's state (resumed or joined)
@@ -280,7 +291,9 @@ class Daemon:
             raise NotReachable(f"{line} (peer.require_reachable = false to go on)")
         log.warning("%s; training alone", line)
 
-    def _joined(self, gopt: GossipOptimizer, resumed: bool, started: float) -> bool:
+    def _joined(
+        self, gopt: GossipOptimizer, resumed: bool, started: float, checked: bool = False
+    ) -> bool:
         """Find the swarm (JoinError if no bootstrap answers within ``peer.start_timeout``:
         a resumed peer too, which would otherwise train its remaining steps alone and report
         success), then take a donor's state: a fresh peer always (JoinError if no donor
@@ -292,7 +305,8 @@ class Daemon:
         )
         if self.stop_requested.is_set():
             return False
-        self._check_reachable(gopt.peer)
+        if not checked:  # (checked: before the wait for expected_peers)
+            self._check_reachable(gopt.peer)
         if not resumed:
             return gopt.join_from_swarm()
         try:

@@ -13,6 +13,11 @@ namespaces created here; no host interface is touched. A site's upload is shaped
 caps the rate, a netem leaf adds delay, jitter and loss. Per-link (pair) profiles get their own
 HTB class on the sender's ``eth0``, selected by a u32 filter on the destination address.
 
+A site in ``network.natted`` sits behind a NAT of its own (:mod:`gossipgrad.experiment.nat`):
+its veth from the hub ends in a router namespace ``PREFIXr<i>`` holding the site's address,
+which masquerades what the site sends and drops every new connection to it; the site's own
+``eth0`` (10.77.<i>.2) is a private link to that router.
+
 netem is a kernel module (sch_netem) that some kernels lack. Where it is missing and the spec
 asks for delay, jitter or loss (``network.emulator = "auto"``), or where the spec says
 ``emulator = "tun"``, each site's ``eth0`` is instead a TUN device and a user-space switch in
@@ -41,6 +46,7 @@ from collections.abc import Sequence
 
 from gossipgrad.experiment.link_path import swarm_paths
 from gossipgrad.experiment.link_tun import TunError, TunSwitch, open_tun, subnet_sites
+from gossipgrad.experiment.nat import nat_unavailable, private_address, put_behind_nat
 from gossipgrad.experiment.spec import LinkProfile, NetworkSection
 
 log = logging.getLogger(__name__)
@@ -201,9 +207,22 @@ class NetnsLab:
     def ns(self, i: int) -> str:
         return f"{self.prefix}p{i}"
 
+    def router(self, i: int) -> str:
+        """The namespace of site i's NAT router (sites in ``network.natted`` only)."""
+        return f"{self.prefix}r{i}"
+
     @staticmethod
     def address(i: int) -> str:
+        """Site i's address on the shared network (its NAT router's, for a site behind NAT)."""
         return f"{SUBNET}.{i + 1}"
+
+    def natted(self, i: int) -> bool:
+        """Whether site i is behind a NAT (``network.natted``)."""
+        return i in self.network.natted
+
+    def listen_address(self, i: int) -> str:
+        """The address site i's programs bind: its own (private, behind NAT)."""
+        return private_address(i) if self.natted(i) else self.address(i)
 
     def exec_prefix(self, i: int) -> list[str]:
         """Command prefix that runs a program inside site i's namespace."""
@@ -216,7 +235,7 @@ class NetnsLab:
 
     def up(self) -> NetnsLab:
         """Create namespaces, links and qdiscs; on any failure remove what was made."""
-        reason = available()
+        reason = available() or (nat_unavailable() if self.network.natted else None)
         if reason:
             raise NetnsError(reason)
         try:
@@ -253,6 +272,12 @@ class NetnsLab:
         return True
 
     def _up_tun(self) -> None:
+        if self.network.natted:
+            raise NetnsError(
+                "network.natted: sites behind NAT need veth links (tc shaping), not TUN links; "
+                "set network.emulator = 'netem', or drop delay, jitter and loss where this "
+                "kernel has no netem"
+            )
         fds: list[int] = []
         try:
             for i in range(self.n):
@@ -273,12 +298,19 @@ class NetnsLab:
         for i in range(self.n):
             ns = self.ns(i)
             self._add_ns(ns)
+            # A site behind NAT: the public link ends in its router, the site sits behind.
+            public = self.router(i) if self.natted(i) else ns
+            if public != ns:
+                self._add_ns(public)
             _run(["ip", "link", "add", f"v{i}", "netns", self.hub, "type", "veth",
-                  "peer", "name", "eth0", "netns", ns])  # fmt: skip
+                  "peer", "name", "eth0", "netns", public])  # fmt: skip
             _run(["ip", "-n", self.hub, "link", "set", f"v{i}", "master", "br0"])
             _run(["ip", "-n", self.hub, "link", "set", f"v{i}", "up"])
-            _run(["ip", "-n", ns, "addr", "add", f"{self.address(i)}/{PREFIX_LEN}", "dev", "eth0"])
-            _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+            _run(["ip", "-n", public, "addr", "add", f"{self.address(i)}/{PREFIX_LEN}",
+                  "dev", "eth0"])  # fmt: skip
+            _run(["ip", "-n", public, "link", "set", "eth0", "up"])
+            if public != ns:
+                put_behind_nat(i, ns, public, _run)
         for i in range(self.n):
             site = self.network.site(i)
             pairs = {}

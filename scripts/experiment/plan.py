@@ -29,8 +29,9 @@ def netns_lines(lab: NetnsLab, network: NetworkSection, n: int) -> list[str]:
         lines.append(f"links: {how} (delay, jitter, loss); TUN links: a user-space switch")
     for i in range(n):
         site = network.site(i)
+        behind = f" behind NAT (router {lab.router(i)})" if i in network.natted else ""
         lines.append(
-            f"site {i}: namespace {lab.ns(i)} address {lab.address(i)} "
+            f"site {i}: namespace {lab.ns(i)} address {lab.address(i)}{behind} "
             f"rate={site.rate or 'unshaped'} delay={site.delay or 0} "
             f"jitter={site.jitter or 0} loss={site.loss}%"
         )

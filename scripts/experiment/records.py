@@ -78,6 +78,11 @@ class PeerResult(_Open):
         description="Bytes per neighbour, ``{id: {sent, received}}``: the peer's final counts "
         "(its summary.json), else the last scrape of its metrics (local mode).",
     )
+    relay: str | None = Field(
+        None,
+        description="The relay it was called through at its last status.json write (a peer "
+        "nobody could dial, e.g. behind NAT); empty: called directly; None: no status.",
+    )
 
 
 class SwarmResult(_Open):

@@ -36,6 +36,9 @@ from rich.console import Console
 
 log = logging.getLogger(__name__)
 
+#: The port a peer behind NAT (``network.natted``, netns mode) listens on and advertises.
+NATTED_PORT = 7000
+
 
 def _delta(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]]) -> dict[str, int]:
     """Per site access link: bytes sent (upload) and received (download) in a phase."""
@@ -90,6 +93,11 @@ class Experiment:
         if not self.lab:
             return {}
         opts = {"peer.listen": f"{self.lab.address(i)}:0"}
+        if self.lab.natted(i):
+            # Behind NAT it binds its private address and advertises its router's public one
+            # (where every new connection is dropped): a fixed port, the namespace its own.
+            opts["peer.listen"] = f"{self.lab.listen_address(i)}:{NATTED_PORT}"
+            opts["peer.advertise"] = f"{self.lab.address(i)}:{NATTED_PORT}"
         # The namespaces form a private network with no route out of this host, so plaintext
         # gRPC is fine there unless the spec configures [security] itself.
         if "security" not in self.spec.peer_raw:

@@ -160,6 +160,11 @@ class NetworkSection(LinkProfile):
     max(rto, RTT + 4 x jitter), RFC 6298 with Linux's 200 ms minimum)."""
     sites: list[SiteProfile] = Field(default_factory=list)
     links: list[PairProfile] = Field(default_factory=list)
+    natted: list[int] = Field(default_factory=list)
+    """netns mode: sites (peer indices) behind a NAT of their own that masquerades what goes
+    out and drops every new connection coming in (gossipgrad.experiment.nat, nftables): they
+    can dial out, nobody can dial them, and their peers are called through relays. Not
+    peer 0 (every peer's bootstrap), and no baselines (their ranks dial each other)."""
 
     @field_validator("rto")
     @classmethod
@@ -169,7 +174,7 @@ class NetworkSection(LinkProfile):
         return v
 
     def site(self, i: int) -> LinkProfile:
-        keep = {"sites", "links", "emulator", "rto"}
+        keep = {"sites", "links", "emulator", "rto", "natted"}
         base = LinkProfile(**self.model_dump(exclude=keep, exclude_unset=True))
         for s in self.sites:
             if i in s.peers:
@@ -304,6 +309,26 @@ class Spec(_Model):
             if max(link.a, link.b) >= n:
                 raise ValueError(f"network.links.{k}: peer index out of range 0..{n - 1}")
         mode, net = self.experiment.mode, self.network
+        if net.natted:
+            bad = [i for i in net.natted if not 0 <= i < n]
+            if bad:
+                raise ValueError(f"network.natted: {bad} out of range 0..{n - 1}")
+            if len(set(net.natted)) != len(net.natted):
+                raise ValueError(f"network.natted: a site listed twice: {net.natted}")
+            if mode != "netns":
+                raise ValueError(
+                    f"network.natted: sites behind NAT need experiment.mode = 'netns' (a "
+                    f"namespace per site), not {mode!r}"
+                )
+            if 0 in net.natted:
+                raise ValueError(
+                    "network.natted: peer 0 is every peer's bootstrap and must be reachable"
+                )
+            if self.baselines.run:
+                raise ValueError(
+                    "network.natted: baseline ranks dial each other directly, which a NAT "
+                    "drops; set baselines.run = [] (the swarm alone) with sites behind NAT"
+                )
         if mode == "ssh" and net.shaped():
             raise ValueError("network: ssh mode runs over real links; drop [network] shaping")
         if mode == "local" and net.shaped() and net.emulator in ("netem", "tun"):

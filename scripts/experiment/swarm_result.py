@@ -10,7 +10,7 @@ from gossipgrad.experiment.launch import LocalSwarm
 from gossipgrad.experiment.records import PeerResult, Sample, SwarmResult
 from gossipgrad.experiment.ssh import SshSwarm
 from gossipgrad.experiment.swarm_sampling import EdgeBytes, SwarmSampler
-from gossipgrad.peer.records import PeerSummary, read_record
+from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
 
 
 def peer_result(
@@ -22,11 +22,18 @@ def peer_result(
     from the last scrape (``edges``: up to ``SCRAPE_EVERY_S`` old, empty for a run shorter
     than that)."""
     summary = read_record(run_dir / "summary.json", PeerSummary)
+    status = read_record(run_dir / "status.json", PeerStatus)
     finished = summary is not None and not summary.stopped_early
-    entry = PeerResult(id=f"peer{i}", ok=ok and finished, history=history, neighbours=edges)
+    entry = PeerResult(
+        id=f"peer{i}",
+        ok=ok and finished,
+        history=history,
+        neighbours=edges,
+        relay=None if status is None else status.relay or "",
+    )
     if summary is None:
         return entry
-    fields = set(PeerResult.model_fields) - {"ok", "history"}
+    fields = set(PeerResult.model_fields) - {"ok", "history", "relay"}
     if not summary.neighbours:
         fields.discard("neighbours")
     return entry.model_copy(update=summary.model_dump(include=fields))

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 from gossipgrad.experiment import netns
+from gossipgrad.experiment.nat import nat_unavailable
 from gossipgrad.experiment.report import load_report
 from gossipgrad.experiment.spec import NetworkSection
-from gossipgrad.peer.records import PeerStatus, read_record
+from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
 from support import ROOT
 from support.experiment import processes_mentioning
 
@@ -188,3 +189,43 @@ def test_sigterm_stops_everything_and_removes_namespaces(tmp_path: Path) -> None
     assert "namespaces removed" in output
     assert ours(prefix) == []
     assert processes_mentioning(str(out)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(280)
+@pytest.mark.skipif(nat_unavailable() is not None, reason=str(nat_unavailable()))
+def test_natted_sites_train_through_a_relay(tmp_path: Path) -> None:
+    """network.natted = [1, 2]: both sites sit behind NATs of their own (new inbound
+    connections dropped), so both are called through peer0, the only site anyone can dial;
+    they find that out before waiting for the others (two unreachable peers would otherwise
+    count each other absent until start_timeout, and peer0 would be done by then), train
+    the same steps and mix with each other through the relay; the report names the relays,
+    and the routers' namespaces are removed with the rest."""
+    out = tmp_path / "run"
+    proc = run_cli(
+        out,
+        "network.natted=[1, 2]",
+        "train.steps=100",
+        "baselines.run=[]",
+        "experiment.timeout=200",
+    )
+    output, _ = proc.communicate(timeout=270)
+    assert proc.returncode == 0, output[-4000:]
+    report = load_report(out)
+    assert report.mode == "netns" and report.ok and report.namespaces
+    assert ours(report.namespaces) == []  # hub, sites and both routers
+    assert processes_mentioning(str(out)) == []
+    peers = report.swarm.peers
+    assert [p.relay for p in peers] == ["", "peer0", "peer0"]
+    for i, p in enumerate(peers):
+        assert p.ok and p.steps == 100 and (p.final or {})["accuracy"] > 0.7, i
+    for i in (1, 2):
+        status = read_record(out / "swarm" / f"peer{i}" / "status.json", PeerStatus)
+        assert status is not None and status.reachability is not None
+        assert status.reachability.status == "unreachable", status.reachability
+        assert status.address == f"198.18.0.{i + 1}:7000"  # its router's, where SYNs drop
+    # The two NAT'd sites (neighbours on the ring) mixed with each other.
+    summaries = [
+        read_record(out / "swarm" / f"peer{i}" / "summary.json", PeerSummary) for i in (1, 2)
+    ]
+    assert max(summaries[0].exchanges.get("peer2", 0), summaries[1].exchanges.get("peer1", 0))

@@ -66,11 +66,59 @@ def test_shipped_specs_validate(path: Path) -> None:
         ),
         ({"baselines": {"run": ["ddp", "allgather"]}}, "baselines.run"),
         ({"experiment": {"mode": "ssh"}}, "ssh.inventory"),
+        (
+            {
+                "experiment": {"mode": "netns", "peers": 3},
+                "network": {"natted": [1, 3]},
+                "baselines": {"run": []},
+            },
+            r"network.natted: [3] out of range 0..2",
+        ),
+        (
+            {"network": {"natted": [1]}, "baselines": {"run": []}},
+            "network.natted: sites behind NAT need experiment.mode = 'netns'",
+        ),
+        (
+            {"experiment": {"mode": "netns"}, "network": {"natted": [0]}, "baselines": {"run": []}},
+            "network.natted: peer 0 is every peer's bootstrap",
+        ),
+        (
+            {
+                "experiment": {"mode": "netns"},
+                "network": {"natted": [1, 1]},
+                "baselines": {"run": []},
+            },
+            "network.natted: a site listed twice",
+        ),
+        (
+            {"experiment": {"mode": "netns"}, "network": {"natted": [1]}},
+            "network.natted: baseline ranks dial each other directly",
+        ),
     ],
 )
 def test_bad_specs_name_the_key(raw: dict, key: str) -> None:
-    with pytest.raises(SpecError, match=key.replace(".", r"\.").replace("(", r"\(")):
+    pattern = key.replace(".", r"\.").replace("(", r"\(").replace("[", r"\[").replace("]", r"\]")
+    with pytest.raises(SpecError, match=pattern):
         parse_spec(raw)
+
+
+@pytest.mark.timeout(30)
+def test_dry_run_places_natted_sites_behind_their_routers(tmp_path: Path) -> None:
+    """network.natted: a NAT'd site binds its private address and advertises its router's."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "gossipgrad.experiment", str(SPECS[0]), "--out",
+         str(tmp_path / "out"), "--dry-run", "--set", "experiment.peers=3", "--set",
+         "experiment.mode=netns", "--set", "network.natted=[2]", "--set", "baselines.run=[]"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    sites = [line for line in proc.stdout.splitlines() if line.startswith("site ")]
+    assert len(sites) == 3 and "behind NAT (router ggPLANx0000-r2)" in sites[2], sites
+    assert not any("behind NAT" in line for line in sites[:2]), sites
+    peer2 = next(line for line in proc.stdout.splitlines() if line.startswith("peer 2:"))
+    assert "--peer.listen 10.77.2.2:7000 --peer.advertise 198.18.0.3:7000" in peer2, peer2
+    peer1 = next(line for line in proc.stdout.splitlines() if line.startswith("peer 1:"))
+    assert "--peer.advertise" not in peer1 and "--peer.listen 198.18.0.2:0" in peer1, peer1
 
 
 @pytest.mark.timeout(30)

@@ -6,7 +6,8 @@ benchmarking range, RFC 2544), plugged into ``br0`` or ``br1`` by its group. Tak
 down partitions the two groups; a peer's own link can be delayed (netem) or flapped. Nothing
 is created in the caller's namespace, and :meth:`close` deletes every namespace.
 
-A peer in ``natted`` sits behind a NAT of its own (nftables needed): its namespace holds
+A peer in ``natted`` sits behind a NAT of its own (nftables needed;
+:mod:`gossipgrad.experiment.nat`, which the experiment runner uses too): its namespace holds
 only ``eth0`` = 10.77.(i).2/24, routed through a router namespace ``<prefix>r<i>`` whose
 ``eth0`` on the bridge has the peer's public address 198.18.0.(i+1) and which masquerades
 what goes out and drops every new connection coming in (a site behind a typical NAT or
@@ -20,6 +21,8 @@ import shutil
 import subprocess
 import uuid
 
+from gossipgrad.experiment.nat import nat_unavailable, private_address, put_behind_nat
+
 
 def netlab_unavailable(nat: bool = False) -> str | None:
     """Why a NetLab (``nat``: with peers behind NAT) cannot run here, or None."""
@@ -27,30 +30,7 @@ def netlab_unavailable(nat: bool = False) -> str | None:
         return "needs root for network namespaces"
     if shutil.which("ip") is None:
         return "needs iproute2 (ip)"
-    if nat and shutil.which("nft") is None:
-        return "needs nftables (nft) for NAT"
-    return None
-
-
-#: The router's rules: masquerade outbound, drop every new connection from outside.
-NAT_RULES = """
-table ip nat {
-  chain outbound_nat { type nat hook postrouting priority 100; oifname "eth0" masquerade; }
-}
-table inet filter {
-  chain from_outside {
-    type filter hook forward priority 0; policy drop;
-    iifname "in0" accept
-    ct state established,related accept
-  }
-  chain to_router {
-    type filter hook input priority 0; policy drop;
-    iifname "lo" accept
-    iifname "in0" accept
-    ct state established,related accept
-  }
-}
-"""
+    return nat_unavailable() if nat else None
 
 
 class NetLab:
@@ -74,7 +54,7 @@ class NetLab:
     @staticmethod
     def private_address(i: int) -> str:
         """The address a peer behind NAT has inside (nobody outside can route to it)."""
-        return f"10.77.{i}.2"
+        return private_address(i)
 
     def _ip(self, *args: str) -> None:
         subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
@@ -105,27 +85,9 @@ class NetLab:
             self._ip(*hub, "link", "set", f"v{i}", "master", f"br{group}", "up")
             self._ip("-n", public, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
             self._ip("-n", public, "link", "set", "eth0", "up")
-            if public != ns:
-                self._nat(i, ns, public)
+            if public != ns:  # a private link to its router, which masquerades
+                put_behind_nat(i, ns, public)
         return self
-
-    def _nat(self, i: int, ns: str, router: str) -> None:
-        """Peer i's namespace behind ``router``: a private link, a default route, the rules."""
-        self._ip("-n", router, "link", "add", "in0", "type", "veth", "peer", "name", "out0")
-        self._ip("-n", router, "link", "set", "out0", "netns", ns)
-        self._ip("-n", ns, "link", "set", "out0", "name", "eth0")
-        self._ip("-n", router, "addr", "add", f"10.77.{i}.1/24", "dev", "in0")
-        self._ip("-n", router, "link", "set", "in0", "up")
-        self._ip("-n", ns, "addr", "add", f"{self.private_address(i)}/24", "dev", "eth0")
-        self._ip("-n", ns, "link", "set", "eth0", "up")
-        self._ip("-n", ns, "route", "add", "default", "via", f"10.77.{i}.1")
-        run = ["ip", "netns", "exec", router]
-        subprocess.run(
-            [*run, "sysctl", "-qw", "net.ipv4.ip_forward=1"], check=True, capture_output=True
-        )
-        subprocess.run(
-            [*run, "nft", "-f", "-"], input=NAT_RULES, text=True, check=True, capture_output=True
-        )
 
     def partition(self) -> None:
         """Cut the link between the two groups."""
