@@ -17,7 +17,11 @@ Who is heartbeated, per interval (``membership.heartbeat_interval``):
    per pass (SWIM's round-robin probe selection: Das, Gupta, Motivala, DSN 2002, section 4.3);
 3. peers dead by silence every 5th interval (to notice a return from a partition or a
    stall; not those that said they were leaving), and the bootstrap while alone;
-4. peers whose address refused a call (*gone*: nothing listens there, the process has ended)
+4. peers heard of only second hand (not yet in the topology: ``peers.py``), at most
+   ``VERIFY_PER_INTERVAL`` a random pick of them, so a joiner, or a peer told of one, has it
+   in its topology an interval later, and ids a member made up cost a bounded number of
+   failed probes;
+5. peers whose address refused a call (*gone*: nothing listens there, the process has ended)
    every ``GONE_PROBE_EVERY``-th interval while they are suspect, instead of 1, and never once
    they are dead, instead of 3: only a new process can answer there, and a new process says
    so itself (it joins, and its new incarnation spreads with the peer lists). Probed every
@@ -62,6 +66,8 @@ log = logging.getLogger(__name__)
 
 #: A peer whose address refused a call is probed every this many intervals (module docstring).
 GONE_PROBE_EVERY = 10
+#: Peers heard of only second hand heartbeated per interval, at most (module docstring).
+VERIFY_PER_INTERVAL = 32
 #: Most entries a heartbeat's peer list may hold; a longer one is refused whole (the server
 #: counts it as ``too_large``).
 MAX_KNOWN = MAX_PEERS
@@ -254,6 +260,7 @@ class Membership(PeerTable):
         gone_due = self._tick % GONE_PROBE_EVERY == 0
         every: list[str] = []
         far: set[str] = set()
+        unverified: list[str] = []
         with self._lock:
             for pid, r in self._peers.items():
                 if r.state == DEAD:
@@ -263,10 +270,15 @@ class Membership(PeerTable):
                 elif r.gone and not r.condemned:  # condemned: one heartbeat confirms the death
                     if gone_due and not r.info.leaving:
                         every.append(pid)
+                elif not r.heard_directly:
+                    unverified.append(pid)
                 elif pid in near or r.unanswered_since is not None or r.condemned or r.recheck:
                     every.append(pid)
                 else:
                     far.add(pid)
+            if len(unverified) > VERIFY_PER_INTERVAL:
+                unverified = self._rng.sample(unverified, VERIFY_PER_INTERVAL)
+            every += unverified
             chosen = self._next_far(far, self.far_fanout(len(live))) if far_due else []
             out = [(self._peers[pid].info.address, pid) for pid in [*every, *chosen]]
             alone = not any(r.state != DEAD for r in self._peers.values())

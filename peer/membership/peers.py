@@ -14,7 +14,11 @@ incarnation, address and departure are taken only from its own word: a heartbeat
 (under mutual TLS the transport has matched the sender to its certificate) or its answer to
 a heartbeat sent to the address held here. Another peer's word (hearsay) can add a peer to
 probe, never kill it, move it or raise its incarnation, so one member, or one bug in one,
-cannot take others out of every table.
+cannot take others out of every table. Nor can it put a peer into anyone's topology: a peer
+is *present* (a neighbour candidate, counted, passed on in peer lists) only once it has
+spoken for itself in its current life. Until then it is only probed; an id a member made up,
+at an address where no server holds that id's certificate, never answers, so it takes no
+neighbour slot and spreads no further than the tables the member told it to.
 
 A death travels as a certificate: the dead peer's PeerInfo with ``leaving`` set. A table that
 receives one for a peer it holds alive does not believe it; it marks the peer *condemned*, and
@@ -73,6 +77,11 @@ class PeerRecord:
     recheck: bool = False
 
 
+def _present(r: PeerRecord) -> bool:
+    """In the topology: not dead, not leaving, and heard from itself in its current life."""
+    return r.state != DEAD and not r.info.leaving and r.heard_directly
+
+
 class PeerTable:
     """Every other peer this one knows of, aged by silence.
 
@@ -98,16 +107,26 @@ class PeerTable:
     # ------------------------------------------------------------------ views
 
     def present_ids(self) -> list[str]:
-        """Sorted ids of peers in the topology (alive or suspect), self included."""
+        """Sorted ids of peers in the topology (alive or suspect, and heard from themselves
+        in their current life), self included."""
         with self._lock:
-            ids = [pid for pid, r in self._peers.items() if r.state != DEAD and not r.info.leaving]
+            ids = [pid for pid, r in self._peers.items() if _present(r)]
         return sorted([*ids, self.me.id])
 
     def live_ids(self) -> list[str]:
-        """Sorted ids of the peers taking part now: self and the alive ones."""
+        """Sorted ids of the peers taking part now: self and the alive present ones."""
         with self._lock:
-            ids = [pid for pid, r in self._peers.items() if r.state == ALIVE and not r.info.leaving]
+            ids = [pid for pid, r in self._peers.items() if _present(r) and r.state == ALIVE]
         return sorted([*ids, self.me.id])
+
+    def unverified_ids(self) -> list[str]:
+        """Ids heard of only second hand in their current life and not dead: to probe."""
+        with self._lock:
+            return sorted(
+                pid
+                for pid, r in self._peers.items()
+                if not r.heard_directly and r.state != DEAD and not r.info.leaving
+            )
 
     def is_alive(self, peer_id: str) -> bool:
         with self._lock:
@@ -140,9 +159,10 @@ class PeerTable:
         return out
 
     def known_infos(self) -> list[pb.PeerInfo]:
-        """PeerInfos worth spreading: self and every peer not known dead."""
+        """PeerInfos worth spreading: self and every peer not known dead that has spoken for
+        itself in its current life (what is only hearsay here is not passed on)."""
         with self._lock:
-            infos = [r.info for r in self._peers.values() if r.state != DEAD]
+            infos = [r.info for r in self._peers.values() if r.state != DEAD and r.heard_directly]
         return [self.me, *infos]
 
     def certificates(self) -> list[pb.PeerInfo]:

@@ -206,7 +206,8 @@ def test_a_long_peer_list_reports_one_change_not_one_per_entry() -> None:
              for i in range(500)]  # fmt: skip
     sender = pb.PeerInfo(id="s", address="127.0.0.1:1999", incarnation=1)
     m.handle_heartbeat(pb.HeartbeatRequest(swarm="swarm", sender=sender, known=known))
-    assert len(m.present_ids()) == 502
+    # The sender spoke for itself; the 500 are its word only: held, to probe.
+    assert m.present_ids() == ["me", "s"] and len(m.unverified_ids()) == 500
     assert len(changes) == 1, len(changes)
 
 
@@ -274,5 +275,48 @@ def test_a_member_cannot_answer_for_a_dead_peer_or_an_invented_one_at_its_own_ad
         assert not {"p2", "p9"} & set(p0.membership.live_ids())
         stats = run_rounds([p0, p1], 3)  # the honest pair still gossips
         assert {"p0", "p1"} <= {pid for s in stats for pid in s.mixed}, stats
+    finally:
+        server.stop(grace=0)
+
+
+def test_ids_a_member_makes_up_take_no_neighbour_slot_and_go_no_further(certs) -> None:
+    """Issue 40: ids a member invents, told second hand at an address where no server holds
+    their certificates, were taken alive into the topology (a ring slot each, for
+    ``dead_after``, and again with each new incarnation told) and passed on in peer lists to
+    every other peer. Now they are only probed: p0 never puts them in its topology, p1 and p2
+    never hear of them, and the honest three still gossip with each other."""
+    p0, p1, p2 = tls_swarm(certs)
+    handler = Impersonator()
+    evil_sec = TransportSecurity.from_files(certs.ca, certs.certs["evil"], certs.keys["evil"])
+    server = GossipServer(handler, security=evil_sec)
+    server.start()
+    try:
+        invented = [f"q{i}" for i in range(40)]
+
+        def kept_out() -> None:
+            # evil spoke for itself (present until its own address fails it); the ids it
+            # made up did not.
+            honest = {"p0", "p1", "p2"}
+            assert set(p0.membership.present_ids()) - {"evil"} == honest
+            assert set(p0.neighbourhood.ids()) - {"evil"} == honest
+            for q in invented:
+                rec = p0.membership.record(q)
+                assert rec is None or not rec.heard_directly, rec
+            for other in (p1, p2):
+                assert all(other.membership.record(q) is None for q in invented)
+            assert handler.calls == 0, "a probe of an invented id reached evil"
+
+        with evil_client(certs, p0.address) as evil:
+            for _ in range(3):  # a new life each time: nothing brings them in
+                claims = [
+                    pb.PeerInfo(id=q, address=server.address, incarnation=time.time_ns())
+                    for q in invented
+                ]
+                evil.heartbeat(
+                    pb.HeartbeatRequest(swarm="gossipgrad", sender=evil_info(), known=claims)
+                )
+                hold_for(1.0, kept_out)
+        stats = run_rounds([p0, p1, p2], 3)
+        assert {"p0", "p1", "p2"} <= {pid for s in stats for pid in s.mixed}, stats
     finally:
         server.stop(grace=0)

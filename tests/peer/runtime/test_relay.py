@@ -114,15 +114,23 @@ def outbound_only(peer: Peer) -> str:
     return relay
 
 
-def swarm(certs, advertised: dict[str, str]) -> list[Peer]:
-    """p0, p1, x, y (a ring p0-p1-x-y: x and y are neighbours), the same seeds every time."""
+def swarm(certs, advertised: dict[str, str]) -> tuple[list[Peer], dict[str, str]]:
+    """p0, p1, x, y (a ring p0-p1-x-y: x and y are neighbours), the same seeds every time,
+    and the relay each peer in ``advertised`` attached to. Those attach before the swarm is
+    awaited, as a daemon's start does: a peer enters others' topologies only once it has
+    answered or called them itself, and x and y can reach each other only through relays."""
     peers: list[Peer] = []
     for i, pid in enumerate(["p0", "p1", "x", "y"]):
         extra = {"peer.advertise": advertised[pid]} if pid in advertised else {}
         bootstrap = [peers[0].address] if peers else []
         peers.append(start_peer(pid, bootstrap, 200 + i, {**tls(certs, pid), **extra}))
+    relays = {}
+    for q in peers:
+        if q.id in advertised:
+            wait_for(lambda q=q: {"p0", "p1"} <= set(q.membership.live_ids()), 10, "members")
+            relays[q.id] = outbound_only(q)
     wait_until_met(peers)
-    return peers
+    return peers, relays
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:
@@ -141,16 +149,15 @@ def test_two_outbound_only_neighbours_train_through_relays_like_a_direct_swarm(
     dialled: every edge's mirrors exact, and the same spread after the same rounds."""
     rounds = 15
     mark = started_count()
-    direct = swarm(certs, {})
+    direct, _ = swarm(certs, {})
     start = distance(direct)
     run_rounds(direct, rounds)
     direct_after = distance(direct)
     close_started(mark)
 
-    peers = swarm(certs, {"x": nat[0].address, "y": nat[1].address})
-    p0, p1, x, y = peers
+    peers, relays = swarm(certs, {"x": nat[0].address, "y": nat[1].address})
+    p0, p1, x, _ = peers
     assert distance(peers) == pytest.approx(start)  # the same models to begin with
-    relays = {q.id: outbound_only(q) for q in (x, y)}
     assert set(relays.values()) <= {"p0", "p1"}
     # Every peer learns whom to call through which relay.
     wait_for(
