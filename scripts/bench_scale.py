@@ -278,6 +278,8 @@ def _peer(rank: int, a: dict, addresses, barrier) -> dict:
 
 def run_case(args: argparse.Namespace, numel: int, algorithm: str) -> list[dict]:
     """One swarm of ``args.peers`` processes; their figures, or SystemExit on a failure."""
+    from gossipgrad.peer.config.recommended import recommended
+
     ctx = mp.get_context("spawn")
     addresses, results, barrier = ctx.Queue(), ctx.Queue(), ctx.Barrier(args.peers)
     settings = {
@@ -285,7 +287,7 @@ def run_case(args: argparse.Namespace, numel: int, algorithm: str) -> list[dict]
         "algorithm": algorithm,
         "peers": args.peers,
         "rounds": args.rounds,
-        "local_steps": args.local_steps.get(algorithm, 1),
+        "local_steps": args.local_steps.get(algorithm, recommended(algorithm, "local_steps")),
         "accelerator_ms": args.accelerator_ms,
         "lr": 0.2,
         "set": args.set,
@@ -573,8 +575,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=6, help="gossip rounds per case (default 6)")
     p.add_argument(
         "--local-steps",
-        default="choco=1,diloco=10,ef-gradient=1",
-        help="steps per round per algorithm (default choco=1,diloco=10,ef-gradient=1)",
+        default="",
+        help="steps per round per algorithm, e.g. choco=1,diloco=10 (default: each "
+        "algorithm's recommended gossip.local_steps)",
     )
     p.add_argument(
         "--accelerator-ms",
@@ -602,7 +605,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.algorithms = [s.strip() for s in args.algorithms.split(",") if s.strip()]
     try:
         args.local_steps = {
-            k: int(v) for k, v in (kv.split("=") for kv in args.local_steps.split(","))
+            k: int(v) for k, v in (kv.split("=") for kv in args.local_steps.split(",") if kv)
         }
         args.set = dict(_override(kv) for kv in args.set)
     except ValueError as err:
