@@ -266,6 +266,22 @@ class RelayHub:
         except grpc.RpcError:  # the other call ended
             return
 
+    def open_local(self, caller: str, frames: Iterator[bytes]) -> Iterator[pb.RelayFrame]:
+        """A tunnel this member opens itself to a peer attached here: what a Relay call to
+        its own server does (``frames`` open with a RelayOpen frame; the same bounds, the
+        same byte count), without the call, so its own calls to the peers it relays for
+        cross no loopback connection and no server threads of its own. Returns the frames
+        the target sends (ending when either side does; ``cancel()`` ends it), or raises
+        UpdateRejected as :meth:`open` does."""
+        try:
+            opening = pb.RelayFrame.FromString(next(frames)).open
+        except StopIteration:
+            raise UpdateRejected(
+                grpc.StatusCode.INVALID_ARGUMENT, "malformed", "a relay call must open"
+            ) from None
+        call = _LocalCall()
+        return _LocalReplies(self, self.open(opening, caller, frames, call), call)
+
     def close(self, tunnel: Tunnel) -> None:
         """The caller's call ended: forget the tunnel."""
         with self._lock:
@@ -277,6 +293,60 @@ class RelayHub:
             entry = self._attached.get(tunnel.target)
             if entry is not None and entry.tunnels > 0:
                 entry.tunnels -= 1
+
+
+class _LocalCall:
+    """The caller's end of a tunnel a relay opens itself (:meth:`RelayHub.open_local`): what
+    the splice needs of a Relay call's context, to end the other call and be ended by it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
+        self._ended = False
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        with self._lock:
+            if self._ended:
+                return False
+            self._callbacks.append(callback)
+            return True
+
+    def is_active(self) -> bool:
+        return not self._ended
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+
+class _LocalReplies:
+    """The target's frames on a tunnel opened in process, as a Relay call's replies."""
+
+    def __init__(self, hub: RelayHub, tunnel: Tunnel, call: _LocalCall) -> None:
+        self._hub = hub
+        self._tunnel = tunnel
+        self._call = call
+
+    def __iter__(self) -> Iterator[pb.RelayFrame]:
+        try:
+            if not self._tunnel.accepted.wait(ACCEPT_TIMEOUT_S):
+                log.debug("%s did not accept tunnel %d", self._tunnel.target, self._tunnel.id)
+                return
+            for raw in self._hub.to_caller(self._tunnel):
+                if not self._call.is_active():
+                    return
+                yield pb.RelayFrame.FromString(raw)
+        finally:
+            self._call.cancel()
+            self._hub.close(self._tunnel)
+
+    def cancel(self) -> None:
+        self._call.cancel()
 
 
 # --------------------------------------------------------------------------- both ends

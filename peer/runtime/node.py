@@ -451,14 +451,12 @@ class Peer:
         relay = rec.info.relay if rec is not None else ""
         if not relay:
             return None
-        if relay == self.id:  # relaying for it ourselves: to our own server
-            address = self.address
-        else:
-            relay_rec = self.membership.record(relay)
-            if relay_rec is None or relay_rec.info.relay:
-                return None
-            address = relay_rec.info.address
-        client = self.clients.get(address, relay)
+        if relay == self.id:  # relaying for it ourselves: straight into our own hub
+            return relay, lambda frames: self.relays.open_local(self.id, frames)
+        relay_rec = self.membership.record(relay)
+        if relay_rec is None or relay_rec.info.relay:
+            return None
+        client = self.clients.get(relay_rec.info.address, relay)
         return relay, lambda frames: client.relay_stream(protocol.RELAY, frames)
 
     def _local_address(self) -> str:

@@ -192,6 +192,10 @@ def test_two_outbound_only_neighbours_train_through_relays_like_a_direct_swarm(
         assert forwarded > 0 and carried > 0, (q, relay, forwarded, carried)
     # Only x and y are relayed for; p0 and p1 call each other directly.
     assert sorted(p0.relays.attached() + p1.relays.attached()) == sorted(relays)
+    # A relay calls the peers attached to it straight through its own hub: no client, no
+    # Relay call, to its own server (BENCHMARKS.md, "Relays").
+    for relay in set(relays.values()):
+        assert by_id[relay].address not in by_id[relay].clients.addresses(), relay
 
 
 def test_an_outbound_only_joiner_downloads_its_state_through_a_relay(certs) -> None:
