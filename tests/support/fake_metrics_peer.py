@@ -4,7 +4,8 @@ It serves PeerMetrics on 127.0.0.1 (port 0), writes ``READY <port>`` on stdout, 
 gossip rounds with realistic numbers -- top-1% + int8 updates of a ``--params`` model (so the
 compression ratio is ~170x), pushes and round latencies drawn from log-normal distributions,
 a decaying loss and consensus distance, rising accuracy, a resync every 25 rounds, a stale
-update now and then -- until SIGTERM or ``--max-seconds``. Heartbeats are counted without
+update now and then, the updates of the peers it relays for (``--relay-for``) -- until
+SIGTERM or ``--max-seconds``. Heartbeats are counted without
 a neighbour (``UNATTRIBUTED``), as the daemon's membership layer does.
 
 tests/peer/runtime/test_prometheus_e2e.py scrapes a swarm of these next to a swarm of real
@@ -41,6 +42,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--round-seconds", type=float, default=0.05)
     ap.add_argument("--max-seconds", type=float, default=120.0)
+    ap.add_argument(
+        "--relay-for", default="", help="comma-separated ids of peers it relays for (their updates)"
+    )
     return ap.parse_args(argv)
 
 
@@ -83,6 +87,8 @@ def play_round(
     m.set_consensus_distance(math.exp(-r / 40) + rng.uniform(0, 0.01))
     m.set_error_feedback_norm(5.0 + rng.uniform(-0.5, 0.5))
     m.record_blocking(0.01 * len(neighbors))
+    for attached in filter(None, args.relay_for.split(",")):  # both ways, to two neighbours
+        m.record_relay_forwarded(attached, 4 * update_wire_bytes(args.params, args.density, rng))
 
 
 def main(argv: list[str] | None = None) -> int:
