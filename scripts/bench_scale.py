@@ -296,12 +296,18 @@ def run_case(args: argparse.Namespace, numel: int, algorithm: str) -> list[dict]
         ctx.Process(target=peer_main, args=(r, settings, addresses, barrier, results), daemon=True)
         for r in range(args.peers)
     ]
+    return run_processes(procs, results, args.timeout)
+
+
+def run_processes(procs: list, results, timeout: float) -> list[dict]:
+    """Start ``procs``, one result each from ``results``, sorted by rank; SystemExit if any
+    peer failed (its traceback), the stragglers killed after 30 s."""
     for p in procs:
         p.start()
     out = []
     try:
         for _ in procs:
-            out.append(results.get(timeout=args.timeout))
+            out.append(results.get(timeout=timeout))
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -456,21 +462,7 @@ def run_join_case(args: argparse.Namespace, numel: int, algorithm: str) -> dict:
         ctx.Process(target=join_main, args=(r, settings, to_joiner, to_donor, results), daemon=True)
         for r in range(2)
     ]
-    for p in procs:
-        p.start()
-    out = []
-    try:
-        for _ in procs:
-            out.append(results.get(timeout=args.timeout))
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    failed = [r for r in out if "error" in r]
-    if failed:
-        raise SystemExit(f"bench_scale: peer {failed[0]['rank']} failed:\n{failed[0]['error']}")
-    donor, joiner = sorted(out, key=lambda r: r["rank"])
+    donor, joiner = run_processes(procs, results, args.timeout)
     m = donor["model_bytes"]
     return {
         "size": numel,

@@ -43,7 +43,7 @@ import torch
 from gossipgrad.peer.algorithms.averaging import AverageStats, CompressedAverage, Ticket
 from gossipgrad.peer.algorithms.base import GossipAlgorithm, RoundStats
 from gossipgrad.peer.algorithms.choco import ChocoGossip
-from gossipgrad.peer.algorithms.outer import OuterSettings, outer_step
+from gossipgrad.peer.algorithms.outer import OuterSettings, outer_step, restore_outer
 from gossipgrad.peer.flat import FlatParameters
 from gossipgrad.proto import gossip_pb2 as pb
 
@@ -207,14 +207,7 @@ class DiLoCo(GossipAlgorithm):
 
     def load_state_dict(self, state: dict) -> None:
         with torch.no_grad(), self.state_lock:
-            self.anchor.copy_(state["anchor"])
-            if self.momentum is not None:
-                momentum = state.get("momentum")
-                if momentum is None:
-                    self.momentum.zero_()
-                else:
-                    self.momentum.copy_(momentum)
-            self._phase = int(state.get("phase", 0))
+            self._phase = restore_outer(self.anchor, self.momentum, state)
         self._pending = None
         self.average.load_state_dict(state.get("average", {}))
         self.anchors.load_state_dict(state.get("anchors", {}))

@@ -70,7 +70,7 @@ from gossipgrad.peer.algorithms.dissemination import (
     spanning_children,
 )
 from gossipgrad.peer.algorithms.neighbours import Neighbourhood
-from gossipgrad.peer.algorithms.outer import OuterSettings, outer_step
+from gossipgrad.peer.algorithms.outer import OuterSettings, outer_step, restore_outer
 from gossipgrad.peer.flat import FlatParameters, tensor_checksum
 from gossipgrad.peer.network.errors import UpdateRejected
 from gossipgrad.proto import gossip_pb2 as pb
@@ -577,14 +577,7 @@ class ExactDiLoCo(GossipAlgorithm):
 
     def load_state_dict(self, state: dict) -> None:
         with torch.no_grad(), self.state_lock:
-            self.anchor.copy_(state["anchor"])
-            if self.momentum is not None:
-                momentum = state.get("momentum")
-                if momentum is None:
-                    self.momentum.zero_()
-                else:
-                    self.momentum.copy_(momentum)
-            self._phase = int(state.get("phase", 0))
+            self._phase = restore_outer(self.anchor, self.momentum, state)
             self._checksum = tensor_checksum(self.anchor)
         if self.feedback is not None:
             if "feedback" in state:

@@ -62,3 +62,17 @@ def outer_step(
         anchor.sub_(buf, alpha=s.lr * s.momentum)
     else:
         anchor.sub_(buf, alpha=s.lr)
+
+
+def restore_outer(anchor: torch.Tensor, momentum: torch.Tensor | None, state: dict) -> int:
+    """Load a checkpoint's or a donor's anchor and outer momentum in place (the momentum
+    starts from zero where the state has none: a state saved without momentum, or a peer
+    that runs with it now); returns the state's phase counter."""
+    anchor.copy_(state["anchor"])
+    if momentum is not None:
+        saved = state.get("momentum")
+        if saved is None:
+            momentum.zero_()
+        else:
+            momentum.copy_(saved)
+    return int(state.get("phase", 0))

@@ -14,7 +14,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ from gossipgrad.peer.runtime.reachability import DIAL_BACK_TIMEOUT_S, DIAL_BACKS
 from gossipgrad.peer.security import TransportSecurity, write_swarm_certs
 from gossipgrad.proto import gossip_pb2 as pb
 from support import TESTS
+from support.listeners import CountingListener
 from support.netlab import netlab_unavailable
 from support.peers import start_peer
 
@@ -56,33 +56,6 @@ def closed_port() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"127.0.0.1:{s.getsockname()[1]}"
-
-
-class CountingListener:
-    """A TCP port that counts the connections made to it (and closes each at once)."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.sock.settimeout(0.1)
-        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        self.accepted = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                continue
-            self.accepted += 1
-            conn.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self.sock.close()
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
 from gossipgrad.peer.runtime.node import Peer
 from gossipgrad.peer.security import TransportSecurity, write_swarm_certs
 from gossipgrad.proto import gossip_pb2 as pb
+from support.listeners import CountingListener
 from support.peers import (
     FAST_MEMBERSHIP,
     assert_mirrors_exact,
@@ -62,34 +63,6 @@ def tls(certs, pid: str) -> dict[str, str]:
 
 def security(certs, pid: str) -> TransportSecurity:
     return TransportSecurity.from_files(certs.ca, certs.certs[pid], certs.keys[pid])
-
-
-class CountingListener:
-    """A TCP port that counts the connections made to it (and closes each at once): the
-    address an outbound-only peer advertises."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.sock.settimeout(0.1)
-        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        self.accepted = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                continue
-            self.accepted += 1
-            conn.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self.sock.close()
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from gossipgrad.experiment.launch import LocalSwarm
 from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
 from gossipgrad.peer.security import write_swarm_certs
 from support.netlab import NetLab, netlab_unavailable
+from support.swarms import BASE
 
 pytestmark = [
     pytest.mark.timeout(400),
@@ -27,20 +28,8 @@ pytestmark = [
 ]
 
 STEPS = 400
-BASE = {
-    "train.task": "digits",
-    "train.batch_size": "32",
-    "train.eval_every": "0",
-    "train.steps": str(STEPS),
-    "gossip.codec": "topk:0.01+int8",
-    "gossip.topology": "ring",
-    "metrics.enabled": "false",
-    "membership.heartbeat_interval": "0.2",
-    "membership.suspect_after": "2",
-    "membership.dead_after": "4",
-    "gossip.round_timeout": "3",
-    "checkpoint.every": "0",
-}
+# The swarm tests' daemon config, a fixed step count and no checkpoints.
+CONFIG = {**BASE, "train.steps": str(STEPS), "checkpoint.every": "0"}
 NATTED = {2, 3}
 
 
@@ -64,7 +53,7 @@ def run_swarm(tmp_path: Path, natted: set[int]) -> tuple[LocalSwarm, float]:
         return keys
 
     swarm = LocalSwarm(
-        tmp_path / name, 4, BASE, command_prefix=lab.exec_prefix, peer_overrides=per_peer
+        tmp_path / name, 4, CONFIG, command_prefix=lab.exec_prefix, peer_overrides=per_peer
     )
     try:
         lab.up()
