@@ -197,8 +197,9 @@ class StateDownload:
         """Fetch the state of one live donor at ``min_step`` or more: the state read as it
         arrived (a dict), or from a donor that sends a ``torch.save`` blob, the blob.
 
-        1. If no live peer is at ``min_step`` now, return None (the swarm itself is young:
-           peers started together train from their common seeded initialisation).
+        1. If no live peer is at ``min_step`` now (peers heard of only second hand probed
+           first), return None (the swarm itself is young: peers started together train
+           from their common seeded initialisation).
         2. Ask the donors in :func:`donor_order`; a busy one (RESOURCE_EXHAUSTED) or a
            failing one is skipped, the first that serves wins.
         3. None served: back off, re-read the view and go to 2, until ``patience`` seconds
@@ -221,6 +222,11 @@ class StateDownload:
         backoff = Backoff(initial=0.5, maximum=5.0, rng=self.rng)
         failures: dict[str, str] = {}  # donor id -> why it did not serve, last time asked
         order = donor_order(self.donors(), min_step, self.rng)
+        if not order and self.membership.unverified_ids():
+            # Peers heard of only second hand are no donors until they answer for themselves
+            # (peers.py): probe them now rather than take the swarm for young.
+            self.membership.beat_once()
+            order = donor_order(self.donors(), min_step, self.rng)
         if not order:
             return None
         while True:

@@ -206,7 +206,7 @@ class BaselineRun:
 
         A rank that wrote its result first gets ``teardown`` seconds to exit on its own: it
         may be ending processes of its own (a hivemind rank's DHT and averagers: a SIGTERM is
-        ignored then, and the rank's own deadlines, 63 s, bound it), and a rank killed
+        ignored then, and the rank's own deadlines, 73 s, bound it), and a rank killed
         meanwhile would leave them to whoever adopts orphans."""
         deadline = time.monotonic() + teardown
         for r, p in enumerate(self.procs):

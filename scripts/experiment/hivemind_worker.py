@@ -160,8 +160,9 @@ class RoundCounter(logging.Handler):
             self.state_rounds += 1
 
 
-def group_members() -> list[int]:
-    """Pids of the other processes in this rank's process group (from /proc)."""
+def group_members(zombies: bool = False) -> list[int]:
+    """Pids of the other processes in this rank's process group (from /proc), not counting
+    zombies unless ``zombies``."""
     me, group = os.getpid(), os.getpgrp()
     out = []
     for entry in Path("/proc").iterdir():
@@ -171,13 +172,15 @@ def group_members() -> list[int]:
             fields = (entry / "stat").read_text().rpartition(")")[2].split()
         except OSError:
             continue
-        # Fields after the command name: state, ppid, pgrp, ...; zombies are gone already.
-        if int(fields[2]) == group and fields[0] != "Z":
+        # Fields after the command name: state, ppid, pgrp, ...
+        if int(fields[2]) == group and (zombies or fields[0] != "Z"):
             out.append(int(entry.name))
     return out
 
 
 PR_SET_CHILD_SUBREAPER = 36
+#: Seconds a rank's teardown waits for the last of its group to be reapable (see end_children).
+ZOMBIE_WAIT_S = 10.0
 
 
 def adopt_orphans() -> None:
@@ -212,7 +215,13 @@ def end_children(grace: float = 3.0, kill_wait: float = 60.0) -> None:
             time.sleep(0.05)
         if not group_members():
             break
-    reap()
+    # Then until every one is reaped: a process whose main thread has ended shows as a zombie
+    # while its other threads are still ending, and only then can it be reaped (one left to
+    # end after the rank had exited was adopted, a zombie, by whoever adopts orphans).
+    deadline = time.monotonic() + ZOMBIE_WAIT_S
+    while group_members(zombies=True) and time.monotonic() < deadline:
+        reap()
+        time.sleep(0.05)
 
 
 def wait_for(paths: list[Path], what: str, timeout: float = RENDEZVOUS_TIMEOUT_S) -> None:
