@@ -44,6 +44,14 @@ MAX_QUEUED = 8
 _NAME = "v"
 
 
+def kept_residual(feedback: ErrorFeedback | None, name: str) -> torch.Tensor | None:
+    """What error feedback keeps for ``name`` (None without error feedback, or before the
+    first compression of ``name``)."""
+    if feedback is None or name not in feedback.names():
+        return None
+    return feedback.residual(name)
+
+
 @dataclass(frozen=True)
 class Ticket:
     """An exchange started and not yet collected."""
@@ -142,9 +150,7 @@ class CompressedAverage:
         return torch.zeros(self.shape, dtype=torch.float32, device=self.device) if e is None else e
 
     def _kept_residual(self) -> torch.Tensor | None:
-        if self.feedback is None or _NAME not in self.feedback.names():
-            return None
-        return self.feedback.residual(_NAME)
+        return kept_residual(self.feedback, _NAME)
 
     def _residual_norm(self) -> float:
         """||e|| (0 without error feedback, with no model-sized zeros made for it)."""

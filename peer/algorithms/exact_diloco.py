@@ -61,7 +61,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 from gossipgrad.compression import DecodeError, ErrorFeedback, from_spec
-from gossipgrad.peer.algorithms.averaging import Average
+from gossipgrad.peer.algorithms.averaging import Average, kept_residual
 from gossipgrad.peer.algorithms.base import GossipAlgorithm, RoundStats
 from gossipgrad.peer.algorithms.dissemination import (
     Message,
@@ -163,9 +163,8 @@ class ExactDiLoCo(GossipAlgorithm):
     @property
     def residual(self) -> torch.Tensor:
         """e: what the codec has dropped so far and will send later (zeros without EF)."""
-        if self.feedback is None or _NAME not in self.feedback.names():
-            return torch.zeros_like(self.anchor)
-        return self.feedback.residual(_NAME)
+        e = kept_residual(self.feedback, _NAME)
+        return torch.zeros_like(self.anchor) if e is None else e
 
     def anchor_checksums(self) -> dict[int, str]:
         """Phase -> checksum (hex) of the anchor each phase started from (the latest ones)."""
@@ -493,9 +492,10 @@ class ExactDiLoCo(GossipAlgorithm):
         """The swarm is past ``phase`` (an anchor of a later one came): its own message was
         late everywhere, so what it carried goes back into the residual (sent later), and
         the peer takes the anchor, the parameters starting from it."""
-        if self.feedback is not None and _NAME in self.feedback.names():
+        e = kept_residual(self.feedback, _NAME)
+        if e is not None:
             with torch.no_grad():
-                self.codec.decode_add_(payload, self.feedback.residual(_NAME))
+                self.codec.decode_add_(payload, e)
         self.store.close(phase)
         self._adopt(keep_progress=False)
         if self.metrics is not None:
@@ -528,9 +528,8 @@ class ExactDiLoCo(GossipAlgorithm):
         return data
 
     def _residual_norm(self) -> float:
-        if self.feedback is None or _NAME not in self.feedback.names():
-            return 0.0
-        return float(torch.linalg.vector_norm(self.feedback.residual(_NAME)))
+        e = kept_residual(self.feedback, _NAME)
+        return 0.0 if e is None else float(torch.linalg.vector_norm(e))
 
     def _remember(self, phase: int, checksum: int) -> None:
         self.checksums[phase] = checksum
