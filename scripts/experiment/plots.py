@@ -10,16 +10,23 @@ metric_vs_time.png   evaluation metric against training seconds (evaluation time
                      (only when the report has timed evaluations)
 consensus_vs_step.png  each peer's consensus-distance estimate over its steps (log y; only
                      when the swarm's samples carry it)
+
+Across runs, ``bytes_plot`` draws one point per system and run, final metric against bytes
+sent per process (log x): the loss-vs-bytes tables of BENCHMARKS.md as a figure, from several
+report.json files (``python -m gossipgrad.experiment.plots --help``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import argparse
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gossipgrad.experiment import analysis
 from gossipgrad.experiment.records import Report
+from gossipgrad.peer.config.recommended import DEFAULT_ALGORITHM
 
 PLOTS = ("loss_vs_step.png", "loss_vs_bytes.png", "loss_vs_time.png", "bytes_per_link.png",
          "metric_vs_time.png", "consensus_vs_step.png")  # fmt: skip
@@ -186,3 +193,105 @@ def plot_all(report: Report, out: Path) -> list[Path]:
         draw[name](out / name)
         paths.append(out / name)
     return paths
+
+
+@dataclass(frozen=True)
+class BytesPoint:
+    """One system at the end of one run: ``family`` names the line it is drawn on (the swarm's
+    algorithm or the baseline's name), ``label`` the point (with H where it has one)."""
+
+    family: str
+    label: str
+    sent_bytes: float
+    value: float
+
+
+def _with_h(name: str, h: int | None) -> str:
+    return f"{name} H={h}" if h and h > 1 else name
+
+
+def system_points(report: Report) -> list[BytesPoint]:
+    """The swarm's point (mean final metric of the peers that finished, mean bytes sent per
+    peer) and one per baseline that finished (rank 0's final metric, mean bytes per rank)."""
+    metric = analysis.report_metric(report)
+    points = []
+    peers = [p for p in analysis.done_peers(report) if p.final and metric in p.final]
+    if peers and report.swarm.mean_sent_bytes:
+        gossip = (report.spec.get("peer_raw") or {}).get("gossip") or {}
+        algorithm = str(gossip.get("algorithm") or DEFAULT_ALGORITHM)
+        value = sum(p.final[metric] for p in peers if p.final) / len(peers)
+        label = _with_h(algorithm, report.local_steps)
+        points.append(BytesPoint(algorithm, label, report.swarm.mean_sent_bytes, value))
+    for name, b in report.baselines.items():
+        if b.final and b.metric in b.final and b.mean_sent_bytes:
+            label = _with_h(name, b.local_steps)
+            points.append(BytesPoint(name, label, b.mean_sent_bytes, b.final[b.metric]))
+    return points
+
+
+def bytes_plot(points: Sequence[BytesPoint], path: Path, title: str, ylabel: str) -> int:
+    """Final metric against bytes sent per process (log x), one marker per point, the points
+    of one family joined in order of bytes (an H curve), each labelled; returns the number of
+    markers drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig, ax = _figure()
+    families = list(dict.fromkeys(p.family for p in points))
+    markers = "os^vDP*Xp<>"
+    for i, family in enumerate(families):
+        pts = sorted((p for p in points if p.family == family), key=lambda p: p.sent_bytes)
+        ax.plot([p.sent_bytes for p in pts], [p.value for p in pts], marker=markers[i % 11],
+                color=COLORS.get(family, f"C{i % 10}"), lw=1.2, label=family)  # fmt: skip
+        for p in pts:
+            ax.annotate(p.label, (p.sent_bytes, p.value), fontsize=6,
+                        xytext=(3, 3), textcoords="offset points")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes sent per process (log)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    if points:
+        ax.legend(fontsize=7)
+    drawn = sum(len(line.get_xdata()) for line in ax.lines)
+    _save(fig, path)
+    return drawn
+
+
+def _point(text: str) -> BytesPoint:
+    """``FAMILY[/LABEL]=BYTES:VALUE`` (a row measured earlier, with no report.json at hand)."""
+    try:
+        name, numbers = text.rsplit("=", 1)
+        sent, value = numbers.split(":", 1)
+        family, _, label = name.partition("/")
+        return BytesPoint(family, label or family, float(sent), float(value))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: want FAMILY[/LABEL]=BYTES:VALUE") from e
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Draw ``bytes_plot`` from run directories (their report.json) and extra points."""
+    from gossipgrad.experiment.report import load_report
+
+    ap = argparse.ArgumentParser(
+        prog="python -m gossipgrad.experiment.plots",
+        description="Final metric against bytes sent per process, one point per system and "
+        "run, from several experiment directories (report.json).",
+    )
+    ap.add_argument("runs", nargs="*", type=Path, help="experiment output directories")
+    ap.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    ap.add_argument("--point", type=_point, action="append", default=[],
+                    help="an extra point FAMILY[/LABEL]=BYTES:VALUE (repeatable)")  # fmt: skip
+    ap.add_argument("--title", default="final metric against bytes per process")
+    ap.add_argument("--ylabel", default="final validation metric")
+    args = ap.parse_args(argv)
+    points = [pt for run in args.runs for pt in system_points(load_report(run))]
+    points += args.point
+    if not points:
+        ap.error("no finished system in these runs and no --point")
+    bytes_plot(points, args.out, args.title, args.ylabel)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
