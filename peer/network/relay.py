@@ -106,6 +106,9 @@ class RelayHub:
         capacity: peers this member relays for at once (0: none; ``peer.relay_capacity``).
         swarm: the swarm's name ("" takes any: a bare transport in tests).
         on_bytes: ``on_bytes(attached peer, n)`` for every frame forwarded to or from it.
+        on_load: ``on_load(n)`` with the number of peers attached here after every change
+            (called under the hub's lock, in order: keep it short; this member advertises
+            it, ``PeerInfo.relaying``).
     """
 
     def __init__(
@@ -113,10 +116,12 @@ class RelayHub:
         capacity: int,
         swarm: str = "",
         on_bytes: Callable[[str, int], None] = lambda peer, n: None,
+        on_load: Callable[[int], None] = lambda n: None,
     ) -> None:
         self.capacity = capacity
         self.swarm = swarm
         self._on_bytes = on_bytes
+        self._on_load = on_load
         self._attached: dict[str, _Attached] = {}
         self._tunnels: dict[int, Tunnel] = {}
         self._by_caller: collections.Counter[str] = collections.Counter()
@@ -158,6 +163,7 @@ class RelayHub:
                     f"(peer.relay_capacity = {self.capacity})",
                 )
             self._attached[peer] = entry
+            self._on_load(len(self._attached))
         if old is not None:
             old.pending.put(_CLOSED)
         log.info("relaying for %s", peer)
@@ -178,6 +184,7 @@ class RelayHub:
             with self._lock:
                 if self._attached.get(entry.peer) is entry:
                     del self._attached[entry.peer]
+                    self._on_load(len(self._attached))
                     log.info("no longer relaying for %s", entry.peer)
 
     def open(

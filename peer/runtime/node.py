@@ -206,6 +206,7 @@ class Peer:
             cfg.peer.relay_capacity,
             cfg.peer.swarm,
             self.metrics.record_relay_forwarded,
+            self._relay_load,
         )
         #: Local endpoints of the peers this one calls through their relays.
         self.relay_dialer = RelayDialer(
@@ -276,6 +277,7 @@ class Peer:
             id=self.id,
             address=self.address,
             incarnation=time.time_ns(),
+            relaying=len(self.relays.attached()),
             metrics_address=(
                 f"{self.cfg.metrics.host}:{self.metrics_port}" if self.cfg.metrics.enabled else ""
             ),
@@ -437,6 +439,13 @@ class Peer:
         while self.relays.attached() and time.monotonic() < deadline:
             time.sleep(0.1)
 
+    def _relay_load(self, attached: int) -> None:
+        """The peers attached here changed: advertise how many (``PeerInfo.relaying``), so
+        a peer choosing a relay weighs this one's load (:mod:`~gossipgrad.peer.runtime.
+        relaying`)."""
+        if self.membership is not None:
+            self.membership.me.relaying = attached
+
     def _dial_target(self, address: str, peer_id: str | None) -> str:
         """Where a client for ``peer_id`` at ``address`` connects: a local relay endpoint if
         the peer is called through a relay, else the address (``transport.dial_via``)."""
@@ -481,12 +490,14 @@ class Peer:
         attachment.start(ATTACH_TIMEOUT_S)
         return attachment
 
-    def _round_trip(self, info: pb.PeerInfo) -> float:
+    def _round_trip(self, info: pb.PeerInfo) -> tuple[float, pb.PeerInfo]:
+        """One heartbeat to member ``info``: its round trip, seconds, and the member's
+        PeerInfo as it answered (its load as a relay now)."""
         m = self.membership
         request = pb.HeartbeatRequest(swarm=m.swarm, sender=m.me, view_digest=m.view_digest())
         started = time.monotonic()
-        self._heartbeat(info.address, info.id, request, m.heartbeat_timeout)
-        return time.monotonic() - started
+        reply = self._heartbeat(info.address, info.id, request, m.heartbeat_timeout)
+        return time.monotonic() - started, reply.responder
 
     def start_relaying(self) -> str:
         """Be called through a relay from now on (see :mod:`~gossipgrad.peer.runtime.

@@ -4,8 +4,10 @@ A peer the reachability check found unreachable (``peer.relay = "auto"``) is cal
 a relay (:mod:`~gossipgrad.peer.network.relay`). :class:`RelayKeeper` chooses it:
 
 1. the candidates are the live members called directly (no relay of their own);
-2. each is heartbeated once, and they are tried in the order of the round trips measured,
-   the nearest first: the relay is on the path of every call to this peer;
+2. each is heartbeated :data:`RTT_SAMPLES` times, which measures the round trip to it (the
+   shortest counts: one sample carries the scheduling noise of both ends) and brings its
+   load (the peers attached to it now, ``PeerInfo.relaying``); they are tried in the order
+   of :func:`relay_score`, the lowest first;
 3. the first that takes this peer (``Attach``; a member relaying for ``relay_capacity``
    peers refuses) is its relay: its id goes into this peer's ``PeerInfo.relay`` with a new
    ``relay_epoch``, so the next heartbeats tell the neighbours, and the peer lists the rest;
@@ -31,23 +33,49 @@ log = logging.getLogger(__name__)
 
 #: Seconds a relay has to take this peer (its first AttachEvent).
 ATTACH_TIMEOUT_S = 5.0
+#: Round trips shorter than this count as this long in :func:`relay_score`: on one host or
+#: one LAN the difference between two members is the heartbeat's own handling, not
+#: distance, and their loads should decide.
+RTT_FLOOR_S = 0.005
+#: Heartbeats sent to each candidate when choosing; the shortest round trip counts.
+RTT_SAMPLES = 3
+
+
+def relay_score(rtt: float, load: int) -> float:
+    """How costly a member is as this peer's relay (lower is better):
+    ``max(rtt, RTT_FLOOR_S) * (1 + load)``.
+
+    Every call to this peer crosses the relay (the round trip), and the relay shares its
+    uplink and CPU with its own training and with the ``load`` peers it already relays for
+    (each one more divides what is left). A member twice as far away that relays for nobody
+    ties with one that relays for one peer; a member on the same LAN that relays for three
+    still beats an idle one 80 ms away (5 ms x 4 against 80 ms).
+    """
+    return max(rtt, RTT_FLOOR_S) * (1 + max(0, load))
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """A member that could relay, with the heartbeat round trip measured to it."""
+    """A member that could relay: the heartbeat round trip measured to it, and the peers
+    it relayed for as it answered (not counting this one)."""
 
     info: pb.PeerInfo
     rtt: float
+    load: int = 0
+
+    @property
+    def score(self) -> float:
+        """:func:`relay_score` of this member."""
+        return relay_score(self.rtt, self.load)
 
 
 class RelayKeeper:
-    """This peer's relay: chosen by round trip, re-chosen when it goes.
+    """This peer's relay: chosen by round trip and load, re-chosen when it goes.
 
     Args:
         membership: the peer table (candidates; this peer's own PeerInfo carries the choice).
-        measure: ``measure(info)``: one heartbeat's round trip to a member, seconds (raises
-            if it goes unanswered).
+        measure: ``measure(info)``: one heartbeat to a member: its round trip, seconds, and
+            the member's PeerInfo as it answered (raises if it goes unanswered).
         attach: ``attach(info)``: an :class:`Attachment` to that member, started (raises
             TransportError if it does not take this peer).
         on_change: called with the new relay's id ("" when none) after every change.
@@ -56,7 +84,7 @@ class RelayKeeper:
     def __init__(
         self,
         membership: Membership,
-        measure: Callable[[pb.PeerInfo], float],
+        measure: Callable[[pb.PeerInfo], tuple[float, pb.PeerInfo]],
         attach: Callable[[pb.PeerInfo], Attachment],
         on_change: Callable[[str], None] = lambda relay: None,
     ) -> None:
@@ -77,21 +105,27 @@ class RelayKeeper:
         return current.relay if current is not None and current.alive else ""
 
     def candidates(self, exclude: set[str] = frozenset()) -> list[Candidate]:
-        """Live members called directly, nearest first (unanswered ones left out)."""
+        """Live members called directly, the lowest :func:`relay_score` first (unanswered
+        ones left out)."""
         m = self._membership
+        mine = self.relay  # the relay this peer uses now counts this peer in its load
         out = []
         for info in m.known_infos():
             if info.id == m.me.id or info.relay or info.id in exclude or not m.is_alive(info.id):
                 continue
             try:
-                out.append(Candidate(info, self._measure(info)))
+                samples = [self._measure(info) for _ in range(RTT_SAMPLES)]
             except Exception as err:  # no answer: no relay
                 self.refusals[info.id] = f"no heartbeat answer ({err})"
-        return sorted(out, key=lambda c: c.rtt)
+                continue
+            rtt, answered = min(samples, key=lambda sample: sample[0])
+            load = answered.relaying if answered.id == info.id else info.relaying
+            out.append(Candidate(info, rtt, load - (info.id == mine)))
+        return sorted(out, key=lambda c: c.score)
 
     def choose(self, exclude: set[str] = frozenset()) -> str:
-        """Attach to the nearest member that takes this peer; its id, or "" if none did
-        (:attr:`refusals` says why)."""
+        """Attach to the best-scored member that takes this peer; its id, or "" if none
+        did (:attr:`refusals` says why)."""
         self.refusals = {}
         for c in self.candidates(exclude):
             try:
@@ -101,7 +135,10 @@ class RelayKeeper:
                 continue
             self._set(attachment)
             log.info(
-                "called through relay %s (heartbeat round trip %.1f ms)", c.info.id, c.rtt * 1e3
+                "called through relay %s (heartbeat round trip %.1f ms, relaying for %d more)",
+                c.info.id,
+                c.rtt * 1e3,
+                c.load,
             )
             return c.info.id
         self._set(None)

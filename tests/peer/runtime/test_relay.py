@@ -20,12 +20,14 @@ import pytest
 import torch
 from gossipgrad.experiment.analysis import consensus_distance
 from gossipgrad.experiment.launch import LocalSwarm
+from gossipgrad.experiment.links import LinkEmulator, Stage
 from gossipgrad.peer.config import build_config
 from gossipgrad.peer.flat import FlatParameters
 from gossipgrad.peer.network import PeerClient, TransportError, TransportOptions, protocol
 from gossipgrad.peer.network.relay import MAX_TUNNELS_PER_CALLER, RelayDialer, open_frame
 from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
 from gossipgrad.peer.runtime.node import Peer
+from gossipgrad.peer.runtime.relaying import relay_score
 from gossipgrad.peer.security import TransportSecurity, write_swarm_certs
 from gossipgrad.proto import gossip_pb2 as pb
 from support.listeners import CountingListener
@@ -169,6 +171,69 @@ def test_two_outbound_only_neighbours_train_through_relays_like_a_direct_swarm(
     # Relay call, to its own server (BENCHMARKS.md, "Relays").
     for relay in set(relays.values()):
         assert by_id[relay].address not in by_id[relay].clients.addresses(), relay
+
+
+def test_the_relay_score_weighs_round_trip_and_load() -> None:
+    """Load decides between members about as near (one host, one LAN); distance decides
+    between a member next door and one across an ocean."""
+    assert relay_score(0.0004, 1) > relay_score(0.003, 0)  # both under the floor: load
+    assert relay_score(0.020, 1) > relay_score(0.030, 0)
+    assert relay_score(0.020, 1) < relay_score(0.045, 0)
+    assert relay_score(0.001, 3) < relay_score(0.080, 0)
+
+
+def test_an_outbound_only_peer_takes_the_idle_relay_over_a_slightly_nearer_loaded_one(
+    certs, nat: list[CountingListener]
+) -> None:
+    """p0 (8 ms round trip through an emulated link) relays for x already; p1 (12 ms)
+    for nobody. y, outbound-only, is relayed by p1 (by round trip alone it would take p0),
+    and every member hears each relay's load from its heartbeats."""
+    mark = started_count()
+    real: dict[str, str] = {}  # the address each link forwards to, once the peer listens
+    # Short delays, set once the peers are up: gRPC gives a connection attempt only its
+    # reconnect backoff (0.1 s), and a TLS handshake takes two round trips and more.
+    delays = {pid: (Stage(), Stage()) for pid in ("p0", "p1")}
+    emu = LinkEmulator().start()
+    try:
+        links = {
+            pid: emu.add(pid, lambda pid=pid: real.get(pid), [fwd], [rev])
+            for pid, (fwd, rev) in delays.items()
+        }
+
+        def reachable(pid: str, seed: int, bootstrap: list[str]) -> Peer:
+            extra = {**tls(certs, pid), "peer.advertise": links[pid].address}
+            peer = start_peer(pid, bootstrap, seed, extra)
+            real[pid] = f"127.0.0.1:{peer.server.port}"
+            return peer
+
+        p0 = reachable("p0", 1, [])
+        x = start_peer("x", [p0.address], 3, {**tls(certs, "x"), "peer.advertise": nat[0].address})
+        assert outbound_only(x) == "p0"  # the only member
+        reachable("p1", 2, [p0.address])
+        y = start_peer("y", [p0.address], 4, {**tls(certs, "y"), "peer.advertise": nat[1].address})
+        assert y.check_reachability().status == "unreachable"
+        wait_for(lambda: {"p0", "p1"} <= set(y.membership.live_ids()), 10, "members")
+        for pid, one_way in (("p0", 0.004), ("p1", 0.006)):
+            for stage in delays[pid]:
+                stage.delay = one_way
+        assert y.start_relaying() == "p1", y.relay_refusals
+        # p0 was the nearer: the load decided (measured again: y's own attachment to p1
+        # not counted).
+        measured = {c.info.id: (c.rtt, c.load) for c in y.relay_keeper.candidates()}
+        assert measured["p0"][0] < measured["p1"][0], measured
+        assert (measured["p0"][1], measured["p1"][1]) == (1, 0), measured
+        # Each relay's load reaches the others with its heartbeats.
+        wait_for(
+            lambda: all(
+                x.membership.record(r).info.relaying == 1 == y.membership.record(r).info.relaying
+                for r in ("p0", "p1")
+            ),
+            10,
+            "the relays' loads to be heard",
+        )
+    finally:
+        close_started(mark)
+        emu.close()
 
 
 def test_an_outbound_only_joiner_downloads_its_state_through_a_relay(certs) -> None:
