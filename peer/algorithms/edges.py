@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 from gossipgrad.compression import Codec, DecodeError
+from gossipgrad.peer.algorithms.mixing import subtract_into
 from gossipgrad.peer.flat import SpilledTensor, tensor_checksum
 
 _last_epoch = 0
@@ -262,7 +263,7 @@ class Edge:
             self.residual = 0.0
         else:
             base = self.public if c.error_feedback or self.last_sent is None else self.last_sent
-            diff = torch.sub(x, base, out=scratch) if scratch is not None else x - base
+            diff = subtract_into(x, base, torch.empty_like(x) if scratch is None else scratch)
             # What the encoder built is applied as the receiver's decode_add_ applies the
             # bytes, bit for bit, without decoding our own indices again.
             payload, sent = c.codec.encode_parts(diff, seed=self.sent + 1)

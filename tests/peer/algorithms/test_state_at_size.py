@@ -92,6 +92,32 @@ def test_the_consensus_step_in_slices_is_the_step_in_one(
     assert distance == pytest.approx(float(toward.norm()) if ps else 0.0, rel=1e-9, abs=1e-12)
 
 
+FLOATS = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    numel=st.integers(1, 300),
+    a_dtype=st.sampled_from(FLOATS),
+    b_dtype=st.sampled_from(FLOATS),
+    scale=st.sampled_from([1e-3, 1.0, 1e4]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_difference_with_a_narrower_copy_has_the_bits_of_torch_sub(
+    numel: int, a_dtype: torch.dtype, b_dtype: torch.dtype, scale: float, seed: int
+) -> None:
+    """``subtract_into`` (a float16 copy converted first, for speed) writes exactly what
+    ``torch.sub`` does, into an output of the promoted dtype, whichever operand is narrower."""
+    gen = torch.Generator().manual_seed(seed)
+    a = (torch.randn(numel, generator=gen) * scale).to(a_dtype)
+    b = (a.float() + torch.randn(numel, generator=gen) * scale * 0.01).to(b_dtype)
+    out_dtype = torch.promote_types(a_dtype, b_dtype)
+    expected = torch.sub(a, b, out=torch.empty(numel, dtype=out_dtype))
+    got = mixing.subtract_into(a, b, torch.empty(numel, dtype=out_dtype))
+    assert torch.equal(got, expected)
+    assert got.dtype == out_dtype
+
+
 def track(spec: str, dtype: torch.dtype) -> tuple[float, float]:
     """Leader and follower of one edge, copies in ``dtype``, x moved by training between 60
     updates: after every update the follower's mirror equals the leader's public copy bit
