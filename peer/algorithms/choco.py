@@ -26,7 +26,15 @@ import grpc
 import torch
 from gossipgrad.compression import Codec, DecodeError, from_spec
 from gossipgrad.peer.algorithms.base import GossipAlgorithm, RoundStats
-from gossipgrad.peer.algorithms.edges import Copies, Edge, EdgeTable, Incoming, Kind, Verdict
+from gossipgrad.peer.algorithms.edges import (
+    HELLO_RESTART_INTERVAL,
+    Copies,
+    Edge,
+    EdgeTable,
+    Incoming,
+    Kind,
+    Verdict,
+)
 from gossipgrad.peer.algorithms.mixing import Pair, consensus_step, difference_norm
 from gossipgrad.peer.algorithms.neighbours import Neighbourhood
 from gossipgrad.peer.algorithms.rounds import OpenRound
@@ -204,6 +212,7 @@ class ChocoGossip(GossipAlgorithm):
         (0: a hello). Returns what it did ("" for nothing)."""
         edge = self.edge(peer)
         with edge.lock:
+            edge.restart_if_due()
             if edge.busy or edge.ended:
                 return ""
             if edge.epoch == 0:
@@ -259,10 +268,17 @@ class ChocoGossip(GossipAlgorithm):
                 try:
                     verdict = edge.apply(update, self.copies)
                 except DecodeError as err:
-                    edge.restart()
+                    edge.fail()
                     raise UpdateRejected(
                         grpc.StatusCode.INVALID_ARGUMENT, "decode_error", str(err)
                     ) from None
+            if verdict is Verdict.LIMITED:  # not refused: an honest sender tries it again
+                raise UpdateRejected(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "rate_limited",
+                    f"update failed a check; the edge's next session waits (one per "
+                    f"{HELLO_RESTART_INTERVAL:g} s)",
+                )
             verdict = edge.reply(update, verdict)
             received = edge.received
         if verdict is Verdict.NEED_RESYNC and update.epoch:
@@ -325,7 +341,7 @@ class ChocoGossip(GossipAlgorithm):
                         edge.apply(held, self.copies)
                     except DecodeError as err:
                         log.warning("held update undecodable: %s", err)
-                        edge.restart()
+                        edge.fail()
         return mixed, dist
 
     def step_round(self, trained: bool = True) -> RoundStats:

@@ -60,12 +60,15 @@ from gossipgrad.peer.flat import SpilledTensor, tensor_checksum
 _last_epoch = 0
 _epoch_lock = threading.Lock()
 
-#: A leader opens a new session for its follower's hello at most once per this many seconds
-#: per edge. The hello's word alone decides it, and each new session costs a dense resync
-#: (built under the training lock) and breaks the exchange in flight: a neighbour saying
-#: hello in a loop would otherwise keep the edge from ever mixing. An honest follower says
-#: hello once per session it lost; another within the interval waits (it says hello again
-#: each round until the leader's opening comes).
+#: A neighbour's word ends a session of its edge at most once per this many seconds for each
+#: of two causes: a hello (a leader opens a new session for it) and an update that fails a
+#: check (a gap, a bad checksum, an undecodable payload; either end). Each new session costs
+#: a dense resync (built under the training lock) and breaks the exchange in flight: a
+#: neighbour saying hello, or sending bad updates, in a loop would otherwise keep the edge
+#: from ever mixing and cost the training thread a resync each time. An honest follower says
+#: hello once per session it lost, and honest updates fail a check rarely; one more within
+#: the interval waits (a hello is said again each round until the leader's opening comes; a
+#: failed check is answered LIMITED and the session ends once the interval has passed).
 HELLO_RESTART_INTERVAL = 5.0
 
 
@@ -85,6 +88,7 @@ class Verdict(enum.Enum):
     DUPLICATE = "duplicate"
     NEED_RESYNC = "need_resync"
     FINISHED = "finished"  # this end finished: the update is never acknowledged or mixed
+    LIMITED = "limited"  # failed a check; the session ends once HELLO_RESTART_INTERVAL allows
 
 
 class Kind(enum.Enum):
@@ -155,7 +159,9 @@ class Edge:
     mixed: int = 0  # exchanges mixed
     requested: bool = False  # the follower asked for a session: open one even off-schedule
     restarts: int = 0  # sessions ended (the next opening is then a RESYNC, never an INIT)
-    hello_restart_at: float = float("-inf")  # when a hello last opened a new session
+    # when a session was last ended by each cause ("hello", "check"): ``_may_restart``
+    restarted_at: dict[str, float] = field(default_factory=dict)
+    restart_due: bool = False  # an update failed a check; the restart waits for the interval
     dropped: int = 0  # a follower: the latest of the leader's sessions it dropped
     # j finished: (its session, the last exchange it completes). Keyed by session, so a
     # notice that overtook the opening of its session applies once the follower joins it.
@@ -188,6 +194,24 @@ class Edge:
         self.sent = self.acked = self.received = self.mixed = 0
         self.unacked = None
         self.held = None
+        self.restart_due = False
+
+    def fail(self) -> Verdict:
+        """An update of this session failed a check (a gap, a bad checksum, an undecodable
+        payload): end the session (NEED_RESYNC), or, if the neighbour's word ended one less
+        than ``HELLO_RESTART_INTERVAL`` ago, mark it due and answer LIMITED. A session due to
+        end sends, applies and acknowledges nothing more (its mirror may hold the bad
+        update); ``restart_if_due`` ends it once the interval has passed."""
+        if self._may_restart("check"):
+            self.restart()
+            return Verdict.NEED_RESYNC
+        self.restart_due = True
+        return Verdict.LIMITED
+
+    def restart_if_due(self) -> None:
+        """End the session if a failed check asked for it and the interval now allows."""
+        if self.restart_due and self._may_restart("check"):
+            self.restart()
 
     @property
     def valid(self) -> bool:
@@ -219,6 +243,7 @@ class Edge:
         )
         return (
             self.epoch != 0
+            and not self.restart_due
             and not self.busy
             and self.unacked is None
             and self.sent == self.mixed
@@ -354,7 +379,7 @@ class Edge:
                 # new one now. (A hello naming an older session while our opening is on its
                 # way changes nothing: its updates come after that push, never before.)
                 lost = update.dropped >= self.epoch or self.received > 0
-                if lost and self._hello_may_restart():
+                if lost and self._may_restart("hello"):
                     self.restart()
                 self.requested = True
             return Verdict.NEED_RESYNC
@@ -362,30 +387,32 @@ class Edge:
             if self.leader or update.epoch < self.epoch:
                 return Verdict.NEED_RESYNC  # an old session
             if update.seq != 1 or update.kind is Kind.DELTA:
-                self.restart()  # the leader's new session, but we missed its opening
-                return Verdict.NEED_RESYNC
+                return self.fail()  # the leader's new session, but we missed its opening
             self.epoch = update.epoch  # the leader opened a new session: follow it
             self._zero()
+        if self.restart_due:
+            return self.fail()  # an earlier update of this session failed a check
         if update.seq <= self.received or (self.held is not None and update.seq == self.held.seq):
             return Verdict.DUPLICATE  # a retry of one we have: acknowledged again
         opening = update.kind is not Kind.DELTA
         if update.seq != self.received + 1 or opening != (update.seq == 1):
-            self.restart()  # a gap, or a session that opens twice
-            return Verdict.NEED_RESYNC
+            return self.fail()  # a gap, or a session that opens twice
         if self.received > self.mixed:
             if self.held is not None:
-                self.restart()  # two exchanges ahead: rule 2 broken
-                return Verdict.NEED_RESYNC
+                return self.fail()  # two exchanges ahead: rule 2 broken
             self.held = update
             return Verdict.ACCEPTED
         return None
 
-    def _hello_may_restart(self) -> bool:
-        """Whether a hello may open a new session now (``HELLO_RESTART_INTERVAL``)."""
+    def _may_restart(self, cause: str) -> bool:
+        """Whether a ``cause`` ("hello" or "check") may end a session now: not within
+        ``HELLO_RESTART_INTERVAL`` of the last it ended; if so, its interval starts again.
+        Each cause has its own, so an honest edge's hello and a check failing right after it
+        (peers whose INIT copies differ) both take effect at once."""
         now = time.monotonic()
-        if now - self.hello_restart_at < HELLO_RESTART_INTERVAL:
+        if now - self.restarted_at.get(cause, float("-inf")) < HELLO_RESTART_INTERVAL:
             return False
-        self.hello_restart_at = now
+        self.restarted_at[cause] = now
         return True
 
     def note_final(self, epoch: int, seq: int) -> None:
@@ -432,8 +459,7 @@ class Edge:
     def finish(self, update: Incoming) -> Verdict:
         """After the update was applied to ``mirror``: verify the checksum and advance."""
         if tensor_checksum(self.mirror) != update.checksum:
-            self.restart()
-            return Verdict.NEED_RESYNC
+            return self.fail()
         self.received = update.seq
         self.peer_weight = update.weight
         return Verdict.ACCEPTED
