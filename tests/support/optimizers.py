@@ -14,6 +14,8 @@ from gossipgrad.peer.membership.topology import topology_from_name
 from gossipgrad.peer.runtime.optimizer import GossipOptimizer
 from torch import nn
 
+from support.threads import on_threads
+
 
 def small_model() -> nn.Module:
     return nn.Sequential(nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 3))
@@ -93,21 +95,12 @@ def start_optimizers(
 
 
 def exchange_all(opts: list[GossipOptimizer], grads: list[torch.Tensor]) -> None:
-    errors: list[BaseException] = []
 
     def work(o: GossipOptimizer, g: torch.Tensor) -> None:
-        try:
-            o.flat.set_grad(g)
-            o.exchange_gradients()
-        except BaseException as err:
-            errors.append(err)
+        o.flat.set_grad(g)
+        o.exchange_gradients()
 
-    threads = [threading.Thread(target=work, args=(o, g)) for o, g in zip(opts, grads, strict=True)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not errors, errors
+    on_threads(work, zip(opts, grads, strict=True), 30)
 
 
 def train_concurrently(
@@ -120,26 +113,16 @@ def train_concurrently(
     then ``finish()``, on its own thread, as a swarm's training threads run (gossip rounds
     need the neighbours at the same time). Returns each peer's last loss."""
     losses = [float("nan")] * len(opts)
-    errors: list[BaseException] = []
 
     def work(i: int, o: GossipOptimizer) -> None:
         gen = torch.Generator().manual_seed(i)
-        try:
-            for _ in range(steps):
-                o.zero_grad()
-                loss = loss_of(i, o.model, gen)
-                loss.backward()
-                o.step()
-                losses[i] = float(loss.detach())
-            o.finish()
-        except BaseException as err:
-            errors.append(err)
+        for _ in range(steps):
+            o.zero_grad()
+            loss = loss_of(i, o.model, gen)
+            loss.backward()
+            o.step()
+            losses[i] = float(loss.detach())
+        o.finish()
 
-    threads = [threading.Thread(target=work, args=(i, o)) for i, o in enumerate(opts)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=timeout)
-    assert not errors, errors
-    assert not any(t.is_alive() for t in threads), "training did not finish"
+    on_threads(work, enumerate(opts), timeout)
     return losses

@@ -6,7 +6,6 @@ Shared by the gossip, security and fuzz tests so each says only what it varies.
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -16,6 +15,8 @@ from gossipgrad.peer.config import build_config
 from gossipgrad.peer.flat import FlatParameters
 from gossipgrad.peer.runtime.node import Peer
 from torch import nn
+
+from support.threads import on_threads
 
 _STARTED: list[Peer] = []
 """Every peer started here, in order (the ``tests/conftest.py`` fixture closes those a test
@@ -96,24 +97,15 @@ def run_rounds(
     """Every peer runs `rounds` gossip rounds on its own thread, as training threads would,
     then (``end``) finishes, after which it exchanges nothing more; returns every round's
     stats (all peers, in no particular order)."""
-    errors: list[BaseException] = []
     stats: list[RoundStats] = []
 
     def work(p: Peer) -> None:
-        try:
-            for _ in range(rounds):
-                stats.append(p.algorithm.step_round())
-            if end:
-                p.algorithm.finish()  # as a daemon does at the end: mix what is still open
-        except BaseException as err:
-            errors.append(err)
+        for _ in range(rounds):
+            stats.append(p.algorithm.step_round())
+        if end:
+            p.algorithm.finish()  # as a daemon does at the end: mix what is still open
 
-    threads = [threading.Thread(target=work, args=(p,)) for p in peers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=timeout)
-    assert not errors, errors
+    on_threads(work, [(p,) for p in peers], timeout)
     return stats
 
 

@@ -9,7 +9,6 @@ but no residual. Real gRPC peers on 127.0.0.1 throughout.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -23,6 +22,7 @@ from gossipgrad.peer.runtime.optimizer import GossipOptimizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.optimizers import LoneView, NoSender, small_model, start_optimizers
+from support.threads import on_threads
 from torch import nn
 
 pytestmark = pytest.mark.timeout(120)
@@ -100,31 +100,17 @@ def close(opts: list[GossipOptimizer]) -> None:
 
 
 def finish_all(opts: list[GossipOptimizer]) -> None:
-    threads = [threading.Thread(target=o.finish) for o in opts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "finish did not return"
+    on_threads(GossipOptimizer.finish, [(o,) for o in opts], 120)
 
 
 def step_all(opts: list[GossipOptimizer], targets: list[torch.Tensor]) -> None:
     """Each peer takes one SGD(lr=1) step that lands its parameters on its target."""
-    errors: list[BaseException] = []
 
     def work(o: GossipOptimizer, target: torch.Tensor) -> None:
-        try:
-            o.flat.set_grad(o.flat.data - target)
-            o.step()
-        except BaseException as err:
-            errors.append(err)
+        o.flat.set_grad(o.flat.data - target)
+        o.step()
 
-    threads = [threading.Thread(target=work, args=a) for a in zip(opts, targets, strict=True)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
+    on_threads(work, zip(opts, targets, strict=True))
 
 
 def test_h1_outer_lr1_no_momentum_is_parameter_averaging() -> None:

@@ -27,6 +27,7 @@ from support.peers import (
     start_peers,
     wait_until_met,
 )
+from support.threads import on_threads
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -77,11 +78,7 @@ def rounds_until(peers: list[Peer], done, timeout: float, end: bool = True) -> N
         if end:
             p.algorithm.finish()
 
-    threads = [threading.Thread(target=work, args=(p,)) for p in peers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout + 60.0)
+    on_threads(work, [(p,) for p in peers], timeout + 60.0)
     assert done(), "the condition was not reached in time"
 
 
@@ -515,11 +512,7 @@ def test_a_slow_link_mixes_every_few_rounds_at_most_max_staleness_apart(stalenes
                 mixing_rounds[p.id].append(stats.round)
         p.algorithm.finish()
 
-    threads = [threading.Thread(target=work, args=(p, q)) for p, q in [(p0, "p1"), (p1, "p0")]]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60.0)
+    on_threads(work, [(p0, "p1"), (p1, "p0")])
     quiesce(peers)
     exchanges = mixed(p0, "p1") - before
     if staleness == 1:

@@ -18,6 +18,7 @@ from gossipgrad.peer.runtime.optimizer import GossipOptimizer
 from gossipgrad.proto import gossip_pb2 as pb
 from support.optimizers import start_optimizers
 from support.peers import quiesce, start_peers
+from support.threads import at_once, on_threads
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,14 +45,12 @@ def mixed_per_edge(peers: list[Peer]) -> dict[tuple[str, str], int]:
 
 def together(peers: list[Peer], rounds: int) -> None:
     """Both peers run ``rounds`` rounds at once (no finish)."""
-    threads = [
-        threading.Thread(target=lambda p=p: [p.algorithm.step_round() for _ in range(rounds)])
-        for p in peers
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+
+    def work(p: Peer) -> None:
+        for _ in range(rounds):
+            p.algorithm.step_round()
+
+    on_threads(work, [(p,) for p in peers])
 
 
 def assert_symmetric_end(peers: list[Peer], before: torch.Tensor, d0: float) -> None:
@@ -84,12 +83,7 @@ def test_a_round_after_finish_opens_no_exchange_that_a_slower_neighbour_mixes() 
         p1.algorithm.finish()
         p1.algorithm.step_round()
 
-    threads = [threading.Thread(target=slower), threading.Thread(target=ends_early)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads)
+    at_once(slower, ends_early)
     quiesce(peers)
     assert_symmetric_end(peers, before, d0)
 
@@ -103,11 +97,7 @@ def phase_all(opts: list[GossipOptimizer], gen: torch.Generator) -> None:
         o.flat.set_grad(o.flat.data - target)
         o.step()
 
-    threads = [threading.Thread(target=work, args=a) for a in zip(opts, targets, strict=True)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    on_threads(work, zip(opts, targets, strict=True))
 
 
 @pytest.mark.parametrize(
@@ -158,12 +148,7 @@ def test_diloco_consensus_rounds_and_finish_keep_the_anchors_sum(finish_first: b
             if not finish_first:
                 p1.finish()
 
-        threads = [threading.Thread(target=slower), threading.Thread(target=ends_early)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(90)
-        assert not any(t.is_alive() for t in threads)
+        at_once(slower, ends_early, timeout=90)
         deadline = time.monotonic() + 10
         while any(e.busy for o in opts for e in o.algorithm.anchors.edges.values()):
             assert time.monotonic() < deadline, "pushes still in flight"
@@ -248,12 +233,7 @@ def test_a_keyboard_interrupt_in_the_training_loop_still_ends_symmetric() -> Non
         p0.finish()
 
     try:
-        threads = [threading.Thread(target=goes_on), threading.Thread(target=interrupted)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(90)
-        assert not any(t.is_alive() for t in threads)
+        at_once(goes_on, interrupted, timeout=90)
         mine = sum(p1.metrics.exchanges_by_neighbour().values())
         theirs = sum(p0.metrics.exchanges_by_neighbour().values())
         assert mine == theirs > 5, f"p1 {mine} exchanges, p0 {theirs}"

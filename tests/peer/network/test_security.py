@@ -34,6 +34,7 @@ from gossipgrad.peer.security import (
 )
 from gossipgrad.proto import gossip_pb2 as pb
 from support.peers import rejected, start_peer
+from support.threads import on_threads
 from torch import nn
 
 pytestmark = pytest.mark.timeout(120)
@@ -142,21 +143,12 @@ def test_peers_gossip_over_mutual_tls(certs) -> None:
             assert time.monotonic() < deadline, "TLS peers did not discover each other"
             time.sleep(0.05)
         d0 = float((a.flat.data - b.flat.data).norm())
-        errors: list[BaseException] = []
 
         def work(p: Peer) -> None:
-            try:
-                for _ in range(25):
-                    p.algorithm.step_round()
-            except BaseException as err:
-                errors.append(err)
+            for _ in range(25):
+                p.algorithm.step_round()
 
-        threads = [threading.Thread(target=work, args=(p,)) for p in (a, b)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not errors, errors
+        on_threads(work, [(a,), (b,)])
         d1 = float((a.flat.data - b.flat.data).norm())
         assert d1 < d0 / 5, (d0, d1)
         assert all_rejected(a) == 0 and all_rejected(b) == 0

@@ -8,12 +8,11 @@ Real peers on 127.0.0.1, one of them closed and started anew with the label one 
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 from gossipgrad.peer.algorithms.base import RoundStats
 from gossipgrad.peer.runtime.node import Peer
 from support.peers import start_peer, start_peers, wait_until_met
+from support.threads import on_threads
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -23,21 +22,12 @@ OVERRIDES = {"gossip.topology": "one-peer-exponential", "gossip.round_timeout": 
 def _rounds(peers: list[Peer], rounds: int) -> dict[str, list[RoundStats]]:
     """Every peer runs ``rounds`` gossip rounds on its own thread, as training threads do."""
     stats: dict[str, list[RoundStats]] = {p.id: [] for p in peers}
-    errors: list[BaseException] = []
 
     def work(p: Peer) -> None:
-        try:
-            for _ in range(rounds):
-                stats[p.id].append(p.algorithm.step_round())
-        except BaseException as err:
-            errors.append(err)
+        for _ in range(rounds):
+            stats[p.id].append(p.algorithm.step_round())
 
-    threads = [threading.Thread(target=work, args=(p,)) for p in peers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    assert not errors, errors
+    on_threads(work, [(p,) for p in peers], 90)
     return stats
 
 
