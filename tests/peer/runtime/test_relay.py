@@ -26,6 +26,7 @@ from gossipgrad.peer.flat import FlatParameters
 from gossipgrad.peer.network import PeerClient, TransportError, TransportOptions, protocol
 from gossipgrad.peer.network.relay import MAX_TUNNELS_PER_CALLER, RelayDialer, open_frame
 from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
+from gossipgrad.peer.runtime.joining import JoinError
 from gossipgrad.peer.runtime.node import Peer
 from gossipgrad.peer.runtime.relaying import relay_score
 from gossipgrad.peer.security import TransportSecurity, write_swarm_certs
@@ -274,6 +275,71 @@ def test_an_outbound_only_joiner_downloads_its_state_through_a_relay(certs) -> N
         close_started(mark)
         for lis in nowhere:
             lis.close()
+
+
+def test_what_a_relay_alters_breaks_the_connection_and_never_arrives_under_tls(certs) -> None:
+    """p0 relays for x and, from some moment, flips one bit in every frame it forwards: j's
+    download of x's state and j's heartbeats to x through p0 fail (each connection breaks at
+    the first altered TLS record) and nothing altered arrives. (Before, faithful, it brought
+    the state intact.)"""
+    mark = started_count()
+    nowhere = CountingListener()
+    tamper = threading.Event()
+    altered = [0]
+
+    def altering(forward):
+        def frames(tunnel) -> Iterator[bytes]:
+            for raw in forward(tunnel):
+                if tamper.is_set() and len(raw) > 4:
+                    raw = raw[:-1] + bytes([raw[-1] ^ 0x01])
+                    altered[0] += 1
+                yield raw
+
+        return frames
+
+    try:
+        p0 = start_peer("p0", [], 1, tls(certs, "p0"))
+        p0.relays.to_target = altering(p0.relays.to_target)
+        p0.relays.to_caller = altering(p0.relays.to_caller)
+        blob = bytes(range(256)) * 1024
+        torch.manual_seed(2)
+        flat = FlatParameters(nn.Sequential(nn.Linear(40, 30), nn.Tanh(), nn.Linear(30, 5)))
+        cfg = build_config(
+            {},
+            {
+                "peer.id": "x",
+                "peer.bootstrap": [p0.address],
+                "peer.advertise": nowhere.address,
+                **FAST_MEMBERSHIP,
+                **tls(certs, "x"),
+            },
+        )
+        x = started(Peer(cfg, flat, state_source=lambda: (50, 5, blob)))
+        x.update_progress(50, 5)
+        assert outbound_only(x) == "p0"
+        j = start_peer("j", [p0.address], 3, tls(certs, "j"))
+        wait_for(lambda: j.membership.record("x") is not None, 10, "j to hear of x")
+        wait_for(lambda: j.membership.record("x").info.relay == "p0", 10, "j to learn x's relay")
+        wait_for(lambda: bool(j.donors()), 10, "x to be seen as a donor")
+        heartbeat = pb.HeartbeatRequest(swarm="gossipgrad", sender=j.membership.me)
+        to_x = j.clients.get(x.address, "x")
+        assert to_x.heartbeat(heartbeat, timeout=5).responder.id == "x"
+        header, state = j.download_state(timeout=30)
+        assert (header.sender, bytes(state)) == ("x", blob)
+
+        tamper.set()
+        # The call fails however gRPC words it (TSI_DATA_CORRUPTED, a closed connection).
+        with pytest.raises(TransportError):
+            to_x.heartbeat(heartbeat, timeout=5)
+        try:
+            got = j.download_state(timeout=10)
+        except JoinError:
+            got = None
+        assert got is None, "an altered state arrived"
+        assert altered[0] > 0
+    finally:
+        close_started(mark)
+        nowhere.close()
 
 
 def test_a_relay_is_no_way_around_the_targets_admission_nor_its_own_bounds(certs) -> None:
