@@ -9,13 +9,65 @@ same memory with no copies.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import tempfile
 import weakref
+from functools import lru_cache
 
 import torch
 import xxhash
 from torch import nn
+
+log = logging.getLogger(__name__)
+
+#: Where a spilled tensor goes when the temporary folder is memory (a tmpfs): the folder the
+#: Filesystem Hierarchy Standard keeps for temporary files on disk.
+DISK_TMP = "/var/tmp"
+_MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+
+
+def filesystem_type(path: str, mounts: str) -> str:
+    """The type of the filesystem holding ``path``, from a ``/proc/self/mounts`` text (the
+    mount point that is the longest prefix of the path; "" if none is)."""
+    path = os.path.realpath(path)
+    best, kind = "", ""
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
+
+
+@lru_cache(maxsize=1)
+def spill_directory() -> str | None:
+    """The folder for :class:`SpilledTensor` files: the temporary folder (``TMPDIR``), unless
+    it is held in memory (a tmpfs, common for ``/tmp``), where a spilled model would cost the
+    RAM it is spilled to save; then :data:`DISK_TMP` if that is on disk. None: tempfile's
+    own choice (no mount table to read, or no better folder)."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as f:
+            mounts = f.read()
+    except OSError:
+        return None
+    chosen = tempfile.gettempdir()
+    if filesystem_type(chosen, mounts) not in _MEMORY_FILESYSTEMS:
+        return None
+    if os.access(DISK_TMP, os.W_OK) and filesystem_type(DISK_TMP, mounts) not in (
+        _MEMORY_FILESYSTEMS
+    ):
+        log.info("%s is in memory (tmpfs): the initial model is spilled to %s", chosen, DISK_TMP)
+        return DISK_TMP
+    log.warning(
+        "%s is in memory (tmpfs) and no disk folder was found: the initial model spilled there "
+        "costs its size in RAM; set TMPDIR to a folder on disk",
+        chosen,
+    )
+    return None
 
 
 class FlatParameters:
@@ -85,8 +137,9 @@ class SpilledTensor:
 
     What is read rarely (the initial model, read when an edge opens) need not cost a model's
     worth of RAM: the file lives in the page cache while there is room, on disk otherwise,
-    and the system removes it when the process ends, however it ends. ``TMPDIR`` picks the
-    folder (it should not be a tmpfs, where the file would be memory again).
+    and the system removes it when the process ends, however it ends. The folder is
+    ``directory``, else :func:`spill_directory` (``TMPDIR``, or a disk folder where that is
+    a tmpfs, in which the file would be memory again).
     """
 
     def __init__(self, t: torch.Tensor, directory: str | None = None) -> None:
@@ -94,7 +147,8 @@ class SpilledTensor:
         self.dtype = t.dtype
         self.numel = t.numel()
         # A file with no name: removed by the system once the descriptor closes.
-        self._fd, path = tempfile.mkstemp(prefix="gossipgrad-", dir=directory)
+        folder = directory if directory is not None else spill_directory()
+        self._fd, path = tempfile.mkstemp(prefix="gossipgrad-", dir=folder)
         os.unlink(path)
         self._closed = weakref.finalize(self, os.close, self._fd)
         view = _bytes_of(t.detach().reshape(-1).contiguous().cpu())

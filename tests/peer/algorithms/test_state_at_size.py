@@ -3,11 +3,14 @@ file, averages kept as messages, a consensus step in slices, float16 copies kept
 
 from __future__ import annotations
 
+import os
+import tempfile
 import threading
 
 import pytest
 import torch
 from gossipgrad.compression import from_spec
+from gossipgrad.peer import flat
 from gossipgrad.peer.algorithms import mixing
 from gossipgrad.peer.algorithms.averaging import Average
 from gossipgrad.peer.algorithms.edges import Copies, Edge, Incoming, Kind, Verdict
@@ -35,6 +38,51 @@ def test_a_spilled_tensor_reads_back_bit_for_bit_from_many_threads() -> None:
     with pytest.raises(ValueError, match="spilled tensor"):
         spilled.copy_to(torch.empty(7))
     spilled.close()
+
+
+MOUNTS = """\
+/dev/vda / ext4 rw,relatime 0 0
+tmpfs /tmp tmpfs rw,nosuid 0 0
+/dev/vdb /tmp/on\\040disk ext4 rw 0 0
+tmpfs /run tmpfs rw 0 0
+"""
+
+
+def test_the_filesystem_of_a_path_is_its_longest_mount_point() -> None:
+    assert flat.filesystem_type("/tmp", MOUNTS) == "tmpfs"
+    assert flat.filesystem_type("/tmp/x/y", MOUNTS) == "tmpfs"
+    assert flat.filesystem_type("/tmp/on disk/x", MOUNTS) == "ext4"  # \\040: a space
+    assert flat.filesystem_type("/tmpx", MOUNTS) == "ext4"  # not inside /tmp
+    assert flat.filesystem_type("/var/tmp", MOUNTS) == "ext4"
+    assert flat.filesystem_type("/var/tmp", "") == ""
+
+
+def _in_memory(path: str) -> bool:
+    with open("/proc/self/mounts", encoding="utf-8") as f:
+        return flat.filesystem_type(path, f.read()) == "tmpfs"
+
+
+@pytest.mark.skipif(
+    not os.path.isdir("/dev/shm") or not _in_memory("/dev/shm") or _in_memory(flat.DISK_TMP),
+    reason="needs a tmpfs at /dev/shm and a disk at /var/tmp",
+)
+def test_a_tensor_is_not_spilled_into_memory_when_the_temporary_folder_is_a_tmpfs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With TMPDIR on a tmpfs the spilled model would cost the RAM it is spilled to save:
+    its file goes to the disk's temporary folder instead (and stays where TMPDIR says when
+    that is a disk)."""
+    for folder, expected in [("/dev/shm", flat.DISK_TMP), (flat.DISK_TMP, flat.DISK_TMP)]:
+        monkeypatch.setenv("TMPDIR", folder)
+        monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile reads TMPDIR again
+        flat.spill_directory.cache_clear()
+        spilled = SpilledTensor(torch.ones(10))
+        try:
+            where = os.readlink(f"/proc/self/fd/{spilled._fd}")
+            assert os.path.dirname(where) == expected, where
+        finally:
+            spilled.close()
+    flat.spill_directory.cache_clear()
 
 
 def test_an_average_of_messages_adds_what_the_dense_sum_would() -> None:
