@@ -17,10 +17,16 @@ Who is heartbeated, per interval (``membership.heartbeat_interval``):
    per pass (SWIM's round-robin probe selection: Das, Gupta, Motivala, DSN 2002, section 4.3);
 3. peers dead by silence every 5th interval (to notice a return from a partition or a
    stall; not those that said they were leaving), and the bootstrap while alone;
-4. peers heard of only second hand (not yet in the topology: ``peers.py``), at most
-   ``VERIFY_PER_INTERVAL`` a random pick of them, so a joiner, or a peer told of one, has it
-   in its topology an interval later, and ids a member made up cost a bounded number of
-   failed probes;
+4. peers heard of only second hand (not yet in the topology: ``peers.py``), *probed* on
+   ``PROBE_THREADS`` threads of their own, never waited for by the round: an id a member
+   made up, at an address that takes the connection and never answers, holds its probe for
+   a whole heartbeat timeout, and waited for, it would delay the next heartbeat to every
+   neighbour by as much. Per interval at most ``VERIFY_PER_INTERVAL`` probes, each id once,
+   and per peer that told of them (``told_by``) at most ``VERIFY_PER_SOURCE``, at most
+   ``PROBES_PER_SOURCE_IN_FLIGHT`` at a time, a random pick; a probe that ends starts the
+   next. So a joiner, or a peer told of one, has it in its topology within an interval or
+   two, while one member telling of made-up ids holds at most two probe threads and takes
+   at most part of the budget from the ids honest peers told of;
 5. peers whose address refused a call (*gone*: nothing listens there, the process has ended)
    every ``GONE_PROBE_EVERY``-th interval while they are suspect, instead of 1, and never once
    they are dead, instead of 3: only a new process can answer there, and a new process says
@@ -66,8 +72,14 @@ log = logging.getLogger(__name__)
 
 #: A peer whose address refused a call is probed every this many intervals (module docstring).
 GONE_PROBE_EVERY = 10
-#: Peers heard of only second hand heartbeated per interval, at most (module docstring).
+#: Peers heard of only second hand probed per interval, at most (module docstring).
 VERIFY_PER_INTERVAL = 32
+#: Of those, at most this many told of by one peer (module docstring).
+VERIFY_PER_SOURCE = 16
+#: Threads that probe peers heard of only second hand, apart from the heartbeat threads.
+PROBE_THREADS = 4
+#: Probes in flight of peers told of by one peer, at most (module docstring).
+PROBES_PER_SOURCE_IN_FLIGHT = 2
 #: Most entries a heartbeat's peer list may hold; a longer one is refused whole (the server
 #: counts it as ``too_large``).
 MAX_KNOWN = MAX_PEERS
@@ -134,6 +146,14 @@ class Membership(PeerTable):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="heartbeat")
+        self._probe_pool = ThreadPoolExecutor(max_workers=PROBE_THREADS, thread_name_prefix="probe")
+        # probes of peers heard of only second hand: in flight (id -> who told of it), ids
+        # probed this interval, and this interval's budgets left (all under the lock)
+        self._probing: dict[str, str] = {}
+        self._probed: set[str] = set()
+        self._probes_left = 0
+        self._source_left: dict[str, int] = {}
+        self._probes_done = threading.Condition(self._lock)
         self._tick = 0
         self._rng = random.Random(me.id)
         # far peers still to heartbeat in this pass, popped from the end (SWIM round-robin)
@@ -154,7 +174,7 @@ class Membership(PeerTable):
             raise PeerListTooLong(
                 f"peer list of {len(request.known)} entries exceeds the limit of {MAX_KNOWN}"
             )
-        self.merge(own=[request.sender], hearsay=request.known)
+        self.merge(own=[request.sender], hearsay=request.known, told_by=request.sender.id)
         digest = self.view_digest()
         known = [] if request.view_digest == digest else self.known_infos()[:MAX_KNOWN]
         return pb.HeartbeatReply(responder=self.me, known=known, view_digest=digest)
@@ -211,7 +231,9 @@ class Membership(PeerTable):
         itself = peer_id is not None and reply.responder.id == peer_id
         responder = [reply.responder]
         self.merge(
-            own=responder if itself else (), hearsay=[*reply.known, *responder[: not itself]]
+            own=responder if itself else (),
+            hearsay=[*reply.known, *responder[: not itself]],
+            told_by=peer_id or address,
         )
         with self._lock:
             # their digest, and ours as it stands after the merge (what it was compared to)
@@ -260,7 +282,6 @@ class Membership(PeerTable):
         gone_due = self._tick % GONE_PROBE_EVERY == 0
         every: list[str] = []
         far: set[str] = set()
-        unverified: list[str] = []
         with self._lock:
             for pid, r in self._peers.items():
                 if r.state == DEAD:
@@ -271,14 +292,11 @@ class Membership(PeerTable):
                     if gone_due and not r.info.leaving:
                         every.append(pid)
                 elif not r.heard_directly:
-                    unverified.append(pid)
+                    continue  # probed apart: _start_probes
                 elif pid in near or r.unanswered_since is not None or r.condemned or r.recheck:
                     every.append(pid)
                 else:
                     far.add(pid)
-            if len(unverified) > VERIFY_PER_INTERVAL:
-                unverified = self._rng.sample(unverified, VERIFY_PER_INTERVAL)
-            every += unverified
             chosen = self._next_far(far, self.far_fanout(len(live))) if far_due else []
             out = [(self._peers[pid].info.address, pid) for pid in [*every, *chosen]]
             alone = not any(r.state != DEAD for r in self._peers.values())
@@ -305,10 +323,17 @@ class Membership(PeerTable):
         }
         return near | set(self._formerly_near)
 
-    def beat_once(self) -> None:
+    def beat_once(self, wait_probes: bool = True) -> None:
         """One heartbeat round (see the module docstring for who is heartbeated), then age
         the table. A death reported in this round's replies is checked at once, not an
-        interval later, so a certificate spreads one hop per interval."""
+        interval later, so a certificate spreads one hop per interval.
+
+        ``wait_probes``: also wait (at most two heartbeat timeouts) for this interval's
+        probes of peers heard of only second hand, as a starting peer does that needs them
+        (a bootstrap's answer is such word); the heartbeat thread never waits for them."""
+        with self._lock:  # a new interval: new probe budgets
+            self._probes_left, self._source_left, self._probed = VERIFY_PER_INTERVAL, {}, set()
+        self._start_probes()
         targets = list(dict.fromkeys(self.targets()))
         self._rng.shuffle(targets)
         self._beat_all(targets)
@@ -320,7 +345,66 @@ class Membership(PeerTable):
                 if r.condemned and r.state != DEAD and pid not in asked
             ]
         self._beat_all(check)
+        if wait_probes:
+            with self._lock:
+                self._probes_done.wait_for(
+                    lambda: not self._probing or self._stop.is_set(), 2 * self.heartbeat_timeout
+                )
         self.sweep()
+
+    def _start_probes(self) -> None:
+        """Probe peers heard of only second hand, within this interval's budgets (module
+        docstring, 4), on the probe threads; each probe that ends starts the next."""
+        started = []
+        with self._lock:
+            in_flight: dict[str, int] = {}
+            for source in self._probing.values():
+                in_flight[source] = in_flight.get(source, 0) + 1
+            waiting = [
+                (pid, r)
+                for pid, r in self._peers.items()
+                if not r.heard_directly
+                and r.state != DEAD
+                and not r.info.leaving
+                and pid not in self._probing
+                and pid not in self._probed
+            ]
+            self._rng.shuffle(waiting)
+            for pid, r in waiting:
+                if self._probes_left <= 0 or len(self._probing) >= PROBE_THREADS:
+                    break
+                source = r.told_by
+                if (
+                    in_flight.get(source, 0) >= PROBES_PER_SOURCE_IN_FLIGHT
+                    or self._source_left.get(source, VERIFY_PER_SOURCE) <= 0
+                ):
+                    continue
+                in_flight[source] = in_flight.get(source, 0) + 1
+                self._source_left[source] = self._source_left.get(source, VERIFY_PER_SOURCE) - 1
+                self._probes_left -= 1
+                self._probing[pid] = source
+                self._probed.add(pid)
+                started.append((r.info.address, pid))
+        for address, pid in started:
+            try:
+                self._probe_pool.submit(self._probe, address, pid)
+            except RuntimeError:  # shut down: the process is exiting
+                self._probe_ended(pid)
+
+    def _probe(self, address: str, peer_id: str) -> None:
+        try:
+            self._beat(address, peer_id)
+        except Exception:  # one bad probe must not stop the others
+            log.exception("probe of %s failed", peer_id)
+        finally:
+            self._probe_ended(peer_id)
+        if not self._stop.is_set():
+            self._start_probes()
+
+    def _probe_ended(self, peer_id: str) -> None:
+        with self._lock:
+            self._probing.pop(peer_id, None)
+            self._probes_done.notify_all()
 
     def _beat_all(self, targets: list[tuple[str, str | None]]) -> None:
         futures = [self._pool.submit(self._beat, a, pid) for a, pid in targets]
@@ -334,7 +418,7 @@ class Membership(PeerTable):
             while not self._stop.is_set():
                 started = time.monotonic()
                 try:
-                    self.beat_once()
+                    self.beat_once(wait_probes=False)
                 except RuntimeError as err:
                     if "shutdown" in str(err):  # the pool is gone: the process is exiting
                         return
@@ -372,3 +456,6 @@ class Membership(PeerTable):
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._probe_pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            self._probes_done.notify_all()

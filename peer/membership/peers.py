@@ -75,6 +75,9 @@ class PeerRecord:
     #: Another peer said it lives at another incarnation or address: heartbeated once at the
     #: address held here, whose answer (or silence) settles it.
     recheck: bool = False
+    #: Who told of it, while it is heard of only second hand (probes are shared out fairly
+    #: among those who told: ``heartbeats.py``).
+    told_by: str = ""
 
 
 def _present(r: PeerRecord) -> bool:
@@ -197,7 +200,12 @@ class PeerTable:
         else:
             self.merge(hearsay=[info])
 
-    def merge(self, own: Iterable[pb.PeerInfo] = (), hearsay: Iterable[pb.PeerInfo] = ()) -> None:
+    def merge(
+        self,
+        own: Iterable[pb.PeerInfo] = (),
+        hearsay: Iterable[pb.PeerInfo] = (),
+        told_by: str = "",
+    ) -> None:
         """Merge PeerInfos, reporting at most one change to the owner (its rewire costs
         O(n), so a long peer list costs one rewire, not one per entry).
 
@@ -208,16 +216,18 @@ class PeerTable:
         behind). ``hearsay``: what another peer said. It only adds a peer to probe (up to
         :data:`MAX_PEERS`), condemns one (a departure: dead here only if it then leaves one
         of our heartbeats unanswered), or asks for one heartbeat to it (a new life: taken
-        second hand only once the old life is gone or dead here).
+        second hand only once the old life is gone or dead here). ``told_by``: who said it
+        (a peer id, or an address where none is known).
         """
         changed = False
         with self._lock:
             now = time.monotonic()
-            for merge, infos in ((self._from_itself, own), (self._from_hearsay, hearsay)):
-                for info in infos:
-                    if info.id == self.me.id or not info.id or not info.address:
-                        continue
-                    changed = merge(info, now) or changed
+            for info in own:
+                if info.id != self.me.id and info.id and info.address:
+                    changed = self._from_itself(info, now) or changed
+            for info in hearsay:
+                if info.id != self.me.id and info.id and info.address:
+                    changed = self._from_hearsay(info, now, told_by) or changed
         if changed:
             self._on_change()
 
@@ -257,14 +267,14 @@ class PeerTable:
             rec.state, changed = DEAD, True
         return changed
 
-    def _from_hearsay(self, info: pb.PeerInfo, now: float) -> bool:
-        """Merge what another peer said of ``info.id`` (under the lock); whether anything
+    def _from_hearsay(self, info: pb.PeerInfo, now: float, told_by: str = "") -> bool:
+        """Merge what ``told_by`` said of ``info.id`` (under the lock); whether anything
         changed. Never kills, moves or restarts a peer this table holds."""
         rec = self._peers.get(info.id)
         if rec is None:
             if info.leaving or len(self._peers) >= MAX_PEERS:
                 return False  # the death of a peer we never knew: nothing to drop
-            self._peers[info.id] = PeerRecord(info=info, last_seen=now)
+            self._peers[info.id] = PeerRecord(info=info, last_seen=now, told_by=told_by)
             log.info("peer %s joined at %s (second hand)", info.id, info.address)
             return True
         if info.incarnation < rec.info.incarnation or (rec.state == DEAD and info.leaving):
@@ -290,7 +300,7 @@ class PeerTable:
             # new one to probe. Should nobody answer there, it dies again, harming no one.
             log.info("peer %s restarted (incarnation %d, second hand)", info.id, info.incarnation)
             rec.info, rec.last_seen, rec.state = info, now, ALIVE
-            rec.heard_directly = False
+            rec.heard_directly, rec.told_by = False, told_by
             rec.unanswered_since, rec.condemned, rec.gone, rec.recheck = None, False, False, False
             return True
         rec.recheck = True  # said to live elsewhere or anew: ask it where this table holds it

@@ -507,6 +507,11 @@ class Peer:
             self.relay_keeper = RelayKeeper(
                 self.membership, self._round_trip, self._attach, self._relay_changed
             )
+        if self.membership.unverified_ids():
+            # Members heard of only second hand (the bootstrap's answer is such word) are no
+            # candidates until they answer for themselves: probe them now, so the choice
+            # does not depend on how far the heartbeat thread's probes have got.
+            self.membership.beat_once()
         relay = self.relay_keeper.choose()
         if relay:
             self.relay_keeper.start()
