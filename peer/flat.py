@@ -8,6 +8,7 @@ same memory with no copies.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import os
@@ -107,8 +108,24 @@ class FlatParameters:
         # needs it (``keep_initial``; a site's follower ranks do not).
         self.initial = SpilledTensor(self.data) if keep_initial else None
 
+    def host_twin(self) -> FlatParameters:
+        """A twin of these parameters whose ``data`` is a copy in host memory (pinned where
+        CUDA is, for fast copies to and from the device): the same names, shapes, fingerprint
+        and initial model, no model of its own. The gossip state of a model on an accelerator
+        is built on it (``gossip.state_device``); the caller keeps the two ``data`` in step
+        (``GossipOptimizer``: the parameters to the twin before a round, back after it)."""
+        twin = copy.copy(self)
+        twin.data = torch.empty(
+            self.numel, dtype=self.dtype, pin_memory=torch.cuda.is_available()
+        ).copy_(self.data)
+        twin.device = twin.data.device
+        twin._params = []
+        return twin
+
     def grad(self) -> torch.Tensor:
         """The parameters' gradients as one flat tensor (zeros where a grad is None)."""
+        if not self._params:
+            raise RuntimeError("a host twin has no gradients: they stay with the model")
         parts = [
             p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1)
             for p in self._params
@@ -117,6 +134,8 @@ class FlatParameters:
 
     def set_grad(self, flat_grad: torch.Tensor) -> None:
         """Write a flat gradient back into the parameters' ``.grad``."""
+        if not self._params:
+            raise RuntimeError("a host twin has no gradients: they stay with the model")
         offset = 0
         for p in self._params:
             n = p.numel()

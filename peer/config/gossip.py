@@ -101,6 +101,16 @@ class GossipSection(Section):
         "over the parameters move by what the anchor moved from that copy, keeping the "
         "progress made meanwhile. Not with overlap.",
     )
+    state_device: Literal["auto", "model", "host"] = Field(
+        "auto",
+        description="Where the gossip state (copies, residuals, anchors, messages) lives. "
+        "host: in host memory (pinned where CUDA is), built on a host copy of the "
+        "parameters that takes them before each round and gives them back after it (two "
+        "copies of the model across the bus per round; no model-sized gossip buffer on the "
+        "accelerator); choco, diloco and exact-diloco, without background_rounds. model: on "
+        "the model's device. auto: host for a model on an accelerator where host can be "
+        "used, else model (a CPU model needs no second copy); logged.",
+    )
     copy_dtype: Literal["float32", "float16"] = Field(
         default_factory=default_for("copy_dtype"),
         description="Precision of the public copies CHOCO keeps per edge (two per edge: "
@@ -222,6 +232,14 @@ class GossipSection(Section):
 
     @model_validator(mode="after")
     def _background_rounds_fit(self) -> GossipSection:
+        if self.state_device == "host" and (
+            self.background_rounds or self.algorithm == "ef-gradient"
+        ):
+            raise ValueError(
+                "state_device = host moves the parameters to the host copy at each round "
+                "boundary, on the training thread: not with ef-gradient (it averages "
+                "gradients every step) or background_rounds"
+            )
         if self.background_rounds and self.algorithm == "ef-gradient":
             raise ValueError(
                 "background_rounds runs choco's and diloco's rounds beside training; "

@@ -73,6 +73,9 @@ class GossipOptimizer:
         self.optimizer = optimizer
         self.config = config
         self.flat = FlatParameters(model)
+        # The parameters the algorithm works on: the model's own, or a host copy of them
+        # that takes them before each round and gives them back after (gossip.state_device).
+        self.gossip_flat = self.flat.host_twin() if _state_on_host(config, self.flat) else self.flat
         self.buffers = FloatBuffers(model)
         self.local_step = 0
         self.last_round: RoundStats | None = None
@@ -86,7 +89,7 @@ class GossipOptimizer:
         self.state_lock = threading.RLock()
         self.peer = Peer(
             config,
-            self.flat,
+            self.gossip_flat,
             state_source=self._state_snapshot,
             registry=registry,
             state_lock=self.state_lock,
@@ -187,11 +190,28 @@ class GossipOptimizer:
                     self.algorithm.hand_over(step)
                 self._background.start(lambda: self.algorithm.after_step(step))
         else:
-            with self._blocking():
+            with self._blocking(), self._parameters_to_gossip(self.algorithm.round_due(step)):
                 stats = self.algorithm.after_step(step)
             self._record(stats)
         self.peer.update_progress(self.local_step, self.round)
         return stats
+
+    @contextlib.contextmanager
+    def _parameters_to_gossip(self, moved: bool = True) -> Iterator[None]:
+        """With the gossip state on the host (``gossip_flat`` a host copy): the parameters
+        go to the host copy before the algorithm runs (``moved``: only when it touches them)
+        and come back after it, so the round works on the parameters as trained and training
+        goes on from the round's result, as with no copy."""
+        if self.gossip_flat is self.flat or not moved:
+            yield
+            return
+        with torch.no_grad(), self.state_lock:
+            self.gossip_flat.data.copy_(self.flat.data)
+        try:
+            yield
+        finally:
+            with torch.no_grad(), self.state_lock:
+                self.flat.data.copy_(self.gossip_flat.data)
 
     def _wait_for_round(self) -> RoundStats | None:
         """Wait for the round running in the background, if any, and record it."""
@@ -215,7 +235,7 @@ class GossipOptimizer:
     def gossip_round(self) -> RoundStats:
         """One gossip-only round now (``gossip.final_rounds``)."""
         self._wait_for_round()
-        with self._blocking():
+        with self._blocking(), self._parameters_to_gossip():
             self.last_round = self.algorithm.consensus_round()
         self._average_buffers(self.last_round)
         self.peer.update_progress(self.local_step, self.round)
@@ -232,7 +252,7 @@ class GossipOptimizer:
             return
         self.finished = True
         self._wait_for_round()
-        with self._blocking():
+        with self._blocking(), self._parameters_to_gossip():
             self.algorithm.finish(interrupted)
 
     # ------------------------------------------------------------------ state
@@ -276,6 +296,8 @@ class GossipOptimizer:
             )
         with self.state_lock, torch.no_grad():
             self.flat.data.copy_(state["params"].to(self.flat.data.device))
+            if self.gossip_flat is not self.flat:
+                self.gossip_flat.data.copy_(self.flat.data)
             buffers = dict(persistent_buffers(self.model))
             for name, value in state.get("buffers", {}).items():
                 if name in buffers:
@@ -283,7 +305,7 @@ class GossipOptimizer:
             self.optimizer.load_state_dict(state["optimizer"])
             self.local_step = int(state["local_step"])
             gossip = state.get("gossip", {"round": state.get("round", 0)})
-            self.algorithm.load_state_dict(_to_device(gossip, self.flat.data.device))
+            self.algorithm.load_state_dict(_to_device(gossip, self.gossip_flat.data.device))
 
     def _state_snapshot(self) -> tuple[int, int, StateWriter]:
         """The state a joining peer downloads: every tensor copied once, under the lock, into
@@ -364,3 +386,22 @@ def _to_device(state, device: torch.device):
     if isinstance(state, dict):
         return {k: _to_device(v, device) for k, v in state.items()}
     return state
+
+
+def _state_on_host(config: PeerConfig, flat: FlatParameters) -> bool:
+    """Whether the gossip state goes to host memory (``gossip.state_device``), logged when
+    it does."""
+    g = config.gossip
+    if g.state_device == "model":
+        return False
+    if g.state_device == "auto" and (
+        flat.device.type == "cpu" or g.background_rounds or g.algorithm == "ef-gradient"
+    ):
+        return False
+    log.info(
+        "gossip state in host memory (gossip.state_device = %s; the model is on %s): "
+        "the parameters cross to it before each round and back after",
+        g.state_device,
+        flat.device,
+    )
+    return True
