@@ -39,7 +39,7 @@ from gossipgrad.peer.network import (
 from gossipgrad.peer.network.framing import StreamedPayload
 from gossipgrad.peer.network.pool import ClientPool
 from gossipgrad.peer.network.relay import Attachment, RelayDialer, RelayHub
-from gossipgrad.peer.runtime.donor import SnapshotCache
+from gossipgrad.peer.runtime.donor import SnapshotCache, SnapshotRefused
 from gossipgrad.peer.runtime.joining import StateDownload
 from gossipgrad.peer.runtime.reachability import (
     CHECK_TIMEOUT_S,
@@ -599,7 +599,13 @@ class Peer:
         self._check_swarm(request.swarm)
         if self.snapshots is None:
             raise UpdateRejected(grpc.StatusCode.UNAVAILABLE, "stale", "no state to share")
-        step, round_, snapshot = self.snapshots.get()
+        try:
+            step, round_, snapshot = self.snapshots.get(request.requester)
+        except SnapshotRefused as err:
+            self.metrics.record_rejected("rate_limited")
+            raise UpdateRejected(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limited", str(err)
+            ) from None
         payload, state_format = snapshot, 0
         if isinstance(snapshot, StateWriter):
             if request.state_format >= STATE_FORMAT:  # sent as it is serialized

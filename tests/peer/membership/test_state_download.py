@@ -16,11 +16,13 @@ import grpc
 import pytest
 import torch
 from gossipgrad.peer.config import build_config
-from gossipgrad.peer.network import PeerClient, protocol
+from gossipgrad.peer.network import PeerClient, TransportError, TransportOptions, protocol
 from gossipgrad.peer.network.protocol import STATE_CODEC
+from gossipgrad.peer.runtime.donor import SNAPSHOT_PER_REQUESTER_S
 from gossipgrad.peer.runtime.optimizer import GossipOptimizer
 from gossipgrad.peer.runtime.state_stream import STATE_FORMAT, StateReader
 from gossipgrad.proto import gossip_pb2 as pb
+from support.peers import rejected
 from torch import nn
 
 NUMEL = 1 << 21  # 8 MB: serialising takes long enough for a step to land in the middle
@@ -67,9 +69,9 @@ def test_state_downloaded_during_training_is_one_consistent_snapshot(state_forma
     try:
         steps: list[int] = []
         with PeerClient(donor.peer.address) as client:
-            for _ in range(12):
+            for i in range(12):  # twelve joiners (one requester gets one snapshot per 2 s)
                 request = pb.StateRequest(
-                    swarm=cfg.peer.swarm, requester="joiner", state_format=state_format
+                    swarm=cfg.peer.swarm, requester=f"joiner{i}", state_format=state_format
                 )
                 header, state = fetch(client, request)
                 k = state["local_step"]
@@ -140,12 +142,58 @@ def test_downloads_cancelled_in_a_loop_serialize_the_state_once_per_step(
         assert len(saves) == saves_per_snapshot, len(saves)
         model.weight.grad = torch.ones_like(model.weight)
         donor.step()  # a new step: the next request takes a new snapshot
+        joiner = pb.StateRequest(
+            swarm=cfg.peer.swarm, requester="joiner", state_format=state_format
+        )
         with PeerClient(donor.peer.address) as client:
             for _ in range(3):
-                header, state = fetch(client, request)
+                header, state = fetch(client, joiner)
                 assert header.step == state["local_step"] == 1
         assert donor.peer.snapshots.serialized == 2
         assert len(saves) == 2 * saves_per_snapshot, len(saves)
     finally:
         channel.close()
         donor.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_member_asking_for_the_state_every_step_gets_one_snapshot_per_interval() -> None:
+    """A member asking for the state after every step of the donor took a new snapshot under
+    the training lock each time (one per step). Now a requester gets a new snapshot at most
+    once per SNAPSHOT_PER_REQUESTER_S: the others are refused ("donor busy", counted as
+    rate_limited) while another joiner is still served a fresh one."""
+    model = nn.Linear(64, 8, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=1.0)
+    cfg = build_config(
+        {}, {"peer.id": "donor", "metrics.enabled": False, "gossip.local_steps": 1_000_000}
+    )
+    donor = GossipOptimizer(model, opt, cfg)
+    evil = pb.StateRequest(swarm=cfg.peer.swarm, requester="evil", state_format=STATE_FORMAT)
+    refused = served = 0
+    try:
+        with PeerClient(donor.peer.address, TransportOptions(retries=0)) as client:
+            t0 = time.monotonic()
+            for _ in range(20):
+                model.weight.grad = torch.ones_like(model.weight)
+                donor.step()  # a new step: the kept snapshot is stale
+                try:
+                    fetch(client, evil)
+                    served += 1
+                except TransportError as err:
+                    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+                    assert err.reason == "rate_limited"
+                    refused += 1
+            took = time.monotonic() - t0
+            header, _ = fetch(client, pb.StateRequest(
+                swarm=cfg.peer.swarm, requester="joiner", state_format=STATE_FORMAT
+            ))  # fmt: skip
+        snapshots = donor.peer.snapshots.serialized
+    finally:
+        donor.close()
+    print(f"20 steps in {took:.2f} s: evil served {served}, refused {refused}; "
+          f"{snapshots} snapshots in all")  # fmt: skip
+    assert header.step == 20  # the other joiner gets the state as of now
+    assert served <= 1 + took / SNAPSHOT_PER_REQUESTER_S, served
+    assert refused == 20 - served
+    assert snapshots == served + 1
+    assert rejected(donor.peer, "rate_limited") >= refused
