@@ -51,6 +51,32 @@ class Encoded:
         _apply(self.codec, self.idx, self.values, self.scales, self.count, self.dtype, out, alpha)
         return out
 
+    def residual_norm(self, t: torch.Tensor) -> float:
+        """||t − decode(bytes)|| for the tensor ``t`` that was encoded, ``t`` left unchanged:
+        what error feedback keeps of it once these bytes are sent, measured in one read of
+        ``t`` instead of subtracting the bytes from it and reading it again. Sparse codecs:
+        ||t||² − ||t_S||² + ||t_S − v||² over the kept set S; dense ones compare a chunk at a
+        time, in cache."""
+        flat = t.detach().reshape(-1)
+        sp, q = self.codec.stages()
+        if sp is None:
+            total = 0.0
+            scratch = torch.empty(min(CHUNK, flat.numel()), dtype=flat.dtype, device=flat.device)
+            for lo in range(0, flat.numel(), CHUNK):
+                hi = min(flat.numel(), lo + CHUNK)
+                v, s = _chunk_inputs(q, self.values, self.scales, lo, hi, self.dtype)
+                sent = q.dequantize(v, s, hi - lo, self.dtype)  # may be a view of t (lossless)
+                d = torch.sub(flat[lo:hi], sent.to(flat.dtype), out=scratch[: hi - lo])
+                total += float(torch.dot(d, d))
+            return total**0.5
+        total = float(torch.dot(flat, flat))
+        if self.idx is not None and self.idx.numel():
+            kept = torch.index_select(flat, 0, self.idx)
+            vals = _dequantize_chunked(q, self.values, self.scales, self.count, self.dtype)
+            left = kept - vals.to(flat.dtype)
+            total += float(torch.dot(left, left)) - float(torch.dot(kept, kept))
+        return max(total, 0.0) ** 0.5
+
 
 def encode_parts(codec: Codec, t: torch.Tensor, seed: int | None) -> tuple[bytes, Encoded]:
     """``encode`` that also returns what it built (see :class:`Encoded`)."""

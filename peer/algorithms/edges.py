@@ -293,9 +293,8 @@ class Edge:
             # bytes, bit for bit, without decoding our own indices again.
             payload, sent = c.codec.encode_parts(diff, seed=self.sent + 1)
             sent.add_to_(self.public)
-            if c.error_feedback:  # what stays to send: x − x̂ = diff − decode(q)
-                sent.add_to_(diff, alpha=-1.0)
-                self.residual = float(torch.linalg.vector_norm(diff))
+            if c.error_feedback:  # what stays to send: ||x − x̂|| = ||diff − decode(q)||
+                self.residual = sent.residual_norm(diff)
             else:
                 self.residual = float("nan")
             kind = Kind.DELTA

@@ -87,3 +87,22 @@ def test_what_the_encoder_built_adds_what_the_bytes_decode_to(
     by_parts = sent.add_to_(base.clone(), alpha=-0.7)
     by_bytes = codec.decode_add_(data, base.clone(), alpha=-0.7, cast=True)
     assert torch.equal(by_parts, by_bytes)
+
+
+@pytest.mark.parametrize(
+    "spec", ["topk:0.01+int8", "topk:0.2+int2", "randomk:0.1+int4", "sign", "int8", "none"]
+)
+def test_the_residual_norm_of_what_was_built_is_the_norm_left_after_sending_it(
+    spec: str,
+) -> None:
+    """``Encoded.residual_norm(t)`` is ||t − decode(bytes)||, the norm error feedback keeps,
+    without writing ``t``."""
+    codec = from_spec(spec)
+    gen = torch.Generator().manual_seed(5)
+    t = torch.randn(3, 3001, generator=gen) * torch.rand(3, 3001, generator=gen)
+    data, sent = codec.encode_parts(t, seed=3)
+    before = t.clone()
+    left = codec.decode_add_(data, t.clone(), alpha=-1.0)
+    expected = float(torch.linalg.vector_norm(left.double()))
+    assert sent.residual_norm(t) == pytest.approx(expected, rel=1e-4, abs=1e-6)
+    assert torch.equal(t, before)
