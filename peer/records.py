@@ -122,6 +122,11 @@ class PeerStatus(TrafficTotals):
         description="The staleness bound the latest gossip round waited under: "
         "``gossip.max_staleness``, or what ``auto`` chose from the measured round trip.",
     )
+    overlap: bool | None = Field(
+        None,
+        description="diloco: whether the latest phase end overlapped its exchange with the "
+        "next phase: ``gossip.overlap``, or what ``auto`` chose from the measured round trip.",
+    )
     algorithm_defaults: dict[str, Any] | None = Field(
         None,
         description="The ``[gossip]`` keys left unset that took the algorithm's recommended "

@@ -31,6 +31,7 @@ class RoundStats:
     residual_norm: float = 0.0
     max_staleness: int | None = None  # the bound the round waited under (CHOCO rounds)
     anchor_checksum: str | None = None  # exact-diloco: the anchor the next phase starts from
+    overlap: bool | None = None  # diloco: whether this phase end overlapped its exchange
 
 
 class GossipAlgorithm(abc.ABC):

@@ -14,9 +14,10 @@ leaves the peer). At the end of phase r:
    differ from peer to peer, and the anchors would otherwise drift apart.
 5. θ_i = a_i: the next phase starts from the anchor.
 
-With ``gossip.overlap`` the exchange of phase r runs while phase r + 1 computes (eager
-updates, Kale et al. 2025, "Eager Updates for Overlapped Communication and Computation in
-DiLoCo"): at the end of phase r the peer sends Δ_r and takes its outer step on
+With ``gossip.overlap`` (diloco's default ``"auto"``: on where the measured round trip would
+stall a phase end, peer/algorithms/phase_overlap.py) the exchange of phase r runs while phase
+r + 1 computes (eager updates, Kale et al. 2025, "Eager Updates for Overlapped Communication
+and Computation in DiLoCo"): at the end of phase r the peer sends Δ_r and takes its outer step on
 w_ii Q(Δ_r) + Σ_j w_ij Q(Δ_{r−1}^j), its own vector of this phase and the neighbours' of the
 phase before (arrived during phase r), so every vector is applied once, with its weight; the
 next phase starts from the anchor. A WAN round trip then hides behind a phase of compute.
@@ -38,12 +39,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import torch
 from gossipgrad.peer.algorithms.averaging import AverageStats, CompressedAverage, Ticket
 from gossipgrad.peer.algorithms.base import GossipAlgorithm, RoundStats
 from gossipgrad.peer.algorithms.choco import ChocoGossip
 from gossipgrad.peer.algorithms.outer import OuterSettings, outer_step, restore_outer
+from gossipgrad.peer.algorithms.phase_overlap import PhaseOverlap
 from gossipgrad.peer.flat import FlatParameters
 from gossipgrad.proto import gossip_pb2 as pb
 
@@ -85,6 +88,9 @@ class DiLoCo(GossipAlgorithm):
         # θ at the end of the phase whose round runs in the background (background only).
         self._phase_end: torch.Tensor | None = None
         self.last_exchange: AverageStats | None = None
+        # gossip.overlap as set, or "auto": chosen from the round trip (phase_overlap.py).
+        self.overlap = PhaseOverlap(outer.overlap)
+        self._phase_done: float | None = None  # when the last phase end finished
 
     @property
     def round(self) -> int:
@@ -144,7 +150,16 @@ class DiLoCo(GossipAlgorithm):
         if not self.round_due(local_step):
             return None
         if not self.outer.background:
-            return self._outer_round(self.outer.overlap)
+            started = time.perf_counter()
+            if self._phase_done is not None:
+                self.overlap.observe_compute(started - self._phase_done)
+            overlap = self.overlap.update(self.average.nb.round_trip())
+            if overlap:  # the anchors' exchange then has a phase to complete in: a margin
+                self.anchors.staleness.add_margin(1)
+            stats = self._outer_round(overlap)
+            stats.overlap = overlap
+            self._phase_done = time.perf_counter()
+            return stats
         if self._phase_end is None:
             raise RuntimeError("hand_over() keeps θ before a round goes to the background")
         return self._outer_round(overlap=False, phase_end=self._phase_end)

@@ -33,7 +33,7 @@ class OuterSettings:
     lr: float  # η
     momentum: float  # μ
     nesterov: bool
-    overlap: bool  # exchange of phase r runs during phase r + 1
+    overlap: bool | str  # exchange of phase r runs during phase r + 1 ("auto": as measured)
     background: bool = False  # the phase end runs beside the next phase's first steps
 
 

@@ -145,13 +145,17 @@ class GossipSection(Section):
         "4 peers on digits at 3.6e-6 relative consensus distance; 0.03 with top-1% let them "
         "drift apart).",
     )
-    overlap: bool = Field(
-        False,
+    overlap: bool | Literal["auto"] = Field(
+        default_factory=default_for("overlap"),
         description="diloco: exchange a phase's pseudo-gradient while the next phase "
-        "computes, applying it one phase late (hides a WAN round trip behind compute). "
-        "Across a WAN the anchors' gossip also needs max_staleness 2 or more (auto chooses "
-        "it), so it does not wait on its neighbours every phase (digits, 8 sites, 100 ms "
-        "RTT: steps as fast as on ideal links with 2, 0.76 of their speed with 1; "
+        "computes, applying it one phase late (hides a WAN round trip behind compute; on "
+        "local links it cost the char transformer 1.96 against 1.76 of loss). auto: off, "
+        "turned on for the run once the measured round trip (the least of the latest pushes) "
+        "is 10 ms or more and over a quarter of a phase's compute (the median of the latest "
+        "phases), after 3 phases; logged (peer/algorithms/phase_overlap.py). Without it each "
+        "phase end waits for this phase's average, a one-way trip at least. With overlap on, "
+        "an auto max_staleness adds a round of margin for the anchors' gossip, whose "
+        "exchange must then complete within a phase (8 digits sites at 100 ms RTT: "
         "BENCHMARKS.md).",
     )
     consensus_every: int = Field(
@@ -198,7 +202,8 @@ class GossipSection(Section):
         "from the measured round trip (the least of the latest pushes) and compute per "
         "round (the median of the latest rounds): ceil(round trip / compute), at most 4; "
         "1 while the round trip is under 10 ms, at most a quarter of a round's compute, "
-        "or not yet measured; revisited every 16 rounds, logged and in status.json "
+        "or not yet measured; one more for diloco's anchors once its phases overlap; "
+        "revisited every 16 rounds, logged and in status.json "
         "(peer/algorithms/staleness.py; docs/algorithms.md). Both ends of an edge mix the "
         "same copies either way; waiting is bounded by round_timeout.",
     )
@@ -245,13 +250,13 @@ class GossipSection(Section):
                 "background_rounds runs choco's and diloco's rounds beside training; "
                 "ef-gradient needs its average before the step, in the training thread"
             )
-        if self.algorithm == "exact-diloco" and (self.background_rounds or self.overlap):
+        if self.algorithm == "exact-diloco" and (self.background_rounds or self.overlap is True):
             raise ValueError(
                 "exact-diloco takes each phase's mean before the next phase starts, so every "
                 "replica starts it from the same anchor: set background_rounds and overlap "
                 "to false"
             )
-        if self.background_rounds and self.algorithm == "diloco" and self.overlap:
+        if self.background_rounds and self.algorithm == "diloco" and self.overlap is True:
             raise ValueError(
                 "diloco: background_rounds and overlap both hide a phase's exchange behind "
                 "the next phase; choose one (background_rounds hides its CPU work too)"

@@ -472,19 +472,21 @@ class Daemon:
         return gopt.metrics.traffic_totals()
 
 
-def _consensus(gopt: GossipOptimizer) -> dict[str, float | str]:
-    """The last round's consensus-distance estimate, staleness bound and (exact-diloco)
-    anchor checksum for status.json (empty before one)."""
+def _consensus(gopt: GossipOptimizer) -> dict[str, float | str | bool]:
+    """The last round's consensus-distance estimate, staleness bound, (exact-diloco) anchor
+    checksum and (diloco) overlap for status.json (empty before one)."""
     stats = gopt.last_round
     if stats is None:
         return {}
-    out: dict[str, float | str] = {}
+    out: dict[str, float | str | bool] = {}
     if stats.max_staleness is not None:
         out["max_staleness"] = stats.max_staleness
     if math.isfinite(stats.consensus_distance):
         out["consensus_distance"] = float(stats.consensus_distance)
     if stats.anchor_checksum is not None:
         out["anchor_checksum"] = stats.anchor_checksum
+    if stats.overlap is not None:
+        out["overlap"] = stats.overlap
     return out
 
 

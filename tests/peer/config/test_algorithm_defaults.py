@@ -25,6 +25,7 @@ DILOCO = {
     "outer_lr": 1.0,
     "outer_momentum": 0.0,
     "copy_dtype": "float16",
+    "overlap": "auto",
 }
 
 
