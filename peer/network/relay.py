@@ -42,7 +42,9 @@ from gossipgrad.proto import gossip_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-#: Bytes one tunnel frame carries at most (one socket read).
+#: Bytes one tunnel frame carries at most (one socket read). Bulk data costs the relay less
+#: CPU per byte in larger frames (256 KiB: 1.7-1.9 s per GB against 3.0-3.2), but two sites
+#: behind NAT then ended 4.8x further apart (BENCHMARKS.md, Relays): kept at 64 KiB.
 FRAME_BYTES = 64 * 1024
 #: Seconds a caller's tunnel waits for the attached peer to accept it.
 ACCEPT_TIMEOUT_S = 5.0
@@ -127,6 +129,9 @@ class RelayHub:
         self._by_caller: collections.Counter[str] = collections.Counter()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        #: Frames forwarded so far, both ways (with the bytes, what a tunnel costs the relay:
+        #: scripts/bench_relay_forwarding.py).
+        self.forwarded_frames = 0
 
     def attached(self) -> list[str]:
         """Ids of the peers attached here now."""
@@ -269,6 +274,7 @@ class RelayHub:
         try:
             for raw in frames:
                 self._on_bytes(attached, len(raw))
+                self.forwarded_frames += 1  # a count for benchmarks: races may lose a few
                 yield raw
         except grpc.RpcError:  # the other call ended
             return
@@ -360,17 +366,20 @@ class _LocalReplies:
 
 
 def _pump_in(sock: socket.socket, first: bytes, count: Callable[[int], None]) -> Iterator[bytes]:
-    """``first``, then what ``sock`` receives, as RelayFrames, until it closes."""
+    """``first``, then what ``sock`` receives, as RelayFrames, until it closes (read into
+    one buffer: a read allocates nothing of FRAME_BYTES, only its frame)."""
     yield first
+    buf = bytearray(FRAME_BYTES)
+    view = memoryview(buf)
     while True:
         try:
-            data = sock.recv(FRAME_BYTES)
+            n = sock.recv_into(buf)
         except OSError:
             return
-        if not data:
+        if not n:
             return
-        count(len(data))
-        yield data_frame(data)
+        count(n)
+        yield data_frame(view[:n])
 
 
 def _pump_out(

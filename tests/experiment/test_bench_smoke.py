@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from gossipgrad.peer.network.relay import FRAME_BYTES
 from support import ROOT
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(180)]
@@ -199,3 +200,13 @@ def test_bench_relay_runs_the_swarm_direct_and_through_a_relay(tmp_path: Path) -
     assert relayed["forwarded"]["peer1"] > 0 and relayed["forwarded"]["peer2"] > 0
     assert all(v > 0 for v in relayed["carried"].values()) and len(relayed["carried"]) == 2
     assert direct["steps"] == relayed["steps"] == 120
+
+
+def test_bench_relay_forwarding_measures_the_relays_cpu_per_byte() -> None:
+    """x's state comes to j through the relay intact; every byte of it was forwarded, in
+    frames, and the relay's CPU per GB and per frame are printed."""
+    stdout = run_script("bench_relay_forwarding.py", "--mb", "4", "--downloads", "2")
+    assert re.search(r"relay CPU [0-9.]+ s/GB, [0-9]+ frames of [0-9.]+ KiB", stdout), stdout
+    r = json.loads(stdout.strip().splitlines()[-1])
+    assert r["forwarded_mb"] >= 2 * 4
+    assert r["frames"] > 0 and r["mean_frame_kib"] <= FRAME_BYTES / 1024 + 1
