@@ -5,7 +5,7 @@
    gives the whole view (heartbeats carry the peer list). None within ``peer.start_timeout``:
    :class:`JoinError` ``no bootstrap peer answered: A, B (after Ns)``.
 2. **Order the donors** (:func:`donor_order`): live peers at least ``peer.join_after_steps``
-   in; first those close to the most advanced step, shuffled, so that joiners arriving
+   in; first those close to their median step, shuffled, so that joiners arriving
    together tend to ask different donors instead of all asking the most advanced one; then
    the rest, most advanced first.
 3. **Download** (:class:`StateDownload`): from the first donor that serves. A busy donor
@@ -40,10 +40,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Donors within this fraction of the most advanced step (or within ``DONOR_NEAR_STEPS``
+#: Donors within this fraction of the donors' median step (or within ``DONOR_NEAR_STEPS``
 #: steps of it, whichever is wider) count as equally good and are tried in random order:
 #: peers of one swarm train at about the same pace, and the step a heartbeat reports is a
-#: beat old anyway.
+#: beat old anyway. The median, not the most advanced step: a member claiming a step far
+#: ahead of everyone's cannot make itself every joiner's first donor.
 DONOR_STEP_SLACK = 0.1
 DONOR_NEAR_STEPS = 10
 
@@ -132,18 +133,24 @@ def find_swarm(
 
 
 def donor_order(donors: list[pb.PeerInfo], min_step: int, rng: random.Random) -> list[pb.PeerInfo]:
-    """The donors to ask, in order: those at ``min_step`` or more; first the ones near the
-    most advanced step (see ``DONOR_STEP_SLACK``) shuffled by ``rng``, then the others, most
-    advanced first. Empty when no donor is at ``min_step``."""
+    """The donors to ask, in order: those at ``min_step`` or more; first the ones near their
+    median step (the upper median; see ``DONOR_STEP_SLACK``) shuffled by ``rng``, then those
+    behind, most advanced first, then those past the band, nearest first. Empty when no donor
+    is at ``min_step``."""
     eligible = [d for d in donors if d.step >= min_step]
     if not eligible:
         return []
-    best = max(d.step for d in eligible)
-    floor = best - max(DONOR_STEP_SLACK * best, DONOR_NEAR_STEPS)
-    near = [d for d in eligible if d.step >= floor]
-    rest = sorted((d for d in eligible if d.step < floor), key=lambda d: d.step, reverse=True)
+    reference = sorted(d.step for d in eligible)[len(eligible) // 2]
+    slack = max(DONOR_STEP_SLACK * reference, DONOR_NEAR_STEPS)
+    near = [d for d in eligible if abs(d.step - reference) <= slack]
+    behind = [d for d in eligible if d.step < reference - slack]
+    ahead = [d for d in eligible if d.step > reference + slack]
     rng.shuffle(near)
-    return near + rest
+    return (
+        near
+        + sorted(behind, key=lambda d: d.step, reverse=True)
+        + sorted(ahead, key=lambda d: d.step)
+    )
 
 
 class StateDownload:

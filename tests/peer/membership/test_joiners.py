@@ -124,7 +124,7 @@ infos = st.lists(st.integers(0, 500), max_size=12).map(
 
 @settings(max_examples=200, deadline=None)
 @given(donors=infos, min_step=st.integers(0, 300), seed=st.integers(0, 2**16))
-def test_donor_order_is_the_eligible_donors_near_ones_first_then_most_advanced(
+def test_donor_order_is_the_donors_near_the_median_first_then_behind_then_ahead(
     donors: list[pb.PeerInfo], min_step: int, seed: int
 ) -> None:
     order = donor_order(donors, min_step, random.Random(seed))
@@ -132,12 +132,31 @@ def test_donor_order_is_the_eligible_donors_near_ones_first_then_most_advanced(
     assert sorted(d.id for d in order) == eligible
     if not order:
         return
-    best = max(d.step for d in order)
-    floor = best - max(DONOR_STEP_SLACK * best, DONOR_NEAR_STEPS)
-    near = [d.step >= floor for d in order]
-    assert near == sorted(near, reverse=True)  # every near donor before every other one
-    rest = [d.step for d in order if d.step < floor]
-    assert rest == sorted(rest, reverse=True)
+    reference = sorted(d.step for d in order)[len(order) // 2]
+    slack = max(DONOR_STEP_SLACK * reference, DONOR_NEAR_STEPS)
+    band = [
+        0 if abs(d.step - reference) <= slack else 1 if d.step < reference else 2 for d in order
+    ]
+    assert band == sorted(band)  # near, then behind, then ahead
+    behind = [d.step for d, b in zip(order, band, strict=True) if b == 1]
+    ahead = [d.step for d, b in zip(order, band, strict=True) if b == 2]
+    assert behind == sorted(behind, reverse=True) and ahead == sorted(ahead)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    honest=st.lists(st.integers(100, 110), min_size=2, max_size=8),
+    claimed=st.integers(200, 10**12),
+    seed=st.integers(0, 2**16),
+)
+def test_a_member_claiming_a_far_step_is_never_a_joiners_first_donor(
+    honest: list[int], claimed: int, seed: int
+) -> None:
+    """Issue 40: one member advertising a step far ahead of the swarm's was every joiner's
+    first donor (the most advanced). Against two honest donors or more it now comes last."""
+    donors = [pb.PeerInfo(id=f"p{i}", step=s) for i, s in enumerate(honest)]
+    donors.append(pb.PeerInfo(id="liar", step=claimed))
+    assert donor_order(donors, 1, random.Random(seed))[-1].id == "liar"
 
 
 def test_donor_order_spreads_joiners_over_donors_at_the_same_step() -> None:
