@@ -7,7 +7,9 @@ act for ``--seconds`` against every honest peer the bootstrap names. ``evil``:
   incarnation), moved to the hostile server's address, and that invented peers live there;
 * runs that server with its own certificate, answering every heartbeat in an honest peer's
   name (a takeover, should anyone dial it as that peer);
-* asks for the state and cancels the download after its header, once a round.
+* asks for the state and cancels the download after its header, once a round;
+* every fifth round sends a peer list one entry over the limit (``MAX_KNOWN`` + 1);
+* says it is at a step far ahead of the swarm's (to be every joiner's first donor).
 
 ``evil2`` keeps calls open that never send their request (heartbeats and whole pushes), more
 than its per-caller limits allow, reopening each one the server cuts off.
@@ -29,6 +31,7 @@ import time
 from pathlib import Path
 
 import grpc
+from gossipgrad.peer.membership.heartbeats import MAX_KNOWN
 from gossipgrad.peer.network import GossipServer, PeerClient, TransportOptions, protocol
 from gossipgrad.peer.network.protocol import STATE_CODEC
 from gossipgrad.peer.security import TransportSecurity
@@ -36,6 +39,7 @@ from gossipgrad.proto import gossip_pb2 as pb
 
 ME, STALLER, WATCHER = "evil", "evil2", "watcher"
 GHOSTS = 8
+FAR_STEP = 10**12  # what evil and evil2 say their step is
 STALLED_HEARTBEATS = 4  # per honest peer, over its limit of 2
 STALLED_PUSHES = 10  # per honest peer, over its limit of 8
 
@@ -121,7 +125,7 @@ def ask_state_and_cancel(address: str, sec: TransportSecurity, peer: str, swarm:
 def heartbeat(swarm: str, sender: str, known: list[pb.PeerInfo] = ()) -> pb.HeartbeatRequest:
     """A heartbeat from ``sender``, which lives where nothing listens (so it is no one's
     neighbour for long), asking for the whole peer list (digest 0)."""
-    me = pb.PeerInfo(id=sender, address="127.0.0.1:9", incarnation=1)
+    me = pb.PeerInfo(id=sender, address="127.0.0.1:9", incarnation=1, step=FAR_STEP)
     return pb.HeartbeatRequest(swarm=swarm, sender=me, known=list(known), view_digest=0)
 
 
@@ -151,6 +155,10 @@ def main() -> int:
     with PeerClient(args.bootstrap, opts, watcher) as boot:
         reply = boot.heartbeat(heartbeat(args.swarm, WATCHER))
     honest = {i.id: i.address for i in reply.known if i.id not in (ME, STALLER, WATCHER)}
+    too_long = [
+        pb.PeerInfo(id=f"many-{k}", address=server.address, incarnation=1)
+        for k in range(MAX_KNOWN + 1)
+    ]
     end = time.monotonic() + args.seconds
     try:
         while time.monotonic() < end:
@@ -212,6 +220,12 @@ def main() -> int:
                 except grpc.RpcError as err:
                     name = f"forge {pid}: {err.code().name}"
                     report["errors"][name] = report["errors"].get(name, 0) + 1
+                if report["rounds"] % 5 == 1:
+                    try:
+                        client.heartbeat(heartbeat(args.swarm, ME, too_long), timeout=5)
+                    except grpc.RpcError as err:
+                        name = f"too long {pid}: {err.code().name}"
+                        report["errors"][name] = report["errors"].get(name, 0) + 1
                 ask_state_and_cancel(client.address, sec, pid, args.swarm)
             time.sleep(0.2)
     finally:

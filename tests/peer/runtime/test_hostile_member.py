@@ -4,14 +4,15 @@ Three honest peer processes train over mutual TLS on 127.0.0.1 while a fourth pr
 certificates of the same CA (``support/hostile_member.py``: members ``evil`` and ``evil2``,
 and a ``watcher``) tries, for 20 s, what issue 40 lists: forged departures, moves and restarts
 of every honest peer in its peer lists, invented peers and a takeover at its own server,
-calls that never send their request, state downloads cancelled after their header.
+calls that never send their request, state downloads cancelled after their header, peer
+lists over the limit, and a step far ahead of the swarm's.
 
 What must hold: the honest peers finish every step; no honest peer's table ever holds
 another honest peer dead or elsewhere than it says; every honest heartbeat the watcher times
 is answered within ``membership.heartbeat_timeout``; nothing reaches the hostile server; the
 honest peers count what they refused (``unauthenticated``: a dial of an invented or
 taken-over id met the hostile server's certificate; ``rate_limited``: calls over the
-hostile members' limits); and they end as close together (final consensus distance within
+hostile members' limits; ``too_large``: the peer lists over the limit); and they end as close together (final consensus distance within
 2x) and as accurate (within 2 points) as the same swarm run without the attacker.
 """
 
@@ -134,6 +135,7 @@ def test_a_hostile_member_cannot_take_out_an_honest_swarm(tmp_path: Path) -> Non
     for i, reasons in enumerate(counted):
         assert reasons.get("unauthenticated", 0) > 0, (i, reasons)
         assert reasons.get("rate_limited", 0) > 0, (i, reasons)
+        assert reasons.get("too_large", 0) > 0, (i, reasons)
     attacked, baseline = finished(swarm), finished(calm)
     print("consensus attacked", consensus(swarm), "without", consensus(calm))
     print("accuracy attacked", [s.final for s in attacked], "without", [s.final for s in baseline])
