@@ -241,8 +241,9 @@ def client_channel_args(o: TransportOptions) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", _ms(o.keepalive_timeout)),
         ("grpc.keepalive_permit_without_calls", int(o.keepalive_permit_without_calls)),
         ("grpc.http2.max_pings_without_data", 0),
+        # Not grpc.min_reconnect_backoff_ms: gRPC gives each connection attempt at least
+        # that long (20 s by default), and a short one cut off TLS handshakes over a WAN.
         ("grpc.initial_reconnect_backoff_ms", _ms(o.reconnect_backoff_initial)),
-        ("grpc.min_reconnect_backoff_ms", _ms(o.reconnect_backoff_initial)),
         ("grpc.max_reconnect_backoff_ms", _ms(o.reconnect_backoff_max)),
     ]
 

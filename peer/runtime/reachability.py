@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 #: Seconds the member gives its dial-back (connection, TLS handshake and one heartbeat): a
 #: firewall that drops inbound packets shows as this long a wait, then ``timed_out``.
 DIAL_BACK_TIMEOUT_S = 5.0
+#: Seconds a bare TCP connection is given, after a dial-back that had no answer, to tell a
+#: silent listener from dropped packets (within the requester's margin below).
+SILENT_PORT_PROBE_S = 1.0
 #: Seconds a peer waits for the member's answer: the dial-back's deadline and a margin.
 CHECK_TIMEOUT_S = DIAL_BACK_TIMEOUT_S + 5.0
 #: Dial-backs one requester may have at once, then one per DIAL_BACK_EVERY_S seconds.
@@ -239,14 +242,18 @@ class DialBack:
                 return R.REFUSED, str(err)
             code = err.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                return R.TIMED_OUT, str(err)
+                # Nothing answered as a gossip server in time: a bare connection tells a port
+                # that takes connections and stays silent (something else listens there)
+                # from one whose packets are dropped.
+                tcp = self._probe(address, SILENT_PORT_PROBE_S)
+                result = R.WRONG_IDENTITY if tcp == "connected" else R.TIMED_OUT
+                return result, f"{err} (TCP: {tcp})"
             if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 return R.WRONG_IDENTITY, str(err)
             if code != grpc.StatusCode.UNAVAILABLE:
                 return R.FAILED, str(err)
-            # gRPC gives a connection up within about a second and says UNAVAILABLE whether
-            # the TCP handshake went unanswered or TLS failed after it: a bare connection
-            # tells which, for the rest of the deadline.
+            # UNAVAILABLE whether the TCP handshake failed or TLS failed after it: a bare
+            # connection tells which, for the rest of the deadline.
             tcp = self._probe(address, max(1.0, deadline - time.monotonic()))
             result = {
                 "refused": R.REFUSED,

@@ -191,8 +191,7 @@ def test_an_outbound_only_peer_takes_the_idle_relay_over_a_slightly_nearer_loade
     and every member hears each relay's load from its heartbeats."""
     mark = started_count()
     real: dict[str, str] = {}  # the address each link forwards to, once the peer listens
-    # Short delays, set once the peers are up: gRPC gives a connection attempt only its
-    # reconnect backoff (0.1 s), and a TLS handshake takes two round trips and more.
+    # Short delays, set once the peers are up (the choice measures round trips, not starts).
     delays = {pid: (Stage(), Stage()) for pid in ("p0", "p1")}
     emu = LinkEmulator().start()
     try:
