@@ -14,8 +14,8 @@ leaves the peer). At the end of phase r:
    differ from peer to peer, and the anchors would otherwise drift apart.
 5. θ_i = a_i: the next phase starts from the anchor.
 
-With ``gossip.overlap`` (diloco's default ``"auto"``: on where the measured round trip would
-stall a phase end, peer/algorithms/phase_overlap.py) the exchange of phase r runs while phase
+With ``gossip.overlap`` (or ``"auto"``: on where the measured round trip would stall a phase
+end, peer/algorithms/phase_overlap.py) the exchange of phase r runs while phase
 r + 1 computes (eager updates, Kale et al. 2025, "Eager Updates for Overlapped Communication
 and Computation in DiLoCo"): at the end of phase r the peer sends Δ_r and takes its outer step on
 w_ii Q(Δ_r) + Σ_j w_ij Q(Δ_{r−1}^j), its own vector of this phase and the neighbours' of the
@@ -154,8 +154,6 @@ class DiLoCo(GossipAlgorithm):
             if self._phase_done is not None:
                 self.overlap.observe_compute(started - self._phase_done)
             overlap = self.overlap.update(self.average.nb.round_trip())
-            if overlap:  # the anchors' exchange then has a phase to complete in: a margin
-                self.anchors.staleness.add_margin(1)
             stats = self._outer_round(overlap)
             stats.overlap = overlap
             self._phase_done = time.perf_counter()

@@ -76,16 +76,6 @@ class Staleness:
         self._compute: deque[float] = deque(maxlen=WINDOW)
         self._held = 0  # rounds since the last choice (None made yet: no hold)
         self._chosen = False  # a first choice is logged even when it keeps 1
-        self._margin = 0  # rounds added to the rule's choice (``add_margin``)
-
-    def add_margin(self, rounds: int) -> None:
-        """Add ``rounds`` to what the rule chooses from the next round on (auto only; at most
-        ``MAX_AUTO`` in all). For diloco's anchors once its phase ends overlap
-        (peer/algorithms/phase_overlap.py): their exchange must then complete within one
-        phase of compute, and a round trip the rule finds covered by a phase still paced the
-        peers whenever a neighbour's phase ended late."""
-        if self.auto and rounds != self._margin:
-            self._margin, self._held = rounds, HOLD  # applied at the next update
 
     def observe_compute(self, seconds: float) -> None:
         """Seconds the training thread computed between two rounds."""
@@ -100,7 +90,7 @@ class Staleness:
         if self._chosen and self._held < HOLD:
             return self.value
         compute = statistics.median(self._compute)
-        chosen = min(MAX_AUTO, staleness_for(round_trip, compute) + self._margin)
+        chosen = staleness_for(round_trip, compute)
         if chosen != self.value or not self._chosen:
             log.info(
                 "gossip max_staleness %d (auto: round trip %.1f ms, %.1f ms of compute per "

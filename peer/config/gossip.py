@@ -146,17 +146,16 @@ class GossipSection(Section):
         "drift apart).",
     )
     overlap: bool | Literal["auto"] = Field(
-        default_factory=default_for("overlap"),
+        False,
         description="diloco: exchange a phase's pseudo-gradient while the next phase "
         "computes, applying it one phase late (hides a WAN round trip behind compute; on "
         "local links it cost the char transformer 1.96 against 1.76 of loss). auto: off, "
         "turned on for the run once the measured round trip (the least of the latest pushes) "
         "is 10 ms or more and over a quarter of a phase's compute (the median of the latest "
-        "phases), after 3 phases; logged (peer/algorithms/phase_overlap.py). Without it each "
-        "phase end waits for this phase's average, a one-way trip at least. With overlap on, "
-        "an auto max_staleness adds a round of margin for the anchors' gossip, whose "
-        "exchange must then complete within a phase (8 digits sites at 100 ms RTT: "
-        "BENCHMARKS.md).",
+        "phases), after 3 phases; logged and in status.json (peer/algorithms/phase_overlap.py). "
+        "Not the default: 4 digits sites at 100 ms RTT stepped 16 % faster with it but ended "
+        "0.8 points lower, and with max_staleness 2 for the anchors 4.6 points lower "
+        "(BENCHMARKS.md).",
     )
     consensus_every: int = Field(
         1,
@@ -202,8 +201,7 @@ class GossipSection(Section):
         "from the measured round trip (the least of the latest pushes) and compute per "
         "round (the median of the latest rounds): ceil(round trip / compute), at most 4; "
         "1 while the round trip is under 10 ms, at most a quarter of a round's compute, "
-        "or not yet measured; one more for diloco's anchors once its phases overlap; "
-        "revisited every 16 rounds, logged and in status.json "
+        "or not yet measured; revisited every 16 rounds, logged and in status.json "
         "(peer/algorithms/staleness.py; docs/algorithms.md). Both ends of an edge mix the "
         "same copies either way; waiting is bounded by round_timeout.",
     )

@@ -14,15 +14,12 @@ The values are the measured ones (docs/algorithms.md, BENCHMARKS.md):
   anchors: the spec now" (+9.0 % on DDP at 124x); the outer step from the rows ``outer_lr``
   0.8 / 1.3 / 2.0 (all worse than 1) and docs/algorithms.md ("η = 1, μ = 0 are the
   defaults": DiLoCo's lr 0.7 with Nesterov 0.9 lost 0.5-1.0 of loss at every H);
-  ``anchor_gamma`` 0.5 from the same runs (γ 1 diverged with 2-bit anchors); ``overlap``
-  ``"auto"``: on only where the measured round trip would stall a phase end
-  (peer/algorithms/phase_overlap.py; 8 digits sites at 100 ms RTT, BENCHMARKS.md).
+  ``anchor_gamma`` 0.5 from the same runs (γ 1 diverged with 2-bit anchors).
 - exact-diloco: issue 43's in-process calibration of exact aggregation (8 workers, 1,000
   steps of the char transformer): top-5 % + int2 with error feedback at H = 10 ended at 1.7480
   at 219x fewer bytes than DDP, diloco's spec's loss (1.7482) at 58 % of its bytes; top-1.5 %
   at H = 30 was too sparse at that size (2.0368). Outer step as diloco's (η = 1, μ = 0: error
-  feedback in place of outer momentum, as SparseLoCo has it); no overlap (it takes each
-  phase's mean before the next phase starts).
+  feedback in place of outer momentum, as SparseLoCo has it).
 """
 
 from __future__ import annotations
@@ -43,14 +40,12 @@ RECOMMENDED: dict[str, dict[str, Any]] = {
         "outer_lr": 1.0,
         "outer_momentum": 0.0,
         "copy_dtype": "float16",
-        "overlap": "auto",
     },
     "exact-diloco": {
         "local_steps": 10,
         "codec": "topk:0.05+int2",
         "outer_lr": 1.0,
         "outer_momentum": 0.0,
-        "overlap": False,
     },
 }
 """algorithm -> {key: recommended value}; a key missing from a row does not apply to that

@@ -1,9 +1,7 @@
-"""WAN without tuning, diloco: ``gossip.overlap`` left unset (``"auto"``) turns on where the
-measured round trip would stall a phase end. Two digits peers over relayed 600 ms RTT links
-(local mode, no root) with ``gossip.algorithm = "diloco"`` alone turn it on and give their
-anchors' gossip a round of staleness margin, and say so in status.json (before, overlap
-stayed off unless set). What it buys in speed is measured on 8 sites in BENCHMARKS.md: on a
-shared 2-core host two runs differ by more than the one-way trip a phase end saves."""
+"""diloco's ``gossip.overlap = "auto"`` turns on where the measured round trip would stall a
+phase end. Two digits peers over relayed 600 ms RTT links (local mode, no root) turn it on and
+say so in status.json. What it buys and costs is measured in BENCHMARKS.md: on a shared 2-core
+host two runs differ by more than the one-way trip a phase end saves."""
 
 from __future__ import annotations
 
@@ -38,6 +36,7 @@ eval_every = 0
 
 [gossip]
 algorithm = "diloco"   # H = 10 from its defaults: 150 ms phases against a 600 ms RTT
+overlap = "auto"
 
 [membership]
 heartbeat_interval = 0.2
@@ -71,16 +70,12 @@ def run_swarm(tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_unset_overlap_turns_on_over_a_600ms_round_trip(tmp_path: Path) -> None:
+def test_auto_overlap_turns_on_over_a_600ms_round_trip(tmp_path: Path) -> None:
     out = run_swarm(tmp_path)
     report = load_report(out)
     assert report.ok and all(p.steps == 200 for p in report.swarm.peers)
     for i in range(2):
         status = read_record(out / "swarm" / f"peer{i}" / "status.json", PeerStatus)
         assert status is not None and status.state == "done"
-        assert status.algorithm_defaults is not None
-        assert status.algorithm_defaults["overlap"] == "auto"
         # 600 ms against 150 ms phases (up to 1.3 s on a loaded host): over a quarter.
         assert status.overlap is True, status
-        # ceil(600 ms / the anchors' rounds) >= 1, and the round of margin.
-        assert status.max_staleness is not None and status.max_staleness >= 2, status

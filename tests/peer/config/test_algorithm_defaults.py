@@ -25,7 +25,6 @@ DILOCO = {
     "outer_lr": 1.0,
     "outer_momentum": 0.0,
     "copy_dtype": "float16",
-    "overlap": "auto",
 }
 
 

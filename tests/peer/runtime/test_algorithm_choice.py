@@ -45,7 +45,6 @@ def test_status_records_the_keys_diloco_chose_and_not_those_set(tmp_path: Path) 
         "outer_lr": 1.0,
         "outer_momentum": 0.0,
         "copy_dtype": "float16",
-        "overlap": "auto",
     }
 
 
