@@ -5,16 +5,13 @@ host two runs differ by more than the one-way trip a phase end saves."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from gossipgrad.experiment.bench.emulated_accelerator import WAIT_ENV
 from gossipgrad.experiment.report import load_report
 from gossipgrad.peer.records import PeerStatus, read_record
-from support.experiment import processes_mentioning
+from support.experiment import run_spec
 
 SPEC = """
 [experiment]
@@ -54,24 +51,10 @@ run = []
 STEP_MS = 15
 
 
-def run_swarm(tmp_path: Path) -> Path:
-    spec, out = tmp_path / "spec.toml", tmp_path / "auto"
-    spec.write_text(SPEC)
-    proc = subprocess.run(
-        [sys.executable, "-m", "gossipgrad.experiment", str(spec), "--out", str(out),
-         "--no-live"],
-        capture_output=True, text=True, timeout=250, check=False,
-        env={**os.environ, WAIT_ENV: str(STEP_MS)},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert processes_mentioning(str(out)) == []
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_auto_overlap_turns_on_over_a_600ms_round_trip(tmp_path: Path) -> None:
-    out = run_swarm(tmp_path)
+    out = run_spec(SPEC, tmp_path / "auto", env={WAIT_ENV: str(STEP_MS)})
     report = load_report(out)
     assert report.ok and all(p.steps == 200 for p in report.swarm.peers)
     for i in range(2):

@@ -5,16 +5,13 @@ thread busier than the same run with ``max_staleness = 1``."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from gossipgrad.experiment.bench.emulated_accelerator import WAIT_ENV
 from gossipgrad.experiment.report import load_report
 from gossipgrad.peer.records import PeerStatus, read_record
-from support.experiment import processes_mentioning
+from support.experiment import run_spec
 
 SPEC = """
 [experiment]
@@ -53,17 +50,7 @@ STEP_MS = 30
 
 
 def run_swarm(tmp_path: Path, name: str, *sets: str) -> tuple[Path, str]:
-    spec, out = tmp_path / "spec.toml", tmp_path / name
-    spec.write_text(SPEC)
-    args = [a for s in sets for a in ("--set", s)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "gossipgrad.experiment", str(spec), "--out", str(out),
-         "--no-live", *args],
-        capture_output=True, text=True, timeout=250, check=False,
-        env={**os.environ, WAIT_ENV: str(STEP_MS)},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert processes_mentioning(str(out)) == []
+    out = run_spec(SPEC, tmp_path / name, *sets, env={WAIT_ENV: str(STEP_MS)})
     logs = "".join((out / "swarm" / f"peer{i}.log").read_text() for i in range(2))
     return out, logs
 

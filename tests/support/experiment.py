@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -26,3 +28,22 @@ def processes_mentioning(text: str) -> list[int]:
         for p in psutil.process_iter(["pid", "cmdline"])
         if p.info["pid"] != os.getpid() and text in " ".join(p.info["cmdline"] or ())
     ]
+
+
+def run_spec(
+    spec: str, out: Path, *sets: str, env: dict[str, str] | None = None, timeout: float = 250
+) -> Path:
+    """Run ``gossipgrad-experiment`` on the spec text ``spec`` (``--set`` each of ``sets``)
+    into ``out``, as a user would; assert it ended well and left no process behind."""
+    path = out.with_suffix(".toml")
+    path.write_text(spec)
+    args = [a for s in sets for a in ("--set", s)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "gossipgrad.experiment", str(path), "--out", str(out),
+         "--no-live", *args],
+        capture_output=True, text=True, timeout=timeout, check=False,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert processes_mentioning(str(out)) == []
+    return out
