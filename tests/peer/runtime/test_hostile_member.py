@@ -12,8 +12,9 @@ another honest peer dead or elsewhere than it says; every honest heartbeat the w
 is answered within ``membership.heartbeat_timeout``; nothing reaches the hostile server; the
 honest peers count what they refused (``unauthenticated``: a dial of an invented or
 taken-over id met the hostile server's certificate; ``rate_limited``: calls over the
-hostile members' limits; ``too_large``: the peer lists over the limit); and they end as close together (final consensus distance within
-2x) and as accurate (within 2 points) as the same swarm run without the attacker.
+hostile members' limits; ``too_large``: the peer lists over the limit); and they end as
+close together (final consensus distance within 2x) and as accurate (within 2 points) as the
+same swarm run without the attacker.
 """
 
 from __future__ import annotations
