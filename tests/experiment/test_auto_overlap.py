@@ -26,7 +26,7 @@ delay = "150ms"   # per access link: 300 ms one-way between the sites, 600 ms RT
 
 [train]
 task = "gossipgrad.experiment.bench.emulated_accelerator:task"
-steps = 200
+steps = 100
 batch_size = 32
 lr = 0.05
 eval_every = 0
@@ -56,7 +56,7 @@ STEP_MS = 15
 def test_auto_overlap_turns_on_over_a_600ms_round_trip(tmp_path: Path) -> None:
     out = run_spec(SPEC, tmp_path / "auto", env={WAIT_ENV: str(STEP_MS)})
     report = load_report(out)
-    assert report.ok and all(p.steps == 200 for p in report.swarm.peers)
+    assert report.ok and all(p.steps == 100 for p in report.swarm.peers)
     for i in range(2):
         status = read_record(out / "swarm" / f"peer{i}" / "status.json", PeerStatus)
         assert status is not None and status.state == "done"

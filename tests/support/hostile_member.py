@@ -18,7 +18,8 @@ A third certificate, ``watcher``, watches: each round it heartbeats every honest
 dialled as that peer, times the answer, and checks that every honest peer's list holds every
 other honest peer alive, at the address and incarnation that peer gives itself. Rounds in
 which some honest peer does not answer as itself (or says it is leaving) are not checked.
-Writes a JSON report to ``--out``.
+Writes a JSON report to ``--out``. With ``--watch-only`` the watcher alone runs (a baseline
+of the same swarm without the attack).
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ def main() -> int:
     for name in ("bootstrap", "certs", "out", "swarm"):
         parser.add_argument(f"--{name}", required=True)
     parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--watch-only", action="store_true", help="the watcher alone: no attack")
     args = parser.parse_args()
     certs = Path(args.certs)
 
@@ -167,7 +169,7 @@ def main() -> int:
             for pid, address in honest.items():
                 clients.setdefault(pid, PeerClient(address, opts, sec, peer=pid))
                 watch = watching.setdefault(pid, PeerClient(address, opts, watcher, peer=pid))
-                if pid not in stalled:
+                if pid not in stalled and not args.watch_only:
                     stalled[pid] = Stalling(address, staller, pid, stop)
                 t0 = time.monotonic()
                 try:
@@ -194,6 +196,9 @@ def main() -> int:
                                 f"{pid} holds {other} at {got.address}/{got.incarnation}, "
                                 f"it says {own.address}/{own.incarnation}"
                             )
+            if args.watch_only:
+                time.sleep(0.2)
+                continue
             # The attacks.
             handler.as_whom = pb.PeerInfo(
                 id=next(iter(honest)), address=server.address, incarnation=time.time_ns()

