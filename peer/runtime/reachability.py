@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 #: Seconds the member gives its dial-back (connection, TLS handshake and one heartbeat): a
 #: firewall that drops inbound packets shows as this long a wait, then ``timed_out``.
 DIAL_BACK_TIMEOUT_S = 5.0
-#: Seconds a bare TCP connection is given, after a dial-back that had no answer, to tell a
-#: silent listener from dropped packets (within the requester's margin below).
+#: Seconds of the dial-back's deadline kept for a bare TCP connection when the heartbeat had
+#: no answer, to tell a silent listener from dropped packets.
 SILENT_PORT_PROBE_S = 1.0
 #: Seconds a peer waits for the member's answer: the dial-back's deadline and a margin.
 CHECK_TIMEOUT_S = DIAL_BACK_TIMEOUT_S + 5.0
@@ -233,8 +233,8 @@ class DialBack:
     def _try(self, address: str, who: str) -> tuple[int, str]:
         R = pb.ReachabilityReply
         deadline = time.monotonic() + DIAL_BACK_TIMEOUT_S
-        try:
-            answered = self._dial(address, who, DIAL_BACK_TIMEOUT_S)
+        try:  # the last SILENT_PORT_PROBE_S of the deadline kept for a bare connection
+            answered = self._dial(address, who, DIAL_BACK_TIMEOUT_S - SILENT_PORT_PROBE_S)
         except WrongServer as err:
             return R.WRONG_IDENTITY, str(err)
         except TransportError as err:
