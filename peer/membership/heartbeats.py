@@ -62,7 +62,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from gossipgrad.peer.membership.peers import DEAD, MAX_PEERS, PeerTable
+from gossipgrad.peer.membership.peers import DEAD, MAX_PEERS, PeerTable, to_probe
 from gossipgrad.proto import gossip_pb2 as pb
 
 if TYPE_CHECKING:
@@ -363,11 +363,7 @@ class Membership(PeerTable):
             waiting = [
                 (pid, r)
                 for pid, r in self._peers.items()
-                if not r.heard_directly
-                and r.state != DEAD
-                and not r.info.leaving
-                and pid not in self._probing
-                and pid not in self._probed
+                if to_probe(r) and pid not in self._probing and pid not in self._probed
             ]
             self._rng.shuffle(waiting)
             for pid, r in waiting:

@@ -85,6 +85,11 @@ def _present(r: PeerRecord) -> bool:
     return r.state != DEAD and not r.info.leaving and r.heard_directly
 
 
+def to_probe(r: PeerRecord) -> bool:
+    """Heard of only second hand in its current life, not dead, not leaving: to probe."""
+    return r.state != DEAD and not r.info.leaving and not r.heard_directly
+
+
 class PeerTable:
     """Every other peer this one knows of, aged by silence.
 
@@ -125,11 +130,7 @@ class PeerTable:
     def unverified_ids(self) -> list[str]:
         """Ids heard of only second hand in their current life and not dead: to probe."""
         with self._lock:
-            return sorted(
-                pid
-                for pid, r in self._peers.items()
-                if not r.heard_directly and r.state != DEAD and not r.info.leaving
-            )
+            return sorted(pid for pid, r in self._peers.items() if to_probe(r))
 
     def is_alive(self, peer_id: str) -> bool:
         with self._lock:
