@@ -92,6 +92,17 @@ def test_state_downloaded_during_training_is_one_consistent_snapshot(state_forma
         donor.close()
 
 
+def lone_donor() -> tuple[GossipOptimizer, nn.Linear]:
+    """A peer alone with its state to serve (SGD with momentum: optimizer state too), and its
+    model, whose steps move that state on; rounds far apart, so none runs."""
+    model = nn.Linear(64, 8, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=1.0)
+    cfg = build_config(
+        {}, {"peer.id": "donor", "metrics.enabled": False, "gossip.local_steps": 1_000_000}
+    )
+    return GossipOptimizer(model, opt, cfg), model
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("state_format", [STATE_FORMAT, 0], ids=["streamed", "blob"])
 def test_downloads_cancelled_in_a_loop_serialize_the_state_once_per_step(
@@ -111,12 +122,8 @@ def test_downloads_cancelled_in_a_loop_serialize_the_state_once_per_step(
         return real_save(*args, **kwargs)
 
     monkeypatch.setattr(torch, "save", counting_save)
-    model = nn.Linear(64, 8, bias=False)
-    opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=1.0)
-    cfg = build_config(
-        {}, {"peer.id": "donor", "metrics.enabled": False, "gossip.local_steps": 1_000_000}
-    )
-    donor = GossipOptimizer(model, opt, cfg)
+    donor, model = lone_donor()
+    cfg = donor.config
     request = pb.StateRequest(swarm=cfg.peer.swarm, requester="evil", state_format=state_format)
     channel = grpc.insecure_channel(donor.peer.address)
     download = channel.unary_stream(
@@ -162,12 +169,8 @@ def test_a_member_asking_for_the_state_every_step_gets_one_snapshot_per_interval
     the training lock each time (one per step). Now a requester gets a new snapshot at most
     once per SNAPSHOT_PER_REQUESTER_S: the others are refused ("donor busy", counted as
     rate_limited) while another joiner is still served a fresh one."""
-    model = nn.Linear(64, 8, bias=False)
-    opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=1.0)
-    cfg = build_config(
-        {}, {"peer.id": "donor", "metrics.enabled": False, "gossip.local_steps": 1_000_000}
-    )
-    donor = GossipOptimizer(model, opt, cfg)
+    donor, model = lone_donor()
+    cfg = donor.config
     evil = pb.StateRequest(swarm=cfg.peer.swarm, requester="evil", state_format=STATE_FORMAT)
     refused = served = 0
     try:
