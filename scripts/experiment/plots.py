@@ -210,22 +210,25 @@ def _with_h(name: str, h: int | None) -> str:
     return f"{name} H={h}" if h and h > 1 else name
 
 
-def system_points(report: Report) -> list[BytesPoint]:
+def system_points(report: Report, metric: str | None = None) -> list[BytesPoint]:
     """The swarm's point (mean final metric of the peers that finished, mean bytes sent per
-    peer) and one per baseline that finished (rank 0's final metric, mean bytes per rank)."""
-    metric = analysis.report_metric(report)
+    peer) and one per baseline that finished (rank 0's final metric, mean bytes per rank).
+    ``metric``: which of the final evaluation's values (default: the run's headline metric;
+    "loss" on a classification task, whose headline is accuracy)."""
+    swarm_metric = metric or analysis.report_metric(report)
     points = []
-    peers = [p for p in analysis.done_peers(report) if p.final and metric in p.final]
+    peers = [p for p in analysis.done_peers(report) if p.final and swarm_metric in p.final]
     if peers and report.swarm.mean_sent_bytes:
         gossip = (report.spec.get("peer_raw") or {}).get("gossip") or {}
         algorithm = str(gossip.get("algorithm") or DEFAULT_ALGORITHM)
-        value = sum(p.final[metric] for p in peers if p.final) / len(peers)
+        value = sum(p.final[swarm_metric] for p in peers if p.final) / len(peers)
         label = _with_h(algorithm, report.local_steps)
         points.append(BytesPoint(algorithm, label, report.swarm.mean_sent_bytes, value))
     for name, b in report.baselines.items():
-        if b.final and b.metric in b.final and b.mean_sent_bytes:
+        wanted = metric or b.metric
+        if b.final and wanted in b.final and b.mean_sent_bytes:
             label = _with_h(name, b.local_steps)
-            points.append(BytesPoint(name, label, b.mean_sent_bytes, b.final[b.metric]))
+            points.append(BytesPoint(name, label, b.mean_sent_bytes, b.final[wanted]))
     return points
 
 
@@ -282,10 +285,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="the PNG to write")
     ap.add_argument("--point", type=_point, action="append", default=[],
                     help="an extra point FAMILY[/LABEL]=BYTES:VALUE (repeatable)")  # fmt: skip
+    ap.add_argument("--metric", default=None,
+                    help="the final evaluation value to draw from the runs, e.g. loss on a "
+                    "classification task (default: each run's headline metric)")  # fmt: skip
     ap.add_argument("--title", default="final metric against bytes per process")
     ap.add_argument("--ylabel", default="final validation metric")
     args = ap.parse_args(argv)
-    points = [pt for run in args.runs for pt in system_points(load_report(run))]
+    points = [pt for run in args.runs for pt in system_points(load_report(run), args.metric)]
     points += args.point
     if not points:
         ap.error("no finished system in these runs and no --point")

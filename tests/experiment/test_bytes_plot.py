@@ -68,3 +68,25 @@ def test_every_point_is_drawn_and_a_bad_point_is_refused(tmp_path: Path) -> None
         plots.main(["--out", str(tmp_path / "q.png"), "--point", "ddp=6e9"])
     with pytest.raises(SystemExit):  # nothing to draw
         plots.main(["--out", str(tmp_path / "q.png")])
+
+
+def test_loss_of_a_classification_run_on_request(tmp_path: Path) -> None:
+    """A classification run's headline is accuracy; ``--metric loss`` draws its test loss."""
+    finals = [{"accuracy": 0.90, "loss": 0.26}, {"accuracy": 0.92, "loss": 0.24}]
+    report = Report.model_validate({
+        "name": "cnn", "task": "fashion-mnist-cnn", "peers": 2, "mode": "local", "seed": 0,
+        "steps": 100, "batch_size": 8, "local_steps": 10,
+        "spec": {"peer_raw": {"gossip": {"algorithm": "exact-diloco"}}},
+        "swarm": {"metric": "accuracy", "mean_sent_bytes": 7e6,
+                  "peers": [{"id": f"peer{i}", "final": f, "metric": "accuracy"}
+                            for i, f in enumerate(finals)]},
+        "baselines": {"ddp": {"final": {"accuracy": 0.915, "loss": 0.243},
+                              "metric": "accuracy", "mean_sent_bytes": 1.5e9}},
+    })  # fmt: skip
+    assert [p.value for p in system_points(report)] == [pytest.approx(0.91), 0.915]
+    assert [p.value for p in system_points(report, "loss")] == [pytest.approx(0.25), 0.243]
+    (tmp_path / "run").mkdir()
+    save_report(tmp_path / "run", report)
+    out = tmp_path / "loss.png"
+    assert plots.main([str(tmp_path / "run"), "--out", str(out), "--metric", "loss"]) == 0
+    assert out.stat().st_size > 5000
