@@ -99,6 +99,26 @@ class Codec(abc.ABC):
         return engine.encode_parts(self, t, seed)
 
     @torch.no_grad()
+    def encode_difference(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        seed: int | None = None,
+        scratch: torch.Tensor | None = None,
+    ) -> tuple[bytes, Encoded, float]:
+        """``encode_parts(a − b)`` and ||(a − b) − decode(bytes)||, what error feedback keeps
+        (``b`` may be a narrower float copy). A dense codec reads ``a`` and ``b`` a chunk at a
+        time and allocates nothing model-sized; a sparse one builds the difference in
+        ``scratch`` (``a``'s shape and dtype; allocated if None): see :attr:`sparse`."""
+        return engine.encode_difference(self, a, b, seed, scratch)
+
+    @property
+    def sparse(self) -> bool:
+        """True when the codec keeps a subset of the entries (it selects over a whole
+        tensor, so ``encode_difference`` needs a model-sized scratch)."""
+        return self.stages()[0] is not None
+
+    @torch.no_grad()
     def decode(
         self,
         data: bytes,

@@ -14,13 +14,23 @@ from typing import TYPE_CHECKING
 
 import torch
 from gossipgrad.compression import wire
+from gossipgrad.compression.difference import subtract_into
 from gossipgrad.compression.errors import DecodeError
 from gossipgrad.compression.finite import all_finite
 
 if TYPE_CHECKING:
     from gossipgrad.compression.base import Codec, Quantizer
 
-__all__ = ["CHUNK", "Encoded", "decode", "decode_add", "encode", "encode_parts", "inspect"]
+__all__ = [
+    "CHUNK",
+    "Encoded",
+    "decode",
+    "decode_add",
+    "encode",
+    "encode_difference",
+    "encode_parts",
+    "inspect",
+]
 
 #: Dense tensors are (de)quantized in chunks of this many elements: bounded temporaries, cache
 #: friendly, and a multiple of every block size and of 8 (so packed bits concatenate).
@@ -78,21 +88,36 @@ class Encoded:
         return max(total, 0.0) ** 0.5
 
 
-def encode_parts(codec: Codec, t: torch.Tensor, seed: int | None) -> tuple[bytes, Encoded]:
-    """``encode`` that also returns what it built (see :class:`Encoded`)."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in wire.DTYPE_TO_WIRE:
-        raise ValueError(f"unsupported dtype {t.dtype}; use float32/16, bfloat16 or float64")
+def _checked_seed(seed: int | None) -> int:
     if seed is None:
         seed = int(torch.randint(0, _SEED_MAX, (1,)).item())
     if not 0 <= seed < (1 << 64):
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+    return seed
+
+
+def _check_dtype(t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in wire.DTYPE_TO_WIRE:
+        raise ValueError(f"unsupported dtype {t.dtype}; use float32/16, bfloat16 or float64")
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
     flat = t.detach().reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+    return flat if flat.is_contiguous() else flat.contiguous()
+
+
+_NON_FINITE = "cannot encode a tensor with NaN or infinite values"
+
+
+def encode_parts(codec: Codec, t: torch.Tensor, seed: int | None) -> tuple[bytes, Encoded]:
+    """``encode`` that also returns what it built (see :class:`Encoded`)."""
+    _check_dtype(t)
+    seed = _checked_seed(seed)
+    flat = _flat(t)
     if not all_finite(flat):
-        raise ValueError("cannot encode a tensor with NaN or infinite values")
+        raise ValueError(_NON_FINITE)
     sp, q = codec.stages()
     index_bits, idx_bytes, idx = 0, None, None
     if sp is None:
@@ -116,6 +141,69 @@ def encode_parts(codec: Codec, t: torch.Tensor, seed: int | None) -> tuple[bytes
         scales=scales,
     )
     return data, Encoded(codec, t.dtype, count, idx, values, scales)
+
+
+def encode_difference(
+    codec: Codec,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    seed: int | None,
+    scratch: torch.Tensor | None = None,
+) -> tuple[bytes, Encoded, float]:
+    """``encode_parts(a − b)``, the same bytes, and ||(a − b) − decode(bytes)||: what error
+    feedback keeps of the difference once the bytes are sent.
+
+    ``b`` may be narrower than ``a`` (float16 copies of float32 parameters); the difference
+    has ``a``'s dtype. A dense codec takes the difference a chunk at a time, quantizes it and
+    measures what stays while the chunk is in cache: one read of ``a`` and ``b`` instead of
+    some six passes over a model-sized difference, and no model-sized buffer. A sparse codec
+    selects over the whole difference, built in ``scratch`` (a buffer of ``a``'s shape and
+    dtype; allocated if None)."""
+    _check_dtype(a)
+    if a.shape != b.shape:
+        raise ValueError(f"shapes differ: {tuple(a.shape)} and {tuple(b.shape)}")
+    sp, q = codec.stages()
+    if sp is not None:
+        diff = subtract_into(a, b, torch.empty_like(a) if scratch is None else scratch)
+        data, sent = encode_parts(codec, diff, seed)
+        return data, sent, sent.residual_norm(diff)
+    seed = _checked_seed(seed)
+    fa, fb = _flat(a), _flat(b)
+    n, dtype = fa.numel(), a.dtype
+    gen = None
+    if q.stochastic:
+        gen = torch.Generator(device=fa.device)
+        gen.manual_seed(seed)
+    values = torch.empty(q.value_bytes(n, dtype), dtype=torch.uint8, device=fa.device)
+    nscales = q.scale_count(n)
+    scales = torch.empty(nscales, dtype=torch.float32, device=fa.device) if nscales else None
+    bits = q.value_bits(dtype)
+    d_buf = torch.empty(min(CHUNK, n), dtype=dtype, device=fa.device)
+    kept2 = 0.0
+    for lo in range(0, n, CHUNK):
+        hi = min(n, lo + CHUNK)
+        d = subtract_into(fa[lo:hi], fb[lo:hi], d_buf[: hi - lo])
+        if not all_finite(d):
+            raise ValueError(_NON_FINITE)
+        v, s = q.quantize(d, gen)
+        values[lo * bits // 8 : lo * bits // 8 + v.numel()].copy_(v)
+        if scales is not None and s is not None:
+            scales[lo // q.block : lo // q.block + s.numel()].copy_(s)
+        sent = q.dequantize(v, s, hi - lo, dtype)  # may be a view of d (lossless)
+        left = torch.sub(d, sent.to(dtype), out=d)
+        kept2 += float(torch.dot(left, left))
+    data = wire.build_envelope(
+        shape=tuple(a.shape),
+        dtype=dtype,
+        spec=codec.spec,
+        seed=seed,
+        count=n,
+        index_bits=0,
+        indices=None,
+        values=values,
+        scales=scales,
+    )
+    return data, Encoded(codec, dtype, n, None, values, scales), kept2**0.5
 
 
 def decode(

@@ -143,7 +143,9 @@ class ChocoGossip(GossipAlgorithm):
     def _encode(self, peer: str, edge: Edge, weight: float) -> tuple[pb.UpdateHeader, bytes]:
         """The edge's next update with its header (edge lock held)."""
         t0 = time.perf_counter()
-        if self._scratch is None:  # one difference buffer for the round's edges, then freed
+        if self._scratch is None and self.copies.codec.sparse:
+            # One difference buffer for the round's edges, then freed (a dense codec's
+            # encoder reads x and x̂ a chunk at a time and needs none).
             self._scratch = torch.empty_like(self.x)
         kind, payload = edge.encode_next(
             self.x, self.copies, early=self._round < INIT_ROUNDS, scratch=self._scratch

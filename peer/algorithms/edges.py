@@ -54,7 +54,6 @@ from typing import Any
 
 import torch
 from gossipgrad.compression import Codec, DecodeError
-from gossipgrad.peer.algorithms.mixing import subtract_into
 from gossipgrad.peer.flat import SpilledTensor, tensor_checksum
 
 _last_epoch = 0
@@ -275,9 +274,10 @@ class Edge:
         else a dense RESYNC of x), or q = Q(x − x̂) (error feedback off: Q(x − b), b being x at
         the previous send). Checksum and seq are the caller's to stamp.
 
-        ``scratch``: a buffer of x's shape and dtype for the difference (one per round, so
-        the edges of a round share one model-sized temporary). ``residual`` becomes
-        ||x − x̂|| after the update, read off the difference already in hand."""
+        ``scratch``: a buffer of x's shape and dtype for the difference of a sparse codec
+        (one per round, so the edges of a round share one model-sized temporary; a dense
+        codec encodes the difference a chunk at a time and needs none). ``residual`` becomes
+        ||x − x̂|| after the update, measured by the encoder."""
         if self.sent == 0 and self.restarts == 0 and early:
             c.initial.copy_to(self.public)
             kind, payload = Kind.INIT, b""
@@ -288,15 +288,14 @@ class Edge:
             self.residual = 0.0
         else:
             base = self.public if c.error_feedback or self.last_sent is None else self.last_sent
-            diff = subtract_into(x, base, torch.empty_like(x) if scratch is None else scratch)
+            payload, sent, left = c.codec.encode_difference(
+                x, base, seed=self.sent + 1, scratch=scratch
+            )
             # What the encoder built is applied as the receiver's decode_add_ applies the
             # bytes, bit for bit, without decoding our own indices again.
-            payload, sent = c.codec.encode_parts(diff, seed=self.sent + 1)
             sent.add_to_(self.public)
-            if c.error_feedback:  # what stays to send: ||x − x̂|| = ||diff − decode(q)||
-                self.residual = sent.residual_norm(diff)
-            else:
-                self.residual = float("nan")
+            # What stays to send: ||x − x̂|| = ||(x − x̂_before) − decode(q)||.
+            self.residual = left if c.error_feedback else float("nan")
             kind = Kind.DELTA
         if not c.error_feedback:
             self.mark_sent(self.public if kind is not Kind.DELTA else x)

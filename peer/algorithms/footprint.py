@@ -19,8 +19,10 @@ size relative to the model (1 for ``gossip.copy_dtype = "float32"``, 1/2 for flo
 * ef-gradient: M (residual) + M (DGC velocity, only with ``ef_momentum > 0``) + M (the dense
   average written into the gradients) + 2 d c M (the consensus copies).
 
-A round adds transients on top, freed when it ends: one model-sized difference x − x̂ while
-an update is encoded and, for top-k codecs, its magnitudes (2 M); the codec's index coding
+A round adds transients on top, freed when it ends: for a sparse codec one model-sized
+difference x − x̂ while an update is encoded and, for top-k, its magnitudes (2 M; a dense
+codec such as diloco's sign anchors encodes the difference a chunk at a time, with no
+model-sized buffer); the codec's index coding
 adds about 64 bytes per kept value (0.2 M at top-1 %, 3 M at top-20 %: diloco's default), and
 so does decoding a neighbour's message. A dense resync adds its payload and the receiver's
 buffer (2 M) while it is in flight. Compressed messages held between rounds (the last one

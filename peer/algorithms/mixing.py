@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from gossipgrad.compression.difference import subtract_into
 
 #: Elements per slice (1 MiB of fp32): a slice and its scratch stay in a core's cache while
 #: the step reads it several times (4 MiB slices cost 1.2x as much at 100M parameters), and
@@ -42,19 +43,6 @@ def _slices(n: int) -> Iterable[tuple[int, int]]:
 def _scratch(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     dtype = like.dtype if dtype is None else dtype
     return torch.empty(min(CHUNK, like.numel()), dtype=dtype, device=like.device)
-
-
-def subtract_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out = a − b``, bit for bit as ``torch.sub(a, b, out=out)``; returns ``out``.
-
-    A copy of a narrower float dtype (float16 copies against float32 parameters) is first
-    converted into ``out``: PyTorch's CPU kernels for mixed float32/float16 operands take 5-8
-    times as long as that exact conversion plus a same-dtype subtraction, which computes the
-    same float32 values."""
-    if b.dtype != a.dtype and a.dtype == out.dtype == torch.promote_types(a.dtype, b.dtype):
-        out.copy_(b)
-        return torch.sub(a, out, out=out)
-    return torch.sub(a, b, out=out)
 
 
 def difference_norm(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -106,3 +106,42 @@ def test_the_residual_norm_of_what_was_built_is_the_norm_left_after_sending_it(
     expected = float(torch.linalg.vector_norm(left.double()))
     assert sent.residual_norm(t) == pytest.approx(expected, rel=1e-4, abs=1e-6)
     assert torch.equal(t, before)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["sign", "int8", "int8:sr", "int2:block=64", "qsgd:4", "fp16", "none", "topk:0.2+int2"],
+)
+@pytest.mark.parametrize("b_dtype", [torch.float32, torch.float16])
+def test_encode_difference_sends_the_bytes_of_the_difference(
+    spec: str, b_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``encode_difference(a, b)`` (a dense codec a chunk at a time: CHUNK = 1024, five
+    chunks and a part) gives the bytes of ``encode_parts(a − b)``, what it built applies as
+    they decode, and the residual is ||(a − b) − decode(bytes)||."""
+    monkeypatch.setattr("gossipgrad.compression.engine.CHUNK", 1024)
+    codec = from_spec(spec)
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randn(5500, generator=gen)
+    b = (a + torch.randn(5500, generator=gen) * 0.05).to(b_dtype)
+    diff = a - b.float()
+    for seed in (1, 2):
+        data, sent, left = codec.encode_difference(a, b, seed=seed)
+        expected, _ = codec.encode_parts(diff, seed=seed)
+        assert data == expected
+        decoded = codec.decode(data)
+        assert left == pytest.approx(float(torch.linalg.vector_norm(diff - decoded)), rel=1e-5)
+        assert torch.equal(sent.add_to_(b.clone()), codec.decode_add_(data, b.clone(), cast=True))
+
+
+@pytest.mark.parametrize("spec", ["sign", "topk:0.2+int2"])
+def test_encode_difference_refuses_a_non_finite_difference(
+    spec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("gossipgrad.compression.engine.CHUNK", 1024)
+    a, b = torch.randn(5000), torch.randn(5000).half()
+    a[4500] = float("inf")  # in the fifth chunk
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        from_spec(spec).encode_difference(a, b, seed=1)
+    with pytest.raises(ValueError, match="shapes differ"):
+        from_spec(spec).encode_difference(a, b[:10], seed=1)

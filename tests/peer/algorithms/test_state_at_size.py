@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 from gossipgrad.compression import from_spec
+from gossipgrad.compression.difference import subtract_into
 from gossipgrad.peer import flat
 from gossipgrad.peer.algorithms import mixing
 from gossipgrad.peer.algorithms.averaging import Average
@@ -161,7 +162,7 @@ def test_a_difference_with_a_narrower_copy_has_the_bits_of_torch_sub(
     b = (a.float() + torch.randn(numel, generator=gen) * scale * 0.01).to(b_dtype)
     out_dtype = torch.promote_types(a_dtype, b_dtype)
     expected = torch.sub(a, b, out=torch.empty(numel, dtype=out_dtype))
-    got = mixing.subtract_into(a, b, torch.empty(numel, dtype=out_dtype))
+    got = subtract_into(a, b, torch.empty(numel, dtype=out_dtype))
     assert torch.equal(got, expected)
     assert got.dtype == out_dtype
 
