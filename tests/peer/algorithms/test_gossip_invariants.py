@@ -32,6 +32,9 @@ from support.threads import on_threads
 pytestmark = pytest.mark.timeout(120)
 
 GOSSIP = {"gossip.codec": "topk:0.2+int8", "gossip.gamma": 0.3, "gossip.round_timeout": 5.0}
+#: A round_timeout that a stalled round waits out and a healthy one, even on a loaded host,
+#: stays far below.
+TIMEOUT_S = 2.5
 
 
 def mean(peers: list[Peer]) -> torch.Tensor:
@@ -118,7 +121,7 @@ def test_a_follower_that_pruned_the_edge_gets_a_new_session() -> None:
     CI saw it) prunes the edge at its next view change. Its fresh edge says hello; the leader
     must open a new session, not wait forever for an answer in the old one (which stalled
     the leader a whole round_timeout every few rounds, for the rest of the run)."""
-    peers = start_peers(2, {**GOSSIP, "gossip.round_timeout": 1.0})
+    peers = start_peers(2, {**GOSSIP, "gossip.round_timeout": TIMEOUT_S})
     p0, p1 = peers  # p0 leads the edge
     # p0 alone opens the session (a RESYNC: these peers differ from the start), p1 takes
     # it: p0 now waits for p1's answer.
@@ -135,7 +138,7 @@ def test_a_follower_that_pruned_the_edge_gets_a_new_session() -> None:
     quiesce(peers)
     assert p0.algorithm.edges["p1"].epoch != old  # a new session at both ends
     assert p1.algorithm.edges["p0"].mixed > 8, p1.algorithm.edges["p0"]
-    assert max(waits) < 1.0, f"a round waited out its whole timeout: {waits}"
+    assert max(waits) < TIMEOUT_S, f"a round waited out its whole timeout: {waits}"
     assert assert_mirrors_exact(peers) == 2
 
 
