@@ -61,11 +61,12 @@ class Encoded:
         _apply(self.codec, self.idx, self.values, self.scales, self.count, self.dtype, out, alpha)
         return out
 
-    def residual_norm(self, t: torch.Tensor) -> float:
+    def residual_norm(self, t: torch.Tensor, squares: float | None = None) -> float:
         """||t − decode(bytes)|| for the tensor ``t`` that was encoded, ``t`` left unchanged:
         what error feedback keeps of it once these bytes are sent, measured in one read of
         ``t`` instead of subtracting the bytes from it and reading it again. Sparse codecs:
-        ||t||² − ||t_S||² + ||t_S − v||² over the kept set S; dense ones compare a chunk at a
+        ||t||² − ||t_S||² + ||t_S − v||² over the kept set S (``squares``: ||t||², when the
+        caller has it; then only the kept entries are read); dense ones compare a chunk at a
         time, in cache."""
         flat = t.detach().reshape(-1)
         sp, q = self.codec.stages()
@@ -79,7 +80,7 @@ class Encoded:
                 d = torch.sub(flat[lo:hi], sent.to(flat.dtype), out=scratch[: hi - lo])
                 total += float(torch.dot(d, d))
             return total**0.5
-        total = float(torch.dot(flat, flat))
+        total = float(torch.dot(flat, flat)) if squares is None else squares
         if self.idx is not None and self.idx.numel():
             kept = torch.index_select(flat, 0, self.idx)
             vals = _dequantize_chunked(q, self.values, self.scales, self.count, self.dtype)

@@ -44,8 +44,9 @@ class ErrorFeedback:
             raise ValueError(f"ErrorFeedback needs a Codec, got {type(codec).__name__}")
         # hyperparameters
         self.codec = codec
-        # internal state: name -> residual e
+        # internal state: name -> residual e, and ||e|| as the last compression left it
         self._residuals: dict[str, torch.Tensor] = {}
+        self._norms: dict[str, float | None] = {}
 
     def compress(self, name: str, g: torch.Tensor, seed: int | None = None) -> bytes:
         """Add ``g`` to the residual of ``name``, encode it, subtract what was sent.
@@ -90,6 +91,7 @@ class ErrorFeedback:
         e = self._residual_like(name, a)
         fa, fb, fe = a.reshape(-1), b.reshape(-1), e.view(-1)
         scratch = torch.empty(min(CHUNK, fe.numel()), dtype=a.dtype, device=a.device)
+        squares = 0.0  # ||e + (a − b)||², read off each slice while it is in cache
         for lo in range(0, fe.numel(), CHUNK):
             hi = min(fe.numel(), lo + CHUNK)
             d = torch.sub(fa[lo:hi], fb[lo:hi], out=scratch[: hi - lo])
@@ -98,8 +100,9 @@ class ErrorFeedback:
                     end = min(fe.numel(), done + CHUNK)
                     fe[done:end].sub_(fa[done:end]).add_(fb[done:end])
                 raise ValueError(f"{name!r}: the difference has NaN or infinite values")
-            fe[lo:hi].add_(d)
-        return self._send(name, e, seed)
+            part = fe[lo:hi].add_(d)
+            squares += float(torch.dot(part, part))
+        return self._send(name, e, seed, squares)
 
     def _residual_like(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """The residual of ``name``, or zeros for a first call (float32; float64 for float64
@@ -115,16 +118,38 @@ class ErrorFeedback:
             )
         return e
 
-    def _send(self, name: str, e: torch.Tensor, seed: int | None) -> bytes:
-        """Encode the residual ``e`` (g already added), take out what was sent, keep it."""
+    def _send(
+        self, name: str, e: torch.Tensor, seed: int | None, squares: float | None = None
+    ) -> bytes:
+        """Encode the residual ``e`` (g already added), take out what was sent, keep it.
+        With ``squares`` (||e||², read by the caller already) and a sparse codec, the kept
+        residual's norm follows from the kept entries alone; otherwise it is read when asked
+        for (``residual_norm``)."""
         data, sent = self.codec.encode_parts(e, seed)
+        norm = sent.residual_norm(e, squares) if squares is not None and self.codec.sparse else None
         sent.add_to_(e, alpha=-1.0)  # = decode_add_(data, e, alpha=-1), indices not decoded
         self._residuals[name] = e
+        self._norms[name] = norm
         return data
 
     def residual(self, name: str) -> torch.Tensor:
         """The current residual of ``name`` (KeyError if never compressed)."""
         return self._residuals[name]
+
+    def put_back(self, name: str, data: bytes) -> None:
+        """The bytes ``data`` compressed for ``name`` never reached anyone: add what they
+        carry back into its residual, to be sent later (KeyError if never compressed)."""
+        self.codec.decode_add_(data, self._residuals[name])
+        self._norms[name] = None
+
+    def residual_norm(self, name: str) -> float:
+        """||residual(name)|| (0 for a name never compressed). After ``compress_difference``
+        with a sparse codec it was measured on what the compression read anyway; otherwise
+        it takes one read of the residual, then kept until the next compression."""
+        norm = self._norms.get(name)
+        if norm is None and name in self._residuals:
+            norm = self._norms[name] = float(torch.linalg.vector_norm(self._residuals[name]))
+        return 0.0 if norm is None else norm
 
     def names(self) -> list[str]:
         """Names with a residual, in insertion order."""
@@ -134,8 +159,10 @@ class ErrorFeedback:
         """Forget the residual of ``name`` (all of them when None), e.g. after a resync."""
         if name is None:
             self._residuals.clear()
+            self._norms.clear()
         else:
             self._residuals.pop(name, None)
+            self._norms.pop(name, None)
 
     def state_dict(self) -> dict[str, Any]:
         """Checkpointable state: the codec spec and a copy of every residual."""
@@ -156,4 +183,5 @@ class ErrorFeedback:
         ):
             raise ValueError("state 'residuals' must map names to floating-point tensors")
         self._residuals = {k: v.detach().clone() for k, v in residuals.items()}
+        self._norms = {}
         log.debug("loaded %s residuals for codec %s", len(residuals), spec)

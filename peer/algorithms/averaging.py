@@ -153,9 +153,8 @@ class CompressedAverage:
         return kept_residual(self.feedback, _NAME)
 
     def _residual_norm(self) -> float:
-        """||e|| (0 without error feedback, with no model-sized zeros made for it)."""
-        e = self._kept_residual()
-        return 0.0 if e is None else float(torch.linalg.vector_norm(e))
+        """||e|| as the last compression left it (0 without error feedback)."""
+        return 0.0 if self.feedback is None else self.feedback.residual_norm(_NAME)
 
     @property
     def mine(self) -> torch.Tensor:

@@ -492,10 +492,9 @@ class ExactDiLoCo(GossipAlgorithm):
         """The swarm is past ``phase`` (an anchor of a later one came): its own message was
         late everywhere, so what it carried goes back into the residual (sent later), and
         the peer takes the anchor, the parameters starting from it."""
-        e = kept_residual(self.feedback, _NAME)
-        if e is not None:
+        if kept_residual(self.feedback, _NAME) is not None:
             with torch.no_grad():
-                self.codec.decode_add_(payload, e)
+                self.feedback.put_back(_NAME, payload)
         self.store.close(phase)
         self._adopt(keep_progress=False)
         if self.metrics is not None:
@@ -528,8 +527,7 @@ class ExactDiLoCo(GossipAlgorithm):
         return data
 
     def _residual_norm(self) -> float:
-        e = kept_residual(self.feedback, _NAME)
-        return 0.0 if e is None else float(torch.linalg.vector_norm(e))
+        return 0.0 if self.feedback is None else self.feedback.residual_norm(_NAME)
 
     def _remember(self, phase: int, checksum: int) -> None:
         self.checksums[phase] = checksum

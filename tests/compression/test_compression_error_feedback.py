@@ -97,3 +97,36 @@ def test_mismatched_gradient_and_non_finite_leave_state_alone() -> None:
     ef.reset("w")
     with pytest.raises(KeyError):
         ef.residual("w")
+
+
+@pytest.mark.parametrize("spec", ["topk:0.2+int2", "topk:0.01+int8", "sign", "int8"])
+def test_the_residual_norm_is_the_norm_of_the_residual(
+    spec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``residual_norm`` (read off the slices ``compress_difference`` adds, for a sparse
+    codec) is ||residual|| after every way the residual changes: a difference, a gradient,
+    bytes put back, a state loaded, a reset."""
+    monkeypatch.setattr("gossipgrad.compression.error_feedback.CHUNK", 1000)
+    gen = torch.Generator().manual_seed(5)
+    ef = ErrorFeedback(from_spec(spec))
+
+    def norm() -> float:
+        return float(torch.linalg.vector_norm(ef.residual("v")))
+
+    assert ef.residual_norm("v") == 0.0
+    a, b = torch.randn(4321, generator=gen), torch.randn(4321, generator=gen)
+    data = b""
+    for seed in (1, 2, 3):
+        data = ef.compress_difference("v", a, b, seed=seed)
+        assert ef.residual_norm("v") == pytest.approx(norm(), rel=1e-4)
+        a.add_(torch.randn(4321, generator=gen), alpha=0.3)
+    ef.put_back("v", data)
+    assert ef.residual_norm("v") == pytest.approx(norm(), rel=1e-4)
+    ef.compress("v", torch.randn(4321, generator=gen), seed=4)
+    assert ef.residual_norm("v") == pytest.approx(norm(), rel=1e-4)
+    state = ef.state_dict()
+    ef.compress_difference("v", a, b, seed=5)
+    ef.load_state_dict(state)
+    assert ef.residual_norm("v") == pytest.approx(norm(), rel=1e-4)
+    ef.reset()
+    assert ef.residual_norm("v") == 0.0
