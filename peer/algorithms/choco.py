@@ -10,7 +10,9 @@ that was not acknowledged is pushed again, the same bytes, and nothing is mixed 
 landed; what the codec drops stays in x_i − x̂_{i->j} (the error feedback;
 ``gossip.error_feedback = false``: Q(x_i − b), DCD-PSGD, Tang et al. 2018). The rules that
 keep both ends identical and the mixing symmetric are peer/algorithms/edges.py's; this class
-also keeps diloco's anchors together.
+also keeps diloco's anchors together. Edges in sync (the same x̂ and seq: edges opened in the
+same round from the initial model, a ring's two most of all) send the same update, encoded
+once a round (``SharedUpdate``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -54,6 +57,18 @@ INIT_ROUNDS = 50
 # finish() waits up to this many round_timeouts for the exchanges still open (an interrupted
 # run's, only for its own acknowledgements: at most one round_timeout).
 FINISH_ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class SharedUpdate:
+    """A DELTA update made this round, for the other edges whose x̂ it started from (the
+    round's thread is the only one that updates public copies, so ``edge`` holds it until
+    that edge's next update changes its checksum)."""
+
+    edge: Edge
+    payload: bytes
+    residual: float
+    checksum: int  # tensor_checksum(edge.public) after the update
 
 
 class ChocoGossip(GossipAlgorithm):
@@ -93,6 +108,10 @@ class ChocoGossip(GossipAlgorithm):
         self.edges = EdgeTable(x, neighbourhood.me, dtype)
         self._round = 0
         self._scratch: torch.Tensor | None = None  # x − x̂ while a round encodes
+        # This round's DELTA updates by delta_key: an edge whose x̂ another edge has just
+        # updated from (the same copy, the same seed) sends that update again.
+        self._updates: dict[tuple[int, int], SharedUpdate] = {}
+        self.shared_updates = 0  # updates sent on a second edge without encoding again
         self.staleness = Staleness(settings.max_staleness)
         self._round_end: float | None = None  # when the previous round returned
         self._finished = False  # finish() ran: no exchange is opened or taken any more
@@ -143,13 +162,27 @@ class ChocoGossip(GossipAlgorithm):
     def _encode(self, peer: str, edge: Edge, weight: float) -> tuple[pb.UpdateHeader, bytes]:
         """The edge's next update with its header (edge lock held)."""
         t0 = time.perf_counter()
-        if self._scratch is None and self.copies.codec.sparse:
-            # One difference buffer for the round's edges, then freed (a dense codec's
-            # encoder reads x and x̂ a chunk at a time and needs none).
-            self._scratch = torch.empty_like(self.x)
-        kind, payload = edge.encode_next(
-            self.x, self.copies, early=self._round < INIT_ROUNDS, scratch=self._scratch
-        )
+        key = edge.delta_key(self.copies)
+        shared = self._updates.get(key) if key is not None else None
+        if shared is not None and shared.edge.public_checksum == shared.checksum:
+            # In sync with an edge updated this round (a ring's two edges, most rounds):
+            # the same bytes and the same x̂ after them, without encoding x − x̂ again. (The
+            # receiver checks x̂'s checksum: a stale x is merely an older point to send.)
+            edge.take_update(shared.edge.public, shared.residual)
+            kind, payload, checksum = Kind.DELTA, shared.payload, shared.checksum
+            self.shared_updates += 1
+        else:
+            if self._scratch is None and self.copies.codec.sparse:
+                # One difference buffer for the round's edges, then freed (a dense codec's
+                # encoder reads x and x̂ a chunk at a time and needs none).
+                self._scratch = torch.empty_like(self.x)
+            kind, payload = edge.encode_next(
+                self.x, self.copies, early=self._round < INIT_ROUNDS, scratch=self._scratch
+            )
+            checksum = tensor_checksum(edge.public)
+            if key is not None:
+                self._updates[key] = SharedUpdate(edge, payload, edge.residual, checksum)
+        edge.public_checksum = checksum
         if self.metrics is not None:
             if kind is Kind.RESYNC:
                 self.metrics.record_resync(peer)
@@ -161,7 +194,7 @@ class ChocoGossip(GossipAlgorithm):
             payload,
             seq=edge.sent + 1,
             round=self._round,
-            checksum=tensor_checksum(edge.public),
+            checksum=checksum,
             edge_epoch=edge.epoch,
             weight=weight,
         )
@@ -404,6 +437,7 @@ class ChocoGossip(GossipAlgorithm):
             max_staleness=rnd.max_staleness,
         )
         self._scratch = None
+        self._updates.clear()
         if self.metrics is not None:
             self.metrics.observe_round(time.perf_counter() - t_round)
             if stats.mixed:

@@ -147,6 +147,7 @@ class Edge:
     opened_round: int = 0  # the gossip round that opened exchange `sent` (max_staleness)
     last_sent: torch.Tensor | None = None  # error feedback off: x at the last send
     residual: float = float("nan")  # ||x − public|| after our last update (error feedback)
+    public_checksum: int | None = None  # tensor_checksum(public) after our last update
     busy: bool = False  # a push is in flight
     timeouts: int = 0  # pushes in a row that ran past their deadline (each doubles the next)
     idle: threading.Event = field(default_factory=threading.Event)
@@ -265,6 +266,21 @@ class Edge:
             self.last_sent = x.clone()
         else:
             self.last_sent.copy_(x)
+
+    def delta_key(self, c: Copies) -> tuple[int, int] | None:
+        """What the next update depends on besides x, if it is a DELTA of x − x̂: its seq
+        (the codec's seed) and x̂'s checksum. Two edges with the same key, encoding the same
+        x, send the same bytes and move x̂ alike (``take_update``). None for an opening or
+        a RESYNC, and without error feedback (then the base is the edge's own last x)."""
+        if self.sent == 0 or not c.error_feedback or self.public_checksum is None:
+            return None
+        return self.sent + 1, self.public_checksum
+
+    def take_update(self, public: torch.Tensor, residual: float) -> None:
+        """Fold in the update another edge with our ``delta_key`` made this round: its
+        public copy after it (ours plus the same bytes) and what it left to send."""
+        self.public.copy_(public)
+        self.residual = residual
 
     def encode_next(
         self, x: torch.Tensor, c: Copies, early: bool, scratch: torch.Tensor | None = None

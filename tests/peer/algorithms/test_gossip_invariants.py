@@ -529,3 +529,19 @@ def test_a_slow_link_mixes_every_few_rounds_at_most_max_staleness_apart(stalenes
     assert mixed(p0, "p1") == mixed(p1, "p0")
     assert assert_mirrors_exact(peers) == 2
     assert_average_kept(peers, m0, d0)
+
+
+@pytest.mark.parametrize("codec", ["sign", "topk:0.2+int8"])
+def test_edges_in_sync_send_one_update_encoded_once(codec: str) -> None:
+    """On a ring of 3, p0 leads both its edges: it opens them in its first round from the
+    initial model, and they stay in sync. The second edge of a round sends the first one's
+    update again instead of encoding x − x̂ anew, and every mirror is still the other end's
+    public copy bit for bit. (A follower's edges stay a round apart when the two leaders'
+    openings reach it in different rounds: they encode their own.)"""
+    # Each round waits for its own exchanges: no edge skips a round and falls out of step.
+    peers = start_peers(3, {**GOSSIP, "gossip.codec": codec, "gossip.max_staleness": 0})
+    run_rounds(peers, 8, timeout=60)
+    quiesce(peers)
+    assert assert_mirrors_exact(peers) == 6
+    shared = [p.algorithm.shared_updates for p in peers]
+    assert shared[0] >= 6, shared
