@@ -24,6 +24,12 @@ from gossipgrad.compression.spec import from_spec
 
 __all__ = ["ErrorFeedback"]
 
+#: The kept residual's norm is taken from the kept entries when they are at most 1/FEW_KEPT
+#: of all: gathering them costs about 16 copies of the tensor per unit density, one read of
+#: the whole residual 0.45 (20M values, side by side: top-1 % 0.11 against 0.42 copies,
+#: top-20 % 3.2 against 0.46).
+FEW_KEPT = 64
+
 log = logging.getLogger(__name__)
 
 
@@ -122,11 +128,13 @@ class ErrorFeedback:
         self, name: str, e: torch.Tensor, seed: int | None, squares: float | None = None
     ) -> bytes:
         """Encode the residual ``e`` (g already added), take out what was sent, keep it.
-        With ``squares`` (||e||², read by the caller already) and a sparse codec, the kept
-        residual's norm follows from the kept entries alone; otherwise it is read when asked
-        for (``residual_norm``)."""
+        With ``squares`` (||e||², read by the caller already) and a codec that keeps few
+        entries, the kept residual's norm follows from those entries alone; otherwise it is
+        read when asked for (``residual_norm``: one read, cheaper than gathering the kept
+        entries once they are more than a few percent)."""
         data, sent = self.codec.encode_parts(e, seed)
-        norm = sent.residual_norm(e, squares) if squares is not None and self.codec.sparse else None
+        few = sent.idx is not None and sent.idx.numel() * FEW_KEPT <= e.numel()
+        norm = sent.residual_norm(e, squares) if squares is not None and few else None
         sent.add_to_(e, alpha=-1.0)  # = decode_add_(data, e, alpha=-1), indices not decoded
         self._residuals[name] = e
         self._norms[name] = norm
