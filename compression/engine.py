@@ -9,6 +9,7 @@ imports none of them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -171,28 +172,22 @@ def encode_difference(
     seed = _checked_seed(seed)
     fa, fb = _flat(a), _flat(b)
     n, dtype = fa.numel(), a.dtype
-    gen = None
-    if q.stochastic:
-        gen = torch.Generator(device=fa.device)
-        gen.manual_seed(seed)
-    values = torch.empty(q.value_bytes(n, dtype), dtype=torch.uint8, device=fa.device)
-    nscales = q.scale_count(n)
-    scales = torch.empty(nscales, dtype=torch.float32, device=fa.device) if nscales else None
-    bits = q.value_bits(dtype)
     d_buf = torch.empty(min(CHUNK, n), dtype=dtype, device=fa.device)
     kept2 = 0.0
-    for lo in range(0, n, CHUNK):
-        hi = min(n, lo + CHUNK)
+
+    def difference(lo: int, hi: int) -> torch.Tensor:
         d = subtract_into(fa[lo:hi], fb[lo:hi], d_buf[: hi - lo])
         if not all_finite(d):
             raise ValueError(_NON_FINITE)
-        v, s = q.quantize(d, gen)
-        values[lo * bits // 8 : lo * bits // 8 + v.numel()].copy_(v)
-        if scales is not None and s is not None:
-            scales[lo // q.block : lo // q.block + s.numel()].copy_(s)
-        sent = q.dequantize(v, s, hi - lo, dtype)  # may be a view of d (lossless)
+        return d
+
+    def measure(d: torch.Tensor, v: torch.Tensor, s: torch.Tensor | None) -> None:
+        nonlocal kept2
+        sent = q.dequantize(v, s, d.numel(), dtype)  # may be a view of d (lossless)
         left = torch.sub(d, sent.to(dtype), out=d)
         kept2 += float(torch.dot(left, left))
+
+    values, scales = _quantize_chunks(q, n, dtype, fa.device, seed, difference, measure)
     data = wire.build_envelope(
         shape=tuple(a.shape),
         dtype=dtype,
@@ -385,22 +380,45 @@ def _quantize_chunked(
     if n == 0:
         empty = torch.empty(0, dtype=torch.uint8, device=vals.device)
         return empty, (empty.float() if q.block else None)
-    gen = None
-    if q.stochastic:
-        gen = torch.Generator(device=vals.device)
-        gen.manual_seed(seed)
     if n <= CHUNK or q.lossless:  # lossless = a view of the input: no copy
-        return q.quantize(vals, gen)
-    values = torch.empty(q.value_bytes(n, vals.dtype), dtype=torch.uint8, device=vals.device)
+        return q.quantize(vals, _generator(q, seed, vals.device))
+    return _quantize_chunks(q, n, vals.dtype, vals.device, seed, lambda lo, hi: vals[lo:hi])
+
+
+def _generator(q: Quantizer, seed: int, device: torch.device) -> torch.Generator | None:
+    if not q.stochastic:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def _quantize_chunks(
+    q: Quantizer,
+    n: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    chunk: Callable[[int, int], torch.Tensor],
+    then: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Quantize the ``n`` values ``chunk(lo, hi)`` gives, ``CHUNK`` at a time, into one
+    values and one scales tensor (one generator for all: the bytes of a whole-tensor
+    quantization); ``then(chunk, values, scales)`` sees each chunk's result."""
+    gen = _generator(q, seed, device)
+    values = torch.empty(q.value_bytes(n, dtype), dtype=torch.uint8, device=device)
     nscales = q.scale_count(n)
-    scales = torch.empty(nscales, dtype=torch.float32, device=vals.device) if nscales else None
-    bits = q.value_bits(vals.dtype)
+    scales = torch.empty(nscales, dtype=torch.float32, device=device) if nscales else None
+    bits = q.value_bits(dtype)
     for lo in range(0, n, CHUNK):
         hi = min(n, lo + CHUNK)
-        v, s = q.quantize(vals[lo:hi], gen)
+        c = chunk(lo, hi)
+        v, s = q.quantize(c, gen)
         values[lo * bits // 8 : lo * bits // 8 + v.numel()].copy_(v)
         if scales is not None and s is not None:
             scales[lo // q.block : lo // q.block + s.numel()].copy_(s)
+        if then is not None:
+            then(c, v, s)
     return values, scales
 
 
