@@ -152,8 +152,9 @@ class ErrorFeedback:
 
     def residual_norm(self, name: str) -> float:
         """||residual(name)|| (0 for a name never compressed). After ``compress_difference``
-        with a sparse codec it was measured on what the compression read anyway; otherwise
-        it takes one read of the residual, then kept until the next compression."""
+        with a codec that keeps at most 1/``FEW_KEPT`` of the entries it was measured on
+        what the compression read anyway; otherwise it takes one read of the residual, then
+        kept until the next compression."""
         norm = self._norms.get(name)
         if norm is None and name in self._residuals:
             norm = self._norms[name] = float(torch.linalg.vector_norm(self._residuals[name]))
