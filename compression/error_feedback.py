@@ -97,7 +97,9 @@ class ErrorFeedback:
         e = self._residual_like(name, a)
         fa, fb, fe = a.reshape(-1), b.reshape(-1), e.view(-1)
         scratch = torch.empty(min(CHUNK, fe.numel()), dtype=a.dtype, device=a.device)
-        squares = 0.0  # ||e + (a − b)||², read off each slice while it is in cache
+        # ||e + (a − b)||², read off each slice while it is in cache, where the kept norm
+        # will be taken from it (``_few_kept``); no dot product per slice otherwise.
+        squares = 0.0 if self._few_kept(fe.numel()) else None
         for lo in range(0, fe.numel(), CHUNK):
             hi = min(fe.numel(), lo + CHUNK)
             d = torch.sub(fa[lo:hi], fb[lo:hi], out=scratch[: hi - lo])
@@ -107,8 +109,14 @@ class ErrorFeedback:
                     fe[done:end].sub_(fa[done:end]).add_(fb[done:end])
                 raise ValueError(f"{name!r}: the difference has NaN or infinite values")
             part = fe[lo:hi].add_(d)
-            squares += float(torch.dot(part, part))
+            if squares is not None:
+                squares += float(torch.dot(part, part))
         return self._send(name, e, seed, squares)
+
+    def _few_kept(self, numel: int) -> bool:
+        """The codec keeps at most 1/``FEW_KEPT`` of ``numel`` entries."""
+        sp, _ = self.codec.stages()
+        return sp is not None and sp.count_range(numel)[1] * FEW_KEPT <= numel
 
     def _residual_like(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """The residual of ``name``, or zeros for a first call (float32; float64 for float64
@@ -128,13 +136,12 @@ class ErrorFeedback:
         self, name: str, e: torch.Tensor, seed: int | None, squares: float | None = None
     ) -> bytes:
         """Encode the residual ``e`` (g already added), take out what was sent, keep it.
-        With ``squares`` (||e||², read by the caller already) and a codec that keeps few
-        entries, the kept residual's norm follows from those entries alone; otherwise it is
-        read when asked for (``residual_norm``: one read, cheaper than gathering the kept
+        With ``squares`` (||e||², read by the caller already, for a codec that keeps few
+        entries) the kept residual's norm follows from the kept entries alone; otherwise it
+        is read when asked for (``residual_norm``: one read, cheaper than gathering the kept
         entries once they are more than a few percent)."""
         data, sent = self.codec.encode_parts(e, seed)
-        few = sent.idx is not None and sent.idx.numel() * FEW_KEPT <= e.numel()
-        norm = sent.residual_norm(e, squares) if squares is not None and few else None
+        norm = sent.residual_norm(e, squares) if squares is not None else None
         sent.add_to_(e, alpha=-1.0)  # = decode_add_(data, e, alpha=-1), indices not decoded
         self._residuals[name] = e
         self._norms[name] = norm
