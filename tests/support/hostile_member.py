@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import threading
 import time
@@ -43,6 +44,8 @@ GHOSTS = 8
 FAR_STEP = 10**12  # what evil and evil2 say their step is
 STALLED_HEARTBEATS = 4  # per honest peer, over its limit of 2
 STALLED_PUSHES = 10  # per honest peer, over its limit of 8
+CALL_S = 5.0  # the deadline of each call; the attacks' shortened to what is left of the attack
+HANG_S = 50.0  # past the attack's end, the process dumps its threads' stacks and ends
 
 
 class Impersonator:
@@ -102,12 +105,15 @@ class Stalling:
                 self.outcomes[code] = self.outcomes.get(code, 0) + 1
 
     def close(self) -> None:
-        self._channel.close()
+        self._channel.close()  # cancels every call in flight
+        until = time.monotonic() + CALL_S
         for t in self.threads:
-            t.join(5)
+            t.join(max(0.0, until - time.monotonic()))
 
 
-def ask_state_and_cancel(address: str, sec: TransportSecurity, peer: str, swarm: str) -> None:
+def ask_state_and_cancel(
+    address: str, sec: TransportSecurity, peer: str, swarm: str, timeout: float
+) -> None:
     """Ask ``peer`` for its state and cancel the download once its header came."""
     with grpc.secure_channel(
         address, sec.channel_credentials(), options=sec.channel_args(peer)
@@ -117,7 +123,7 @@ def ask_state_and_cancel(address: str, sec: TransportSecurity, peer: str, swarm:
             request_serializer=pb.StateRequest.SerializeToString,
             response_deserializer=STATE_CODEC.decode,
         )
-        call = download(pb.StateRequest(swarm=swarm, requester=ME), timeout=5)
+        call = download(pb.StateRequest(swarm=swarm, requester=ME), timeout=timeout)
         with contextlib.suppress(grpc.RpcError, StopIteration):
             next(call)  # the header: the state was there to send
         call.cancel()
@@ -138,6 +144,9 @@ def main() -> int:
     parser.add_argument("--watch-only", action="store_true", help="the watcher alone: no attack")
     args = parser.parse_args()
     certs = Path(args.certs)
+    # Every call below has a deadline; should the process outlive them all anyway, it prints
+    # where each thread is and ends, so that the test shows the hang instead of a timeout.
+    faulthandler.dump_traceback_later(args.seconds + HANG_S, exit=True)
 
     def member(pid: str) -> TransportSecurity:
         return TransportSecurity.from_files(
@@ -155,13 +164,18 @@ def main() -> int:
     clients: dict[str, PeerClient] = {}  # evil's
     watching: dict[str, PeerClient] = {}
     with PeerClient(args.bootstrap, opts, watcher) as boot:
-        reply = boot.heartbeat(heartbeat(args.swarm, WATCHER))
+        reply = boot.heartbeat(heartbeat(args.swarm, WATCHER), timeout=CALL_S)
     honest = {i.id: i.address for i in reply.known if i.id not in (ME, STALLER, WATCHER)}
     too_long = [
         pb.PeerInfo(id=f"many-{k}", address=server.address, incarnation=1)
         for k in range(MAX_KNOWN + 1)
     ]
     end = time.monotonic() + args.seconds
+
+    def deadline() -> float:
+        """A call's deadline: CALL_S, or what is left of the attack (1 s at least)."""
+        return min(CALL_S, max(1.0, end - time.monotonic()))
+
     try:
         while time.monotonic() < end:
             report["rounds"] += 1
@@ -173,7 +187,7 @@ def main() -> int:
                     stalled[pid] = Stalling(address, staller, pid, stop)
                 t0 = time.monotonic()
                 try:
-                    replies[pid] = watch.heartbeat(heartbeat(args.swarm, WATCHER), timeout=5)
+                    replies[pid] = watch.heartbeat(heartbeat(args.swarm, WATCHER), timeout=CALL_S)
                     report["latencies"].append(time.monotonic() - t0)
                 except grpc.RpcError as err:
                     name = f"observe {pid}: {err.code().name}"
@@ -221,17 +235,17 @@ def main() -> int:
             ]
             for pid, client in clients.items():
                 try:
-                    client.heartbeat(heartbeat(args.swarm, ME, forged), timeout=5)
+                    client.heartbeat(heartbeat(args.swarm, ME, forged), timeout=deadline())
                 except grpc.RpcError as err:
                     name = f"forge {pid}: {err.code().name}"
                     report["errors"][name] = report["errors"].get(name, 0) + 1
                 if report["rounds"] % 5 == 1:
                     try:
-                        client.heartbeat(heartbeat(args.swarm, ME, too_long), timeout=5)
+                        client.heartbeat(heartbeat(args.swarm, ME, too_long), timeout=deadline())
                     except grpc.RpcError as err:
                         name = f"too long {pid}: {err.code().name}"
                         report["errors"][name] = report["errors"].get(name, 0) + 1
-                ask_state_and_cancel(client.address, sec, pid, args.swarm)
+                ask_state_and_cancel(client.address, sec, pid, args.swarm, deadline())
             time.sleep(0.2)
     finally:
         stop.set()

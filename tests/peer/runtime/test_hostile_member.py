@@ -104,7 +104,7 @@ def run_members(swarm: LocalSwarm, certs, report_path: Path, watch_only: bool = 
     argv = [sys.executable, str(TESTS / "support" / "hostile_member.py")]
     argv += [part for key, value in args.items() for part in (f"--{key}", value)]
     argv += ["--watch-only"] if watch_only else []
-    hostile = subprocess.run(argv, capture_output=True, text=True, timeout=ATTACK_S + 60)
+    hostile = subprocess.run(argv, capture_output=True, text=True, timeout=ATTACK_S + 120)
     assert hostile.returncode == 0, hostile.stderr[-3000:]
     return json.loads(report_path.read_text())
 
