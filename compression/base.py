@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
@@ -21,6 +22,8 @@ from gossipgrad.compression.bitpack import (
     bitmap_decode,
     bitmap_encode,
     bitmap_pays,
+    bitmap_pieces,
+    numpy_path,
     rice_bits_for,
     rice_decode,
     rice_encode,
@@ -29,6 +32,7 @@ from gossipgrad.compression.bitpack import (
 from gossipgrad.compression.engine import Encoded
 from gossipgrad.compression.errors import DecodeError
 from gossipgrad.compression.finite import all_finite
+from gossipgrad.compression.selection import Selection
 from gossipgrad.compression.stage_args import StageArgs
 
 __all__ = ["Codec", "Composed", "Identity", "Quantizer", "Sparsifier"]
@@ -197,6 +201,18 @@ class Sparsifier(Codec):
     def select(self, flat: torch.Tensor, seed: int) -> torch.Tensor:
         """Sorted, distinct int64 indices (on ``flat``'s device) of the entries to send."""
 
+    def select_parts(self, flat: torch.Tensor, seed: int) -> Selection:
+        """:meth:`select`, with what the selection read on its way where it can give it
+        (the kept values, the positions' bitmap), so the encoder need not read them again."""
+        return Selection(self.select(flat, seed))
+
+    def encode_selection(self, kept: Selection, numel: int) -> tuple[int, torch.Tensor]:
+        """:meth:`encode_indices` of ``kept.idx``, taking the bitmap the selection built
+        where a bitmap is the layout (the same bytes)."""
+        if kept.bitmap is not None and bitmap_pays(kept.idx.numel(), numel):
+            return BITMAP_INDEX_BITS, kept.bitmap
+        return self.encode_indices(kept.idx, numel)
+
     def count_range(self, numel: int) -> tuple[int, int]:
         """Smallest and largest number of kept entries a payload may declare for ``numel``."""
         k = self.k_for(numel)
@@ -237,6 +253,15 @@ class Sparsifier(Codec):
         if index_bits == BITMAP_INDEX_BITS:
             return bitmap_decode(raw, count, numel)
         return rice_decode(raw, index_bits, count, numel)
+
+    def decode_index_pieces(
+        self, raw: torch.Tensor, index_bits: int, count: int, numel: int
+    ) -> Iterable[torch.Tensor]:
+        """:meth:`decode_indices` as consecutive pieces, validated in full before it returns:
+        a bitmap on CPU a chunk at a time (no array of every position), else one piece."""
+        if index_bits == BITMAP_INDEX_BITS and numpy_path(raw):
+            return bitmap_pieces(raw, count, numel)
+        return (self.decode_indices(raw, index_bits, count, numel),)
 
 
 class Quantizer(Codec):

@@ -12,6 +12,7 @@ the last byte is zero-padded.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ __all__ = [
     "bitmap_decode",
     "bitmap_encode",
     "bitmap_pays",
+    "bitmap_pieces",
     "pack_bits",
     "pack_uint",
     "rice_bits_for",
@@ -312,12 +314,7 @@ def bitmap_decode(
             a number of set bits other than ``count`` (found before more than ``count``
             indices are held).
     """
-    nbytes = (numel + 7) // 8
-    if data.numel() != nbytes:
-        raise DecodeError(f"index bitmap has {data.numel()} bytes, {numel} positions need {nbytes}")
-    pad = (-numel) % 8
-    if pad and int(data[-1].item()) & ((1 << pad) - 1):
-        raise DecodeError("non-zero padding bits in the index bitmap")
+    nbytes = _check_bitmap_frame(data, numel)
     if not _numpy_ok(data, use_numpy):
         idx = torch.nonzero(unpack_bits(data, numel, use_numpy=False)).reshape(-1)
         if idx.numel() != count:
@@ -336,3 +333,48 @@ def bitmap_decode(
     if held != count:
         raise DecodeError(f"index bitmap holds {held} positions, header says {count}")
     return torch.from_numpy(out).to(data.device)
+
+
+def _check_bitmap_frame(data: torch.Tensor, numel: int) -> int:
+    """The bitmap's byte count, checked against ``numel`` with its padding bits (DecodeError)."""
+    nbytes = (numel + 7) // 8
+    if data.numel() != nbytes:
+        raise DecodeError(f"index bitmap has {data.numel()} bytes, {numel} positions need {nbytes}")
+    pad = (-numel) % 8
+    if pad and int(data[-1].item()) & ((1 << pad) - 1):
+        raise DecodeError("non-zero padding bits in the index bitmap")
+    return nbytes
+
+
+def _set_bits(d: np.ndarray) -> int:
+    """How many bits of the uint8 array ``d`` are set (eight bytes to a word where numpy
+    counts bits itself, from 2.0 on)."""
+    if not hasattr(np, "bitwise_count"):
+        return sum(
+            int(np.unpackbits(d[lo : lo + _BITMAP_CHUNK]).sum(dtype=np.int64))
+            for lo in range(0, d.size, _BITMAP_CHUNK)
+        )
+    words = d.size // 8
+    total = int(np.bitwise_count(d[: words * 8].view(np.uint64)).sum(dtype=np.int64))
+    return total + int(np.bitwise_count(d[words * 8 :]).sum(dtype=np.int64))
+
+
+def bitmap_pieces(data: torch.Tensor, count: int, numel: int) -> Iterator[torch.Tensor]:
+    """:func:`bitmap_decode`'s positions, a chunk at a time (CPU): validated in full before
+    this returns (DecodeError), then produced as int64 pieces of at most ``_BITMAP_CHUNK``
+    positions' worth, in order. A caller that applies each piece as it comes never holds the
+    positions of the whole bitmap (8 bytes per kept entry) nor fails half-way through."""
+    nbytes = _check_bitmap_frame(data, numel)
+    d = data.numpy()
+    held = _set_bits(d)
+    if held != count:
+        raise DecodeError(f"index bitmap holds {held} positions, header says {count}")
+
+    def pieces() -> Iterator[torch.Tensor]:
+        step = _BITMAP_CHUNK // 8
+        for lo in range(0, nbytes, step):
+            hit = np.flatnonzero(np.unpackbits(d[lo : lo + step]).view(np.bool_))
+            if hit.size:
+                yield torch.from_numpy(np.add(hit, lo * 8, out=hit))
+
+    return pieces()

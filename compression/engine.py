@@ -9,7 +9,7 @@ imports none of them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -125,11 +125,11 @@ def encode_parts(codec: Codec, t: torch.Tensor, seed: int | None) -> tuple[bytes
     if sp is None:
         count, vals = flat.numel(), flat
     else:
-        idx = sp.select(flat, seed)
-        count = idx.numel()
-        vals = torch.index_select(flat, 0, idx)
+        kept = sp.select_parts(flat, seed)
+        idx, count = kept.idx, kept.idx.numel()
+        vals = torch.index_select(flat, 0, idx) if kept.values is None else kept.values
         if sp.sends_indices:
-            index_bits, idx_bytes = sp.encode_indices(idx, flat.numel())
+            index_bits, idx_bytes = sp.encode_selection(kept, flat.numel())
     values, scales = _quantize_chunked(q, vals, seed)
     data = wire.build_envelope(
         shape=tuple(t.shape),
@@ -250,14 +250,14 @@ def decode_add(
     sp, _ = codec.stages()
     idx = None
     if sp is not None:
-        idx = _indices(sp, env, raw, out.device)
+        idx = _indices(sp, env, raw, out.device, pieces=True)
     _apply(codec, idx, values, scales, env.count, env.dtype, out, alpha)
     return out
 
 
 def _apply(
     codec: Codec,
-    idx: torch.Tensor | None,
+    idx: torch.Tensor | Iterable[torch.Tensor] | None,
     values: torch.Tensor,
     scales: torch.Tensor | None,
     count: int,
@@ -265,8 +265,9 @@ def _apply(
     out: torch.Tensor,
     alpha: float,
 ) -> None:
-    """``out += alpha * values`` (dequantized; at ``idx`` for a sparse codec): the one add
-    that ``decode_add`` and ``Encoded.add_to_`` share, so both give the same bits."""
+    """``out += alpha * values`` (dequantized; at ``idx`` for a sparse codec: the indices,
+    or consecutive pieces of them): the one add that ``decode_add`` and ``Encoded.add_to_``
+    share, so both give the same bits."""
     sp, q = codec.stages()
     target = (
         out.view(-1)
@@ -275,11 +276,43 @@ def _apply(
     )
     if sp is None:
         _apply_dense(q, (values, scales), target, alpha=alpha, dtype=dtype)
-    elif idx is not None and idx.numel():
-        vals = _dequantize_chunked(q, values, scales, count, dtype)
-        target.index_add_(0, idx, vals.to(target.dtype), alpha=alpha)
+    elif idx is not None:
+        _index_add_chunked(q, idx, values, scales, count, dtype, target, alpha)
     if not out.is_contiguous():
         out.add_(target.view(out.shape))
+
+
+def _index_add_chunked(
+    q: Quantizer,
+    idx: torch.Tensor | Iterable[torch.Tensor],
+    values: torch.Tensor,
+    scales: torch.Tensor | None,
+    count: int,
+    dtype: torch.dtype,
+    target: torch.Tensor,
+    alpha: float,
+) -> None:
+    """``target[idx] += alpha * dequantize(values)``, the values dequantized a chunk at a
+    time while in cache and matched to the index pieces as they come: no buffer of all the
+    values, nor (with pieces) of all the indices. The indices are distinct, so the adds give
+    the same bits in any grouping."""
+    pieces = idx.split(CHUNK) if isinstance(idx, torch.Tensor) else idx
+    vals, vlo, vhi = None, 0, 0  # the dequantized chunk holds values [vlo, vhi)
+    pos = 0  # values applied
+    for piece in pieces:
+        taken = 0
+        while taken < piece.numel():
+            if pos == vhi:
+                if vhi == count:  # pieces are validated first: only a bug gets here
+                    raise DecodeError(f"more positions than the {count} values")
+                vlo, vhi = vhi, min(count, vhi + CHUNK)
+                v, s = _chunk_inputs(q, values, scales, vlo, vhi, dtype)
+                vals = q.dequantize(v, s, vhi - vlo, dtype).to(target.dtype)
+            m = min(piece.numel() - taken, vhi - pos)
+            at, part = piece[taken : taken + m], vals[pos - vlo : pos - vlo + m]
+            target.index_add_(0, at, part, alpha=alpha)
+            taken += m
+            pos += m
 
 
 def inspect(
@@ -303,12 +336,14 @@ def _read(codec: Codec, env: wire.Envelope, dev: torch.device) -> tuple:
     return idx, vals
 
 
-def _indices(sp, env: wire.Envelope, raw, dev: torch.device) -> torch.Tensor:
-    """The kept entries' indices: decoded from the index section, or drawn from the seed."""
+def _indices(
+    sp, env: wire.Envelope, raw, dev: torch.device, pieces: bool = False
+) -> torch.Tensor | Iterable[torch.Tensor]:
+    """The kept entries' indices: decoded from the index section, or drawn from the seed;
+    with ``pieces``, possibly as consecutive pieces (``Sparsifier.decode_index_pieces``)."""
     if raw is not None:
-        return sp.decode_indices(
-            wire.bytes_to_tensor(raw, dev), env.index_bits, env.count, env.numel
-        )
+        decode = sp.decode_index_pieces if pieces else sp.decode_indices
+        return decode(wire.bytes_to_tensor(raw, dev), env.index_bits, env.count, env.numel)
     return sp.indices_for(env.numel, env.seed, dev)
 
 

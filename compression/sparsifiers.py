@@ -11,7 +11,8 @@ from gossipgrad.compression.bitpack import pack_uint, unpack_uint
 from gossipgrad.compression.errors import DecodeError
 from gossipgrad.compression.registry import register
 from gossipgrad.compression.selection import (
-    approx_topk_indices,
+    Selection,
+    approx_topk,
     block_topk_indices,
     exact_topk_indices,
 )
@@ -70,11 +71,16 @@ class TopK(Sparsifier):
         return (k, k) if self.exact else (0, k)
 
     def select(self, flat: torch.Tensor, seed: int) -> torch.Tensor:
+        return self.select_parts(flat, seed).idx
+
+    def select_parts(self, flat: torch.Tensor, seed: int) -> Selection:
         k = self.k_for(flat.numel())
-        x = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
+        native = flat.dtype in (torch.float32, torch.float64)
+        x = flat if native else flat.float()
         if self.exact:
-            return exact_topk_indices(x, k)
-        return approx_topk_indices(x, k, seed=seed)
+            return Selection(exact_topk_indices(x, k))
+        # Values gathered from a float32 copy of a half tensor would change the payload's.
+        return approx_topk(x, k, seed=seed, gather=native)
 
 
 @register

@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gossipgrad.compression import DecodeError, wire
+from gossipgrad.compression import DecodeError, bitpack, wire
 from gossipgrad.compression.bitpack import (
     BITMAP_INDEX_BITS,
     bitmap_decode,
     bitmap_encode,
     bitmap_pays,
+    bitmap_pieces,
     pack_bits,
     pack_uint,
     rice_bits_for,
@@ -220,3 +221,72 @@ def test_dense_topk_travels_as_a_bitmap_about_as_small_as_rice() -> None:
             rice = rice_encode(idx, rice_bits_for(idx.numel(), n)).numpy().tobytes()
             rice_bytes = min(len(rice), len(zstandard.ZstdCompressor(level=1).compress(rice)))
             assert len(env.sections["indices"]) <= 1.02 * rice_bytes
+
+
+@pytest.mark.parametrize("spec", ["topk:0.2+int2", "topk:0.3+int4:block=128", "topk:0.25+fp16"])
+def test_a_bitmap_payload_is_added_a_piece_at_a_time_as_a_whole_decode_would(
+    spec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """decode_add_ reads a bitmap's positions chunk by chunk and dequantizes the values chunk
+    by chunk (neither held whole): the same bits as adding the whole decoded tensor, across
+    chunk boundaries that the positions and the values cross at different places. The
+    encoder's selection pass gathers the values and the bitmap: the same bytes as the torch
+    path, which gathers them after it."""
+    n = 3 * (1 << 20) + 13
+    codec = from_spec(spec)
+    x = student_t(n, seed=21)
+    data = codec.encode(x, seed=2)
+    monkeypatch.setattr(bitpack, "FORCE_TORCH", True)
+    assert codec.encode(x, seed=2) == data
+    monkeypatch.setattr(bitpack, "FORCE_TORCH", False)
+    env = wire.parse_envelope(data, codec.spec, n)
+    assert env.index_bits == BITMAP_INDEX_BITS
+    base = student_t(n, seed=22)
+    whole = base.clone().add_(codec.decode(data), alpha=-0.5)
+    assert torch.equal(codec.decode_add_(data, base.clone(), alpha=-0.5), whole)
+    bitmap = index_section(env)
+    pieces = list(bitmap_pieces(bitmap, env.count, n))
+    assert len(pieces) == 4
+    assert torch.equal(torch.cat(pieces), bitmap_decode(bitmap, env.count, n))
+
+
+def test_a_bitmap_with_a_position_too_many_is_refused_before_anything_is_added() -> None:
+    """The positions are checked in full before the first piece is added: a payload whose
+    bitmap holds one position more than it declares, in its last chunk, leaves the target as
+    it was (a message that does not decode is left out, not half applied)."""
+    n = 3 * (1 << 20) + 13
+    codec = from_spec("topk:0.2+int2")
+    data = codec.encode(student_t(n, seed=23), seed=2)
+    env = wire.parse_envelope(data, codec.spec, n)
+    bitmap = index_section(env).clone()
+    at = int(np.flatnonzero(bitmap.numpy()[:-1] != 0xFF)[-1])  # in the last chunk
+    assert at * 8 >= 3 * (1 << 20)
+    byte = int(bitmap[at])
+    bitmap[at] = byte | (~byte & (byte + 1))  # its lowest clear bit set
+    cpu = torch.device("cpu")
+    values = wire.bytes_to_tensor(wire.read_section(env, "values", limit=n), cpu)
+    scales = wire.bytes_to_tensor(wire.read_section(env, "scales", limit=4 * n), cpu)
+    forged = wire.build_envelope(
+        shape=env.shape,
+        dtype=env.dtype,
+        spec=codec.spec,
+        seed=env.seed,
+        count=env.count,
+        index_bits=BITMAP_INDEX_BITS,
+        indices=bitmap,
+        values=values,
+        scales=scales.view(torch.float32),
+    )
+    with pytest.raises(DecodeError, match="positions"):
+        list(bitmap_pieces(bitmap, env.count, n))
+    target = student_t(n, seed=24)
+    before = target.clone()
+    with pytest.raises(DecodeError, match="positions"):
+        codec.decode_add_(forged, target)
+    assert torch.equal(target, before)
+
+
+def index_section(env: wire.Envelope) -> torch.Tensor:
+    """A payload's index section as a uint8 tensor."""
+    raw = wire.read_section(env, "indices", limit=(env.numel + 7) // 8)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
