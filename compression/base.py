@@ -109,12 +109,15 @@ class Codec(abc.ABC):
         b: torch.Tensor,
         seed: int | None = None,
         scratch: torch.Tensor | None = None,
+        fold: bool = False,
     ) -> tuple[bytes, Encoded, float]:
         """``encode_parts(a − b)`` and ||(a − b) − decode(bytes)||, what error feedback keeps
         (``b`` may be a narrower float copy). A dense codec reads ``a`` and ``b`` a chunk at a
         time and allocates nothing model-sized; a sparse one builds the difference in
-        ``scratch`` (``a``'s shape and dtype; allocated if None): see :attr:`sparse`."""
-        return engine.encode_difference(self, a, b, seed, scratch)
+        ``scratch`` (``a``'s shape and dtype; allocated if None): see :attr:`sparse`.
+        ``fold``: and ``b += decode(bytes)`` as ``decode_add_`` would, a dense codec's chunk
+        while it is in cache (CHOCO's x̂ += q; details in ``engine.encode_difference``)."""
+        return engine.encode_difference(self, a, b, seed, scratch, fold)
 
     @property
     def sparse(self) -> bool:

@@ -151,6 +151,7 @@ def encode_difference(
     b: torch.Tensor,
     seed: int | None,
     scratch: torch.Tensor | None = None,
+    fold: bool = False,
 ) -> tuple[bytes, Encoded, float]:
     """``encode_parts(a − b)``, the same bytes, and ||(a − b) − decode(bytes)||: what error
     feedback keeps of the difference once the bytes are sent.
@@ -160,22 +161,35 @@ def encode_difference(
     measures what stays while the chunk is in cache: one read of ``a`` and ``b`` instead of
     some six passes over a model-sized difference, and no model-sized buffer. A sparse codec
     selects over the whole difference, built in ``scratch`` (a buffer of ``a``'s shape and
-    dtype; allocated if None)."""
+    dtype; allocated if None).
+
+    ``fold``: then ``b += decode(bytes)``, bit for bit as ``decode_add_`` of the bytes would
+    (CHOCO's x̂ += q); a dense codec adds each chunk while it is in cache. ``b`` must then be
+    contiguous. On a non-finite difference (ValueError) the chunks before it are folded
+    already: ``b`` no longer matches its peer's copy (a CHOCO edge's checksum then calls for
+    a resync)."""
     _check_dtype(a)
     if a.shape != b.shape:
         raise ValueError(f"shapes differ: {tuple(a.shape)} and {tuple(b.shape)}")
+    if fold and not b.is_contiguous():
+        raise ValueError("encode_difference(fold=True) needs a contiguous b")
     sp, q = codec.stages()
     if sp is not None:
         diff = subtract_into(a, b, torch.empty_like(a) if scratch is None else scratch)
         data, sent = encode_parts(codec, diff, seed)
-        return data, sent, sent.residual_norm(diff)
+        left = sent.residual_norm(diff)
+        if fold:
+            sent.add_to_(b)
+        return data, sent, left
     seed = _checked_seed(seed)
     fa, fb = _flat(a), _flat(b)
     n, dtype = fa.numel(), a.dtype
     d_buf = torch.empty(min(CHUNK, n), dtype=dtype, device=fa.device)
     kept2 = 0.0
+    at = [0, 0]  # the chunk being encoded
 
     def difference(lo: int, hi: int) -> torch.Tensor:
+        at[:] = lo, hi
         d = subtract_into(fa[lo:hi], fb[lo:hi], d_buf[: hi - lo])
         if not all_finite(d):
             raise ValueError(_NON_FINITE)
@@ -184,6 +198,8 @@ def encode_difference(
     def measure(d: torch.Tensor, v: torch.Tensor, s: torch.Tensor | None) -> None:
         nonlocal kept2
         sent = q.dequantize(v, s, d.numel(), dtype)  # may be a view of d (lossless)
+        if fold:  # as _apply_dense adds it, before d is overwritten below
+            fb[at[0] : at[1]].add_(sent.to(fb.dtype))
         left = torch.sub(d, sent.to(dtype), out=d)
         kept2 += float(torch.dot(left, left))
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gossipgrad.compression.bitpack import numpy_path
+from gossipgrad.compression.bitpack import bitmap_pays, numpy_path
 
 __all__ = [
     "Selection",
@@ -109,9 +109,12 @@ def _sample_threshold(flat: torch.Tensor, k: int, seed: int, margin_scale: float
     return float(torch.kthvalue(sample, s - rank + 1).values)
 
 
-def _candidates_numpy(flat: torch.Tensor, threshold: float, k: int, gather: bool) -> Selection:
-    """The indices of ``|x| >= threshold``, written into an array of ``k`` (more only on an
-    overshoot, which the caller trims); with ``gather``, their values and bitmap too."""
+def _candidates_numpy(
+    flat: torch.Tensor, threshold: float, k: int, gather: bool, bitmap: bool
+) -> Selection:
+    """The indices of ``|x| >= threshold`` (written into an array of ``k``, grown only on
+    an overshoot, which the caller trims); with ``gather`` their values, with ``bitmap``
+    their bitmap, each read while its chunk is in cache."""
     x = flat.numpy()
     bufs = getattr(_scratch, "bufs", None)
     if bufs is None or bufs[0].dtype != x.dtype:
@@ -120,30 +123,36 @@ def _candidates_numpy(flat: torch.Tensor, threshold: float, k: int, gather: bool
     absbuf, maskbuf = bufs
     idx = np.empty(k, dtype=np.int64)
     values = np.empty(k, dtype=x.dtype) if gather else None
-    bitmap = np.empty((x.size + 7) // 8, dtype=np.uint8) if gather else None
-    held, over = 0, []
+    bits = np.empty((x.size + 7) // 8, dtype=np.uint8) if bitmap else None
+    held, over, over_values = 0, [], []
     for lo in range(0, x.size, CHUNK):
         chunk = x[lo : lo + CHUNK]
         m = chunk.size
         a = np.abs(chunk, out=absbuf[:m])
         mask = np.greater_equal(a, threshold, out=maskbuf[:m])
         hit = np.flatnonzero(mask)
-        if bitmap is not None:
-            bitmap[lo // 8 : (lo + m + 7) // 8] = np.packbits(mask)
+        if bits is not None:
+            bits[lo // 8 : (lo + m + 7) // 8] = np.packbits(mask)
         fits = min(hit.size, k - held)
         np.add(hit[:fits], lo, out=idx[held : held + fits])
         if values is not None:
             np.take(chunk, hit[:fits], out=values[held : held + fits], mode="clip")
         held += fits
-        if fits < hit.size:  # an overshoot: kept for the trim, nothing gathered
+        if fits < hit.size:  # an overshoot, for the trim
             over.append(hit[fits:] + lo)
+            if values is not None:
+                over_values.append(chunk[hit[fits:]])
     if over:
-        return Selection(torch.from_numpy(np.concatenate([idx, *over])))
-    idx = idx[:held]
-    if not gather:
-        return Selection(torch.from_numpy(idx))
+        idx = np.concatenate([idx, *over])
+        values = None if values is None else np.concatenate([values, *over_values])
+        bits = None  # the trim drops positions from it
+    else:
+        idx = idx[:held]
+        values = None if values is None else values[:held]
     return Selection(
-        torch.from_numpy(idx), torch.from_numpy(values[:held]), torch.from_numpy(bitmap)
+        torch.from_numpy(idx),
+        None if values is None else torch.from_numpy(values),
+        None if bits is None else torch.from_numpy(bits),
     )
 
 
@@ -151,20 +160,35 @@ def _candidates_torch(flat: torch.Tensor, threshold: float) -> torch.Tensor:
     return torch.nonzero(flat.abs() >= threshold).reshape(-1)
 
 
+def _trim_selection(flat: torch.Tensor, found: Selection, k: int, numpy_pass: bool) -> Selection:
+    """``found`` cut to its k largest magnitudes (``_trim``), the values it gathered kept
+    for the kept ones."""
+    if found.idx.numel() <= k:
+        return Selection(found.idx)
+    if not numpy_pass or found.values is None:
+        return Selection(_trim(flat, found.idx, k, numpy_pass))
+    values = found.values.numpy()
+    keep = _kept_of(np.abs(values), k)
+    return Selection(torch.from_numpy(found.idx.numpy()[keep]), torch.from_numpy(values[keep]))
+
+
+def _kept_of(mags_np: np.ndarray, k: int) -> np.ndarray:
+    """A boolean mask of the k largest of these magnitudes, ties towards lower positions."""
+    kth_np = np.partition(mags_np, mags_np.size - k)[mags_np.size - k]  # the k-th largest
+    above_np = mags_np > kth_np
+    tie_np = mags_np == kth_np
+    need = k - int(np.count_nonzero(above_np))
+    if need == int(np.count_nonzero(tie_np)):
+        return above_np | tie_np
+    # The first `need` ties (in index order) complete the set.
+    return above_np | (tie_np & (np.cumsum(tie_np) <= need))
+
+
 def _trim(flat: torch.Tensor, cand: torch.Tensor, k: int, numpy_pass: bool) -> torch.Tensor:
     """Keep the k largest-magnitude candidates, ties towards lower indices, order preserved."""
     if numpy_pass:
         c = cand.numpy()
-        mags_np = np.abs(flat.numpy()[c])
-        kth_np = np.partition(mags_np, c.size - k)[c.size - k]  # the k-th largest magnitude
-        above_np = mags_np > kth_np
-        tie_np = mags_np == kth_np
-        need = k - int(np.count_nonzero(above_np))
-        if need == int(np.count_nonzero(tie_np)):
-            return torch.from_numpy(c[above_np | tie_np])
-        # The first `need` ties (in index order) complete the set.
-        keep_np = above_np | (tie_np & (np.cumsum(tie_np) <= need))
-        return torch.from_numpy(c[keep_np])
+        return torch.from_numpy(c[_kept_of(np.abs(flat.numpy()[c]), k)])
     mags = torch.index_select(flat, 0, cand).abs()
     kth = torch.kthvalue(mags, cand.numel() - k + 1).values
     above = mags > kth
@@ -205,8 +229,9 @@ def approx_topk(
     use_numpy: bool | None = None,
     gather: bool = False,
 ) -> Selection:
-    """:func:`approx_topk_indices`, and with ``gather`` the kept values and bitmap read in
-    the same pass where its candidates are kept as they are (the numpy pass, no trim)."""
+    """:func:`approx_topk_indices`, and with ``gather`` (the numpy pass) the kept values,
+    read in the same pass as the candidates (a trim keeps those of the kept ones), and the
+    positions' bitmap where it is their layout (``bitmap_pays``) and no trim was needed."""
     n = flat.numel()
     if n <= EXACT_BELOW or k >= n // 4 or k <= 0:
         return Selection(exact_topk_indices(flat, k))
@@ -220,13 +245,13 @@ def approx_topk(
         if threshold <= 0.0:
             # Fewer than ~k non-zeros: the non-zeros are the whole useful top-k.
             cand = torch.nonzero(flat).reshape(-1)
-            return Selection(_trim(flat, cand, k, numpy_pass) if cand.numel() > k else cand)
+            return _trim_selection(flat, Selection(cand), k, numpy_pass)
         if numpy_pass:
-            found = _candidates_numpy(flat, threshold, k, gather)
+            found = _candidates_numpy(flat, threshold, k, gather, gather and bitmap_pays(k, n))
         else:
             found = Selection(_candidates_torch(flat, threshold))
         if found.idx.numel() > k:
-            return Selection(_trim(flat, found.idx, k, numpy_pass))
+            return _trim_selection(flat, found, k, numpy_pass)
         if found.idx.numel() >= math.ceil((1.0 - TOLERANCE) * k):
             return found
     return Selection(exact_topk_indices(flat, k))

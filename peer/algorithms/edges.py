@@ -304,12 +304,15 @@ class Edge:
             self.residual = 0.0
         else:
             base = self.public if c.error_feedback or self.last_sent is None else self.last_sent
+            # What the encoder built is applied to x̂ as the receiver's decode_add_ applies
+            # the bytes, bit for bit, without decoding them: folded in as it encodes where
+            # x̂ is the base (a dense codec's chunk while in cache), else after.
+            fold = base is self.public
             payload, sent, left = c.codec.encode_difference(
-                x, base, seed=self.sent + 1, scratch=scratch
+                x, base, seed=self.sent + 1, scratch=scratch, fold=fold
             )
-            # What the encoder built is applied as the receiver's decode_add_ applies the
-            # bytes, bit for bit, without decoding our own indices again.
-            sent.add_to_(self.public)
+            if not fold:
+                sent.add_to_(self.public)
             # What stays to send: ||x − x̂|| = ||(x − x̂_before) − decode(q)||.
             self.residual = left if c.error_feedback else float("nan")
             kind = Kind.DELTA

@@ -118,7 +118,8 @@ def test_encode_difference_sends_the_bytes_of_the_difference(
 ) -> None:
     """``encode_difference(a, b)`` (a dense codec a chunk at a time: CHUNK = 1024, five
     chunks and a part) gives the bytes of ``encode_parts(a − b)``, what it built applies as
-    they decode, and the residual is ||(a − b) − decode(bytes)||."""
+    they decode, and the residual is ||(a − b) − decode(bytes)||; with ``fold`` it also adds
+    them to ``b``, bit for bit as they decode."""
     monkeypatch.setattr("gossipgrad.compression.engine.CHUNK", 1024)
     codec = from_spec(spec)
     gen = torch.Generator().manual_seed(4)
@@ -132,6 +133,11 @@ def test_encode_difference_sends_the_bytes_of_the_difference(
         decoded = codec.decode(data)
         assert left == pytest.approx(float(torch.linalg.vector_norm(diff - decoded)), rel=1e-5)
         assert torch.equal(sent.add_to_(b.clone()), codec.decode_add_(data, b.clone(), cast=True))
+        # fold: b += decode(bytes) as it encodes, the same bytes and the same bits.
+        folded = b.clone()
+        data_f, _, left_f = codec.encode_difference(a, folded, seed=seed, fold=True)
+        assert data_f == data and left_f == left
+        assert torch.equal(folded, codec.decode_add_(data, b.clone(), cast=True))
 
 
 @pytest.mark.parametrize("spec", ["sign", "topk:0.2+int2"])
@@ -145,3 +151,5 @@ def test_encode_difference_refuses_a_non_finite_difference(
         from_spec(spec).encode_difference(a, b, seed=1)
     with pytest.raises(ValueError, match="shapes differ"):
         from_spec(spec).encode_difference(a, b[:10], seed=1)
+    with pytest.raises(ValueError, match="contiguous"):
+        from_spec(spec).encode_difference(a[::2], b[::2], seed=1, fold=True)
