@@ -210,3 +210,19 @@ def test_bench_relay_forwarding_measures_the_relays_cpu_per_byte() -> None:
     r = json.loads(stdout.strip().splitlines()[-1])
     assert r["forwarded_mb"] >= 2 * 4
     assert r["frames"] > 0 and r["mean_frame_kib"] <= FRAME_BYTES / 1024 + 1
+
+
+def test_bench_round_prints_each_step_and_the_round_in_copies() -> None:
+    stdout = run_script("bench_round.py", "--size", "300k", "--repeat", "1")
+    steps = re.findall(r"^  (.+?)\s+([0-9.]+) x (\d+)$", stdout, re.M)
+    assert [label for label, _, _ in steps] == [
+        "topk:0.2+int2 encode, error feedback",
+        "topk:0.2+int2 decode into the anchor",
+        "sign encode, x̂ += q",
+        "sign decode into a mirror",
+        "consensus step",
+        "checksum of a copy",
+        "θ = a",
+    ], stdout
+    total = float(re.search(r"^round: ([0-9.]+) copies", stdout, re.M).group(1))
+    assert total == pytest.approx(sum(float(c) * int(t) for _, c, t in steps), abs=0.1 * len(steps))
