@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from gossipgrad.compression.base import Codec
-from gossipgrad.compression.engine import CHUNK
+from gossipgrad.compression.engine import CHUNK, Encoded
 from gossipgrad.compression.finite import all_finite
 from gossipgrad.compression.spec import from_spec
 
@@ -71,7 +71,7 @@ class ErrorFeedback:
             raise ValueError(f"gradient {name!r} has NaN or infinite values; residual unchanged")
         e.add_(g)  # in place: a new residual per step would page-fault a model-sized buffer
         try:
-            return self._send(name, e, seed)
+            return self._send(name, e, seed)[0]
         except ValueError:
             e.sub_(g)  # e + g overflowed; undo (best effort) and report
             raise
@@ -79,7 +79,17 @@ class ErrorFeedback:
     def compress_difference(
         self, name: str, a: torch.Tensor, b: torch.Tensor, seed: int | None = None
     ) -> bytes:
-        """``compress(name, a - b)`` without a tensor the size of ``a - b``.
+        """``compress(name, a - b)`` without a tensor the size of ``a - b``
+        (``compress_difference_parts`` without what the encoder built)."""
+        return self.compress_difference_parts(name, a, b, seed)[0]
+
+    def compress_difference_parts(
+        self, name: str, a: torch.Tensor, b: torch.Tensor, seed: int | None = None
+    ) -> tuple[bytes, Encoded | None]:
+        """``compress(name, a - b)`` without a tensor the size of ``a - b``, and for a
+        sparse codec what the encoder built (``Encoded.add_to_`` applies the bytes without
+        decoding their indices); None for a dense one, whose values may be a view of the
+        residual that sending them changed.
 
         The difference (DiLoCo's pseudo-gradient: anchor minus parameters) goes into the
         residual one slice of ``CHUNK`` elements at a time, so a model-sized vector costs no
@@ -111,7 +121,8 @@ class ErrorFeedback:
             part = fe[lo:hi].add_(d)
             if squares is not None:
                 squares += float(torch.dot(part, part))
-        return self._send(name, e, seed, squares)
+        data, sent = self._send(name, e, seed, squares)
+        return data, sent if self.codec.sparse else None
 
     def _few_kept(self, numel: int) -> bool:
         """The codec keeps at most 1/``FEW_KEPT`` of ``numel`` entries."""
@@ -134,7 +145,7 @@ class ErrorFeedback:
 
     def _send(
         self, name: str, e: torch.Tensor, seed: int | None, squares: float | None = None
-    ) -> bytes:
+    ) -> tuple[bytes, Encoded]:
         """Encode the residual ``e`` (g already added), take out what was sent, keep it.
         With ``squares`` (||e||², read by the caller already, for a codec that keeps few
         entries) the kept residual's norm follows from the kept entries alone; otherwise it
@@ -145,7 +156,7 @@ class ErrorFeedback:
         sent.add_to_(e, alpha=-1.0)  # = decode_add_(data, e, alpha=-1), indices not decoded
         self._residuals[name] = e
         self._norms[name] = norm
-        return data
+        return data, sent
 
     def residual(self, name: str) -> torch.Tensor:
         """The current residual of ``name`` (KeyError if never compressed)."""

@@ -6,8 +6,9 @@ pseudo-gradient's codec with error feedback, sign anchors over float16 copies), 
 timed against a ``copy_`` of the model measured in the same run:
 
 1. the pseudo-gradient a − θ compressed with error feedback (``ErrorFeedback.compress_difference``);
-2. its message and each neighbour's decoded into the anchor (``decode_add_``; the
-   neighbours' messages stand in for by our own: the same size and layout);
+2. its own message added into the anchor as the encoder built it, and each neighbour's
+   decoded into it (``decode_add_``; our own message stands in for theirs: the same size
+   and layout);
 3. the anchors' CHOCO round: a − x̂ encoded with x̂ += q folded in (``encode_difference``),
    each neighbour's update decoded into its mirror, the consensus step and the copies'
    checksums;
@@ -82,7 +83,7 @@ def main() -> None:
     own, mirrors = copies[0], copies[1:]
     seeds = iter(range(1, 1 << 30))
     feedback.compress_difference("v", anchor, theta, next(seeds))  # the residual exists
-    message = feedback.compress_difference("v", anchor, theta, next(seeds))
+    message, built = feedback.compress_difference_parts("v", anchor, theta, next(seeds))
     weight = 1.0 / (1 + args.neighbours)
     update = anchors_codec.encode_difference(anchor, own.clone(), next(seeds))[0]
     pairs = [Pair(mirror=m, public=own, weight=weight) for m in mirrors]
@@ -93,8 +94,17 @@ def main() -> None:
             lambda: feedback.compress_difference("v", anchor, theta, next(seeds)),
         ),
         (
+            f"{args.codec} own message into the anchor",
+            1,
+            lambda: (
+                feedback.codec.decode_add_(message, anchor, alpha=-weight)
+                if built is None
+                else built.add_to_(anchor, alpha=-weight)
+            ),
+        ),
+        (
             f"{args.codec} decode into the anchor",
-            1 + args.neighbours,
+            args.neighbours,
             lambda: feedback.codec.decode_add_(message, anchor, alpha=-weight),
         ),
         (

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 from gossipgrad.compression import Codec, DecodeError, ErrorFeedback, from_spec
+from gossipgrad.compression.engine import Encoded
 from gossipgrad.peer.algorithms.neighbours import Neighbourhood
 from gossipgrad.peer.network.errors import UpdateRejected
 from gossipgrad.proto import gossip_pb2 as pb
@@ -69,11 +70,12 @@ class Average:
 
     Nothing model-sized holds it: ``add_to_`` decodes each message straight into its
     destination (the anchor, a momentum buffer, a gradient), in the order given, which is the
-    same at every peer.
+    same at every peer. A peer's own message may be what its encoder built (``Encoded``):
+    it adds the same bits as its bytes would, without reading their indices again.
     """
 
     codec: Codec
-    terms: tuple[tuple[bytes, float], ...]
+    terms: tuple[tuple[bytes | Encoded, float], ...]
 
     def add_to_(self, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
         """``out += alpha · Σ_k w_k decode(c_k)`` in place; returns ``out``. A message whose
@@ -81,6 +83,9 @@ class Average:
         one would be, and logged."""
         for payload, w in self.terms:
             if not w:
+                continue
+            if isinstance(payload, Encoded):
+                payload.add_to_(out, alpha=alpha * w)
                 continue
             try:
                 self.codec.decode_add_(payload, out, alpha=alpha * w)
@@ -134,6 +139,8 @@ class CompressedAverage:
         self.shape, self.dtype, self.device = tuple(like.shape), like.dtype, like.device
         self.numel = like.numel()
         self._mine = b""  # c_i of the last exchange, as sent: the own term of the average
+        # What the encoder built for c_i, until its term is taken once (``_own_term``).
+        self._mine_built: Encoded | None = None
         self._dense: torch.Tensor | None = None  # the dense average, for collect() only
         self._inbox: dict[str, deque[bytes]] = {}
         self._last_seq: dict[str, int] = {}  # per sender, the exchange it sent last
@@ -214,7 +221,7 @@ class CompressedAverage:
         difference goes into the residual a slice at a time)."""
         return self._compressed(
             lambda seed: (
-                self.feedback.compress_difference(_NAME, a, b, seed=seed)
+                self.feedback.compress_difference_parts(_NAME, a, b, seed=seed)
                 if self.feedback is not None
                 else self.codec.encode(a - b, seed=seed)
             )
@@ -222,10 +229,17 @@ class CompressedAverage:
 
     def _compressed(self, encode) -> bytes:
         t0 = time.perf_counter()
-        self._mine = encode(self.step + 1)
+        encoded = encode(self.step + 1)
+        self._mine, self._mine_built = encoded if isinstance(encoded, tuple) else (encoded, None)
         if self.metrics is not None:
             self.metrics.observe_compress(time.perf_counter() - t0)
         return self._mine
+
+    def _own_term(self) -> bytes | Encoded:
+        """c_i for the average: what the encoder built the first time (no indices read
+        again; it holds them, so it is let go here), its bytes after."""
+        built, self._mine_built = self._mine_built, None
+        return self._mine if built is None else built
 
     def _send(self, peer: str, header: pb.UpdateHeader, payload: bytes) -> None:
         if not self.nb.view.is_alive(peer):
@@ -300,7 +314,7 @@ class CompressedAverage:
         """This peer's part of the average of a started exchange, w_ii · decode(c_i)."""
         weights = self.nb.weights_at(ticket.round, ticket.ids)
         w_self = 1.0 - sum(weights.get(p, 0.0) for p in ticket.neighbors)
-        return Average(self.codec, ((self._mine, w_self),))
+        return Average(self.codec, ((self._own_term(), w_self),))
 
     def collect(
         self, ticket: Ticket, wait: bool = True, own: bool = True
@@ -342,7 +356,7 @@ class CompressedAverage:
             }
         averaged = list(terms)
         if own:
-            terms[self.nb.me] = (self._mine, w_self)
+            terms[self.nb.me] = (self._own_term(), w_self)
         # One summation order (by peer id) at every peer: where the weights agree (a complete
         # graph), every peer computes the bit-identical average, and exact peers stay equal.
         total = sum(w for _, w in terms.values()) if own else 1.0

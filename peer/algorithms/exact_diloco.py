@@ -61,6 +61,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 from gossipgrad.compression import DecodeError, ErrorFeedback, from_spec
+from gossipgrad.compression.engine import Encoded
 from gossipgrad.peer.algorithms.averaging import Average, kept_residual
 from gossipgrad.peer.algorithms.base import GossipAlgorithm, RoundStats
 from gossipgrad.peer.algorithms.dissemination import (
@@ -428,7 +429,7 @@ class ExactDiLoCo(GossipAlgorithm):
         self._adopt(keep_progress=True)  # an anchor received during the phase
         phase = self._phase
         with torch.no_grad(), self.state_lock:
-            payload = self._compress()
+            payload, built = self._compress()
         own = Message(self.nb.me, phase, payload, self._checksum)
         self.store.offer(own, {self.nb.me})
         pushed = self._forward(own)
@@ -455,7 +456,11 @@ class ExactDiLoCo(GossipAlgorithm):
         self.last_applied = [m.origin for m in messages]
         started = self._checksum  # the anchor this phase started from
         mismatched = [m.origin for m in messages if m.checksum != started]
-        step = Average(self.codec, tuple((m.payload, 1.0 / len(messages)) for m in messages))
+        # The own message as its encoder built it: the same bits, its indices not read again.
+        terms = [(m.payload, 1.0 / len(messages)) for m in messages]
+        if built is not None:
+            terms = [(built if c is payload else c, w) for c, w in terms]
+        step = Average(self.codec, tuple(terms))
         with torch.no_grad(), self.state_lock:
             outer_step(self.anchor, step, self.momentum, self.outer)
             self.flat.data.copy_(self.anchor)
@@ -514,17 +519,21 @@ class ExactDiLoCo(GossipAlgorithm):
         trip = self.nb.round_trip() or 0.05
         return min(self.round_timeout / 4, max(1.0, 8 * trip))
 
-    def _compress(self) -> bytes:
-        """Step 1: c = Q(e + a − θ), with no model-sized a − θ where error feedback is on."""
+    def _compress(self) -> tuple[bytes, Encoded | None]:
+        """Step 1: c = Q(e + a − θ), with no model-sized a − θ where error feedback is on;
+        with it, what the encoder built (the own term of the mean, ``Average``)."""
         t0 = time.perf_counter()
         seed = self._phase + 1
+        built = None
         if self.feedback is not None:
-            data = self.feedback.compress_difference(_NAME, self.anchor, self.flat.data, seed)
+            data, built = self.feedback.compress_difference_parts(
+                _NAME, self.anchor, self.flat.data, seed
+            )
         else:
             data = self.codec.encode(self.anchor - self.flat.data, seed=seed)
         if self.metrics is not None:
             self.metrics.observe_compress(time.perf_counter() - t0)
-        return data
+        return data, built
 
     def _residual_norm(self) -> float:
         return 0.0 if self.feedback is None else self.feedback.residual_norm(_NAME)

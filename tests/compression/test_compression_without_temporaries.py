@@ -153,3 +153,24 @@ def test_encode_difference_refuses_a_non_finite_difference(
         from_spec(spec).encode_difference(a, b[:10], seed=1)
     with pytest.raises(ValueError, match="contiguous"):
         from_spec(spec).encode_difference(a[::2], b[::2], seed=1, fold=True)
+
+
+@pytest.mark.parametrize("spec", ["topk:0.2+int2", "topk:0.05+int2", "topk:0.01", "sign", "none"])
+def test_what_the_encoder_built_for_a_difference_adds_what_its_bytes_decode_to(
+    spec: str,
+) -> None:
+    """A sparse codec's ``compress_difference_parts`` gives what it built, which adds the
+    bits its bytes decode to, still after the residual moved on (nothing of it is a view of
+    the residual); a dense codec, whose values may be one, gives None."""
+    codec = from_spec(spec)
+    feedback = ErrorFeedback(codec)
+    gen = torch.Generator().manual_seed(6)
+    a, b = torch.randn(3, 40_000, generator=gen), torch.randn(3, 40_000, generator=gen)
+    data, built = feedback.compress_difference_parts("v", a, b, seed=1)
+    if not codec.sparse:
+        assert built is None
+        return
+    feedback.compress_difference_parts("v", b, a, seed=2)  # the residual moves on
+    out = torch.randn(3, 40_000, generator=gen)
+    expected = codec.decode_add_(data, out.clone(), alpha=-0.25)
+    assert torch.equal(built.add_to_(out, alpha=-0.25), expected)

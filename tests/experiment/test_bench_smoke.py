@@ -217,6 +217,7 @@ def test_bench_round_prints_each_step_and_the_round_in_copies() -> None:
     steps = re.findall(r"^  (.+?)\s+([0-9.]+) x (\d+)$", stdout, re.M)
     assert [label for label, _, _ in steps] == [
         "topk:0.2+int2 encode, error feedback",
+        "topk:0.2+int2 own message into the anchor",
         "topk:0.2+int2 decode into the anchor",
         "sign encode, x̂ += q",
         "sign decode into a mirror",
