@@ -191,6 +191,9 @@ def test_sigterm_stops_everything_and_removes_namespaces(tmp_path: Path) -> None
     assert processes_mentioning(str(out)) == []
 
 
+NATTED_STEPS = 500
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(280)
 @pytest.mark.skipif(nat_unavailable() is not None, reason=str(nat_unavailable()))
@@ -200,12 +203,18 @@ def test_natted_sites_train_through_a_relay(tmp_path: Path) -> None:
     they find that out before waiting for the others (two unreachable peers would otherwise
     count each other absent until start_timeout, and peer0 would be done by then), train
     the same steps and mix with each other through the relay; the report names the relays,
-    and the routers' namespaces are removed with the rest."""
+    and the routers' namespaces are removed with the rest.
+
+    500 steps: each NAT'd site spends two dial-back timeouts (about 10 s) learning that it
+    is unreachable, while peer0, which cannot dial them either, finds them dead within
+    seconds and trains alone (about 6 s per 100 steps here); 100 steps were over by then in
+    4 of 16 runs back to back (2 of them on older code), and the NAT'd sites took peer0's
+    final state and never mixed."""
     out = tmp_path / "run"
     proc = run_cli(
         out,
         "network.natted=[1, 2]",
-        "train.steps=100",
+        f"train.steps={NATTED_STEPS}",
         "baselines.run=[]",
         "experiment.timeout=200",
     )
@@ -218,7 +227,7 @@ def test_natted_sites_train_through_a_relay(tmp_path: Path) -> None:
     peers = report.swarm.peers
     assert [p.relay for p in peers] == ["", "peer0", "peer0"]
     for i, p in enumerate(peers):
-        assert p.ok and p.steps == 100 and (p.final or {})["accuracy"] > 0.7, i
+        assert p.ok and p.steps == NATTED_STEPS and (p.final or {})["accuracy"] > 0.7, i
     for i in (1, 2):
         status = read_record(out / "swarm" / f"peer{i}" / "status.json", PeerStatus)
         assert status is not None and status.reachability is not None
