@@ -318,27 +318,19 @@ def bitmap_decode(
 
     Raises:
         DecodeError: a length other than ``ceil(numel / 8)`` bytes, non-zero padding bits, or
-            a number of set bits other than ``count`` (found before more than ``count``
-            indices are held).
+            a number of set bits other than ``count`` (counted before any index is held).
     """
-    nbytes = _check_bitmap_frame(data, numel)
     if not _numpy_ok(data, use_numpy):
+        _check_bitmap_frame(data, numel)
         idx = torch.nonzero(unpack_bits(data, numel, use_numpy=False)).reshape(-1)
         if idx.numel() != count:
             raise DecodeError(f"index bitmap holds {idx.numel()} positions, header says {count}")
         return idx
-    d = data.cpu().numpy()
     out = np.empty(count, dtype=np.int64)
     held = 0
-    step = _BITMAP_CHUNK // 8
-    for lo in range(0, nbytes, step):
-        hit = np.flatnonzero(np.unpackbits(d[lo : lo + step]).view(np.bool_))
-        if held + hit.size > count:
-            raise DecodeError(f"index bitmap holds more positions than the {count} declared")
-        np.add(hit, lo * 8, out=out[held : held + hit.size])
-        held += hit.size
-    if held != count:
-        raise DecodeError(f"index bitmap holds {held} positions, header says {count}")
+    for piece in bitmap_pieces(data, count, numel):
+        out[held : held + piece.numel()] = piece.numpy()
+        held += piece.numel()
     return torch.from_numpy(out).to(data.device)
 
 
@@ -367,12 +359,12 @@ def _set_bits(d: np.ndarray) -> int:
 
 
 def bitmap_pieces(data: torch.Tensor, count: int, numel: int) -> Iterator[torch.Tensor]:
-    """:func:`bitmap_decode`'s positions, a chunk at a time (CPU): validated in full before
+    """:func:`bitmap_decode`'s positions, a chunk at a time (numpy): validated in full before
     this returns (DecodeError), then produced as int64 pieces of at most ``_BITMAP_CHUNK``
     positions' worth, in order. A caller that applies each piece as it comes never holds the
     positions of the whole bitmap (8 bytes per kept entry) nor fails half-way through."""
     nbytes = _check_bitmap_frame(data, numel)
-    d = data.numpy()
+    d = data.cpu().numpy()
     held = _set_bits(d)
     if held != count:
         raise DecodeError(f"index bitmap holds {held} positions, header says {count}")

@@ -186,20 +186,18 @@ def encode_difference(
     n, dtype = fa.numel(), a.dtype
     d_buf = torch.empty(min(CHUNK, n), dtype=dtype, device=fa.device)
     kept2 = 0.0
-    at = [0, 0]  # the chunk being encoded
 
     def difference(lo: int, hi: int) -> torch.Tensor:
-        at[:] = lo, hi
         d = subtract_into(fa[lo:hi], fb[lo:hi], d_buf[: hi - lo])
         if not all_finite(d):
             raise ValueError(_NON_FINITE)
         return d
 
-    def measure(d: torch.Tensor, v: torch.Tensor, s: torch.Tensor | None) -> None:
+    def measure(lo: int, d: torch.Tensor, v: torch.Tensor, s: torch.Tensor | None) -> None:
         nonlocal kept2
         sent = q.dequantize(v, s, d.numel(), dtype)  # may be a view of d (lossless)
         if fold:  # as _apply_dense adds it, before d is overwritten below
-            fb[at[0] : at[1]].add_(sent.to(fb.dtype))
+            fb[lo : lo + d.numel()].add_(sent.to(fb.dtype))
         left = torch.sub(d, sent.to(dtype), out=d)
         kept2 += float(torch.dot(left, left))
 
@@ -451,11 +449,11 @@ def _quantize_chunks(
     device: torch.device,
     seed: int,
     chunk: Callable[[int, int], torch.Tensor],
-    then: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], None] | None = None,
+    then: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor | None], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Quantize the ``n`` values ``chunk(lo, hi)`` gives, ``CHUNK`` at a time, into one
     values and one scales tensor (one generator for all: the bytes of a whole-tensor
-    quantization); ``then(chunk, values, scales)`` sees each chunk's result."""
+    quantization); ``then(lo, chunk, values, scales)`` sees each chunk's result."""
     gen = _generator(q, seed, device)
     values = torch.empty(q.value_bytes(n, dtype), dtype=torch.uint8, device=device)
     nscales = q.scale_count(n)
@@ -469,7 +467,7 @@ def _quantize_chunks(
         if scales is not None and s is not None:
             scales[lo // q.block : lo // q.block + s.numel()].copy_(s)
         if then is not None:
-            then(c, v, s)
+            then(lo, c, v, s)
     return values, scales
 
 

@@ -71,16 +71,19 @@ class TopK(Sparsifier):
         return (k, k) if self.exact else (0, k)
 
     def select(self, flat: torch.Tensor, seed: int) -> torch.Tensor:
-        return self.select_parts(flat, seed).idx
+        return self._selection(flat, seed, gather=False).idx
 
     def select_parts(self, flat: torch.Tensor, seed: int) -> Selection:
+        return self._selection(flat, seed, gather=True)
+
+    def _selection(self, flat: torch.Tensor, seed: int, gather: bool) -> Selection:
         k = self.k_for(flat.numel())
         native = flat.dtype in (torch.float32, torch.float64)
         x = flat if native else flat.float()
         if self.exact:
             return Selection(exact_topk_indices(x, k))
         # Values gathered from a float32 copy of a half tensor would change the payload's.
-        return approx_topk(x, k, seed=seed, gather=native)
+        return approx_topk(x, k, seed=seed, gather=gather and native)
 
 
 @register

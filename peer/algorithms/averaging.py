@@ -212,7 +212,8 @@ class CompressedAverage:
             lambda seed: (
                 self.feedback.compress(_NAME, v, seed=seed)
                 if self.feedback is not None
-                else self.codec.encode(v, seed=seed)
+                else self.codec.encode(v, seed=seed),
+                None,
             )
         )
 
@@ -223,14 +224,14 @@ class CompressedAverage:
             lambda seed: (
                 self.feedback.compress_difference_parts(_NAME, a, b, seed=seed)
                 if self.feedback is not None
-                else self.codec.encode(a - b, seed=seed)
+                else (self.codec.encode(a - b, seed=seed), None)
             )
         )
 
     def _compressed(self, encode) -> bytes:
+        """``encode(seed)`` gives c_i and what the encoder built for it (or None)."""
         t0 = time.perf_counter()
-        encoded = encode(self.step + 1)
-        self._mine, self._mine_built = encoded if isinstance(encoded, tuple) else (encoded, None)
+        self._mine, self._mine_built = encode(self.step + 1)
         if self.metrics is not None:
             self.metrics.observe_compress(time.perf_counter() - t0)
         return self._mine
