@@ -99,7 +99,7 @@ class PushReply(_message.Message):
     def __init__(self, status: _Optional[_Union[PushReply.Status, str]] = ..., expected_seq: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("id", "address", "step", "round", "incarnation", "leaving", "metrics_address", "relay", "relay_epoch", "relaying")
+    __slots__ = ("id", "address", "step", "round", "incarnation", "leaving", "metrics_address", "relay", "relay_epoch", "relaying", "checking")
     ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,7 @@ class PeerInfo(_message.Message):
     RELAY_FIELD_NUMBER: _ClassVar[int]
     RELAY_EPOCH_FIELD_NUMBER: _ClassVar[int]
     RELAYING_FIELD_NUMBER: _ClassVar[int]
+    CHECKING_FIELD_NUMBER: _ClassVar[int]
     id: str
     address: str
     step: int
@@ -120,7 +121,8 @@ class PeerInfo(_message.Message):
     relay: str
     relay_epoch: int
     relaying: int
-    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., step: _Optional[int] = ..., round: _Optional[int] = ..., incarnation: _Optional[int] = ..., leaving: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., relay: _Optional[str] = ..., relay_epoch: _Optional[int] = ..., relaying: _Optional[int] = ...) -> None: ...
+    checking: bool
+    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., step: _Optional[int] = ..., round: _Optional[int] = ..., incarnation: _Optional[int] = ..., leaving: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., relay: _Optional[str] = ..., relay_epoch: _Optional[int] = ..., relaying: _Optional[int] = ..., checking: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("swarm", "sender", "known", "view_digest")

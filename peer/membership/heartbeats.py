@@ -293,6 +293,8 @@ class Membership(PeerTable):
                         every.append(pid)
                 elif not r.heard_directly:
                     continue  # probed apart: _start_probes
+                elif r.info.checking:
+                    continue  # it beats us while it learns how it can be called
                 elif pid in near or r.unanswered_since is not None or r.condemned or r.recheck:
                     every.append(pid)
                 else:

@@ -18,7 +18,10 @@ cannot take others out of every table. Nor can it put a peer into anyone's topol
 is *present* (a neighbour candidate, counted, passed on in peer lists) only once it has
 spoken for itself in its current life. Until then it is only probed; an id a member made up,
 at an address where no server holds that id's certificate, never answers, so it takes no
-neighbour slot and spreads no further than the tables the member told it to.
+neighbour slot and spreads no further than the tables the member told it to. A peer that
+says it is still *checking* how it is called (its dial-back at start, ``PeerInfo.checking``)
+is not present either, nor probed or heartbeated: calls to it may have no way in yet, and
+its silence while it checks is the clock of its death.
 
 A death travels as a certificate: the dead peer's PeerInfo with ``leaving`` set. A table that
 receives one for a peer it holds alive does not believe it; it marks the peer *condemned*, and
@@ -81,13 +84,15 @@ class PeerRecord:
 
 
 def _present(r: PeerRecord) -> bool:
-    """In the topology: not dead, not leaving, and heard from itself in its current life."""
-    return r.state != DEAD and not r.info.leaving and r.heard_directly
+    """In the topology: not dead, not leaving, heard from itself in its current life, and
+    done checking how it is called."""
+    return r.state != DEAD and not r.info.leaving and r.heard_directly and not r.info.checking
 
 
 def to_probe(r: PeerRecord) -> bool:
-    """Heard of only second hand in its current life, not dead, not leaving: to probe."""
-    return r.state != DEAD and not r.info.leaving and not r.heard_directly
+    """Heard of only second hand in its current life, not dead, not leaving, not checking
+    how it is called (a probe could not reach it yet): to probe."""
+    return r.state != DEAD and not r.info.leaving and not r.heard_directly and not r.info.checking
 
 
 class PeerTable:
@@ -183,10 +188,12 @@ class PeerTable:
         return certs
 
     def view_digest(self) -> int:
-        """64-bit digest of who is in this view: ids, addresses, incarnations, leaving flags
-        of self and every peer not dead (progress fields left out: they change every beat)."""
+        """64-bit digest of who is in this view: ids, addresses, incarnations, leaving,
+        relay and checking fields of self and every peer not dead (progress fields left
+        out: they change every beat)."""
         items = sorted(
-            (i.id, i.address, i.incarnation, i.leaving, i.relay) for i in self.known_infos()
+            (i.id, i.address, i.incarnation, i.leaving, i.relay, i.checking)
+            for i in self.known_infos()
         )
         digest = hashlib.blake2b(repr(items).encode(), digest_size=8).digest()
         return int.from_bytes(digest, "big")
@@ -252,7 +259,7 @@ class PeerTable:
                 log.info("peer %s is called through %s", info.id, info.relay or "no relay")
                 changed = True  # its callers dial another way now
             else:
-                changed = False
+                changed = info.checking != rec.info.checking  # it joins the topology now
             rec.info = info
             rec.last_seen = now
             rec.heard_directly = True
@@ -286,15 +293,23 @@ class PeerTable:
                 rec.condemned = True
             return False
         if (info.incarnation, info.address) == (rec.info.incarnation, rec.info.address):
-            if info.relay_epoch <= rec.info.relay_epoch:
+            newer_relay = info.relay_epoch > rec.info.relay_epoch
+            settled = rec.info.checking and not info.checking
+            if not newer_relay and not settled:
                 return False
-            # A newer choice of relay, heard second hand: where to call it (a wrong one
-            # only fails the calls; under TLS it cannot answer as the peer).
             moved = pb.PeerInfo()
             moved.CopyFrom(rec.info)
-            moved.relay, moved.relay_epoch = info.relay, info.relay_epoch
+            if newer_relay:
+                # A newer choice of relay, heard second hand: where to call it (a wrong one
+                # only fails the calls; under TLS it cannot answer as the peer).
+                moved.relay, moved.relay_epoch = info.relay, info.relay_epoch
+                log.info(
+                    "peer %s is called through %s (second hand)", info.id, moved.relay or "none"
+                )
+            # Done checking how it is called, heard second hand: a peer to probe now (its
+            # own word could only say so again; word that it checks is never taken here).
+            moved.checking = moved.checking and info.checking
             rec.info = moved
-            log.info("peer %s is called through %s (second hand)", info.id, info.relay or "none")
             return True
         if rec.state == DEAD or rec.gone:
             # The old life is over here (dead, or nothing listens at its address): take the
@@ -350,6 +365,14 @@ class PeerTable:
                 self._forget(pid)
             for pid, r in self._peers.items():
                 if r.state == DEAD:
+                    continue
+                if r.info.checking and (
+                    r.condemned if not r.heard_directly else now - r.last_seen > self.cfg.dead_after
+                ):
+                    # Not heartbeated while it checks (it beats us): its silence is the clock
+                    # here, and the word of one that heard it, where only that is known.
+                    log.warning("peer %s dead while checking how it is called", pid)
+                    r.state, changed = DEAD, True
                     continue
                 if r.info.leaving:
                     log.info("peer %s left", pid)

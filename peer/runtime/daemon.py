@@ -133,10 +133,15 @@ class Daemon:
             self.cfg.gossip.algorithm,
             ", ".join(f"{k}={v!r}" for k, v in chosen.items()) or "none",
         )
+        # A peer with a bootstrap list checks its reachability before training (_start): its
+        # heartbeats say so until then, so nobody counts it before calls can reach it.
+        checking = bool(self.cfg.peer.bootstrap)
         if site is None:
-            gopt = GossipOptimizer(model, optimizer, self.cfg)
+            gopt = GossipOptimizer(model, optimizer, self.cfg, checking=checking)
         else:
-            gopt = SiteOptimizer(model, optimizer, self.cfg, site, verify=t.verify_site)
+            gopt = SiteOptimizer(
+                model, optimizer, self.cfg, site, verify=t.verify_site, checking=checking
+            )
         self._write_status(
             id=gopt.peer.id,
             address=gopt.peer.address,
@@ -275,9 +280,11 @@ class Daemon:
         found = peer.check_reachability()
         self._write_status(reachability=dataclasses.asdict(found), relay="")
         if found.status != UNREACHABLE:
+            peer.done_checking()
             return
         relay = peer.start_relaying() if self.cfg.peer.relay == "auto" else ""
         self._write_status(relay=relay)
+        peer.done_checking()  # called through its relay now, or exits, or trains alone
         if relay:
             return
         why = (

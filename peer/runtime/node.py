@@ -248,9 +248,16 @@ class Peer:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> None:
+    def start(self, checking: bool = False) -> None:
         """Bind the server, then build membership and the algorithm (they need this peer's
-        address and id), and start them. Idempotent."""
+        address and id), and start them. Idempotent.
+
+        ``checking``: the caller checks this peer's reachability before it trains
+        (:meth:`check_reachability`, then :meth:`start_relaying` if no one can dial it, as
+        the daemon does). Until :meth:`done_checking` this peer's heartbeats say so
+        (``PeerInfo.checking``), and no other peer counts it, mixes with it or calls it:
+        without that, a reachable peer waiting for ``expected_peers`` would count a peer
+        behind NAT before any call could reach it, and train without it."""
         if self._started:
             return
         port = self.server.start()
@@ -278,6 +285,7 @@ class Peer:
             address=self.address,
             incarnation=time.time_ns(),
             relaying=len(self.relays.attached()),
+            checking=checking and bool(self.cfg.peer.bootstrap),
             metrics_address=(
                 f"{self.cfg.metrics.host}:{self.metrics_port}" if self.cfg.metrics.enabled else ""
             ),
@@ -397,6 +405,14 @@ class Peer:
         else:
             log.warning("%s", found.summary())
         return found
+
+    def done_checking(self) -> None:
+        """This peer's reachability is settled (and its relay chosen, if it needs one): the
+        others may count it, mix with it and call it from its next heartbeat on."""
+        m = self.membership
+        if m is not None and m.me.checking:
+            m.me.checking = False
+            self._on_membership_change()  # the view's digest changed: lists go out again
 
     def _introduce(self, address: str) -> str:
         """One heartbeat to a bootstrap address, so the member there holds our address from

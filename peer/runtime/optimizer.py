@@ -58,6 +58,8 @@ class GossipOptimizer:
         config: the peer config ([peer], [gossip], [membership], [metrics], [transport]).
         registry: Prometheus registry for the metrics (None: a fresh one per peer).
         start: join the swarm at once (else call ``start()``).
+        checking: the caller checks this peer's reachability before training and then calls
+            ``peer.done_checking()`` (the daemon does; ``Peer.start``).
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class GossipOptimizer:
         *,
         registry=None,
         start: bool = True,
+        checking: bool = False,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -96,7 +99,7 @@ class GossipOptimizer:
             buffers=self.buffers,
         )
         if start:
-            self.start()
+            self.start(checking)
 
     @property
     def metrics(self):
@@ -126,9 +129,10 @@ class GossipOptimizer:
         """The wrapped optimizer's parameter groups (to read or set the learning rate)."""
         return self.optimizer.param_groups
 
-    def start(self) -> None:
-        """Join the swarm: serve gRPC, start membership (idempotent)."""
-        self.peer.start()
+    def start(self, checking: bool = False) -> None:
+        """Join the swarm: serve gRPC, start membership (idempotent). ``checking``: the
+        caller checks this peer's reachability before it trains (``Peer.start``)."""
+        self.peer.start(checking)
 
     def wait_for_peers(
         self, count: int, timeout: float, stop: threading.Event | None = None

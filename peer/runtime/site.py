@@ -146,6 +146,7 @@ class SiteOptimizer:
         verify: after every round, all-gather a checksum of the parameters and raise if the
             ranks disagree (costs one tiny collective; for tests and debugging).
         registry: Prometheus registry of the leader's metrics.
+        checking: as for GossipOptimizer (the leader's peer).
     """
 
     def __init__(
@@ -157,6 +158,7 @@ class SiteOptimizer:
         *,
         verify: bool = False,
         registry=None,
+        checking: bool = False,
     ) -> None:
         if not dist.is_initialized():
             raise ValueError("SiteOptimizer needs torch.distributed initialized (init_site)")
@@ -169,7 +171,9 @@ class SiteOptimizer:
         error: Exception | None = None
         if site.leader:
             try:  # e.g. its port is taken: the other ranks must not wait for it
-                self.gopt = GossipOptimizer(model, optimizer, config, registry=registry)
+                self.gopt = GossipOptimizer(
+                    model, optimizer, config, registry=registry, checking=checking
+                )
             except Exception as err:
                 error = err
         share_outcome(error, False, "starting its peer", next(model.parameters()).device)
