@@ -49,6 +49,12 @@ stale or false report kills no one; see ``peers.py``). Who is dead is thus agree
 within ``death_agreed_within``: ``dead_after`` plus an interval and a heartbeat timeout per hop
 of the certificate, ``ceil(log2 n) + 1`` hops (where heartbeating everyone took ``dead_after``
 and a few intervals, but ``n / far_every`` heartbeats per interval).
+
+The heartbeat thread waits for a round's answers until the interval is over, not for every
+one: a member that takes connections and never answers holds its heartbeat for a whole
+heartbeat timeout (twice the interval by default), and waited for, it halved every
+neighbour's heartbeats. Its beat stays in flight, and it is left out of the rounds until it
+ends (one beat in flight per target), so it holds one thread of the pool, not one per round.
 """
 
 from __future__ import annotations
@@ -59,7 +65,8 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING
 
 from gossipgrad.peer.membership.peers import DEAD, MAX_PEERS, PeerTable, to_probe
@@ -146,6 +153,8 @@ class Membership(PeerTable):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="heartbeat")
+        # (address, peer id) of the heartbeats sent and not yet ended (under the lock)
+        self._in_flight: set[tuple[str, str | None]] = set()
         self._probe_pool = ThreadPoolExecutor(max_workers=PROBE_THREADS, thread_name_prefix="probe")
         # probes of peers heard of only second hand: in flight (id -> who told of it), ids
         # probed this interval, and this interval's budgets left (all under the lock)
@@ -325,20 +334,23 @@ class Membership(PeerTable):
         }
         return near | set(self._formerly_near)
 
-    def beat_once(self, wait_probes: bool = True) -> None:
+    def beat_once(self, wait_probes: bool = True, until: float | None = None) -> None:
         """One heartbeat round (see the module docstring for who is heartbeated), then age
         the table. A death reported in this round's replies is checked at once, not an
         interval later, so a certificate spreads one hop per interval.
 
         ``wait_probes``: also wait (at most two heartbeat timeouts) for this interval's
         probes of peers heard of only second hand, as a starting peer does that needs them
-        (a bootstrap's answer is such word); the heartbeat thread never waits for them."""
+        (a bootstrap's answer is such word); the heartbeat thread never waits for them.
+        ``until``: wait for the answers only until this time (``time.monotonic()``); the
+        beats still out go on, and their targets are skipped until they end (the heartbeat
+        thread's rounds). None: wait for every answer, each within its timeout."""
         with self._lock:  # a new interval: new probe budgets
             self._probes_left, self._source_left, self._probed = VERIFY_PER_INTERVAL, {}, set()
         self._start_probes()
         targets = list(dict.fromkeys(self.targets()))
         self._rng.shuffle(targets)
-        self._beat_all(targets)
+        self._beat_all(targets, until)
         asked = {pid for _, pid in targets}
         with self._lock:
             check = [
@@ -346,7 +358,7 @@ class Membership(PeerTable):
                 for pid, r in self._peers.items()
                 if r.condemned and r.state != DEAD and pid not in asked
             ]
-        self._beat_all(check)
+        self._beat_all(check, until)
         if wait_probes:
             with self._lock:
                 self._probes_done.wait_for(
@@ -404,10 +416,31 @@ class Membership(PeerTable):
             self._probing.pop(peer_id, None)
             self._probes_done.notify_all()
 
-    def _beat_all(self, targets: list[tuple[str, str | None]]) -> None:
-        futures = [self._pool.submit(self._beat, a, pid) for a, pid in targets]
-        for f in futures:
-            f.result()
+    def _beat_all(self, targets: list[tuple[str, str | None]], until: float | None = None) -> None:
+        """Heartbeat ``targets`` on the pool, but none whose last beat is still out; wait for
+        the answers until ``until`` (None: all of them). An error a beat raised is raised
+        here if it ended in time."""
+        with self._lock:
+            fresh = [t for t in dict.fromkeys(targets) if t not in self._in_flight]
+            self._in_flight.update(fresh)
+        futures: list[Future] = []
+        for target in fresh:
+            try:
+                future = self._pool.submit(self._beat, *target)
+            except RuntimeError:  # shut down: the process is exiting
+                self._landed(target)
+                raise
+            future.add_done_callback(lambda _f, t=target: self._landed(t))
+            futures.append(future)
+        timeout = None if until is None else max(0.0, until - time.monotonic())
+        done, _ = wait_futures(futures, timeout=timeout)
+        for future in futures:
+            if future in done:
+                future.result()
+
+    def _landed(self, target: tuple[str, str | None]) -> None:
+        with self._lock:
+            self._in_flight.discard(target)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -415,8 +448,9 @@ class Membership(PeerTable):
         def loop() -> None:
             while not self._stop.is_set():
                 started = time.monotonic()
+                until = started + self.cfg.heartbeat_interval
                 try:
-                    self.beat_once(wait_probes=False)
+                    self.beat_once(wait_probes=False, until=until)
                 except RuntimeError as err:
                     if "shutdown" in str(err):  # the pool is gone: the process is exiting
                         return
@@ -447,7 +481,9 @@ class Membership(PeerTable):
         self.me.leaving = True
         with self._lock:
             targets = [(r.info.address, p) for p, r in self._peers.items() if r.state != DEAD]
-        self._beat_all(targets)
+        # Every one of them, a peer whose heartbeat is out too: that one did not say it.
+        for future in [self._pool.submit(self._beat, a, pid) for a, pid in targets]:
+            future.result()
 
     def stop(self) -> None:
         self._stop.set()

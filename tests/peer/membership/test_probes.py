@@ -162,3 +162,50 @@ def test_one_members_made_up_ids_hold_two_probe_threads_and_leave_the_rest() -> 
     assert round_s < cfg.heartbeat_interval, round_s
     assert verified_s < m.heartbeat_timeout, verified_s
     assert 1 <= transport.most_in_flight <= PROBES_PER_SOURCE_IN_FLIGHT
+
+
+def test_a_member_that_never_answers_does_not_slow_the_heartbeats_to_the_others() -> None:
+    """A member heartbeats p0 as itself (so it is present, a neighbour) from an address
+    that takes connections and never answers. p0's heartbeat to it waits out a whole
+    heartbeat timeout; the rounds waited for it, so every other neighbour was heartbeated
+    once per timeout (1 s) instead of once per interval (0.1 s). Now the round waits until
+    the interval is over, and the silent member's beat stays out on its own."""
+    p0, p1 = start_peers(2)
+    timeout, interval = p0.membership.heartbeat_timeout, p0.cfg.membership.heartbeat_interval
+    stop = threading.Event()
+    with silent_listener() as (nowhere, taken):
+        member = pb.PeerInfo(id="silent", address=nowhere, incarnation=time.time_ns())
+
+        def keep_present() -> None:
+            with PeerClient(p0.address, TransportOptions(retries=0)) as client:
+                while not stop.is_set():
+                    request = pb.HeartbeatRequest(swarm=p0.cfg.peer.swarm, sender=member)
+                    client.heartbeat(request)
+                    stop.wait(interval)
+
+        thread = threading.Thread(target=keep_present, daemon=True)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 5
+            while "silent" not in p0.membership.present_ids() or not taken:
+                assert time.monotonic() < deadline, "p0 never heartbeated the member"
+                time.sleep(0.02)
+            gaps, count, last, t_last = [], 0, sent_heartbeats(p0), time.monotonic()
+            end = t_last + WATCH_S
+            while time.monotonic() < end:
+                time.sleep(0.01)
+                now, value = time.monotonic(), sent_heartbeats(p0)
+                if value != last:
+                    gaps.append(now - t_last)
+                    count += int(value - last)
+                    last, t_last = value, now
+            gaps.append(time.monotonic() - t_last)
+            present = "silent" in p0.membership.present_ids()
+        finally:
+            stop.set()
+            thread.join(5)
+    print(f"answered heartbeats in {WATCH_S:.0f} s: {count}, longest gap {max(gaps):.2f} s")
+    assert present  # it kept itself in p0's table all along, never answering
+    assert max(gaps) < timeout, gaps
+    assert count >= WATCH_S / (4 * interval), count
+    assert p1.id in p0.membership.live_ids()
