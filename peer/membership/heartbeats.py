@@ -302,9 +302,13 @@ class Membership(PeerTable):
                         every.append(pid)
                 elif not r.heard_directly:
                     continue  # probed apart: _start_probes
-                elif r.info.checking:
-                    continue  # it beats us while it learns how it can be called
-                elif pid in near or r.unanswered_since is not None or r.condemned or r.recheck:
+                elif (
+                    pid in near
+                    or r.info.checking  # starting: it hears at once when this peer is done
+                    or r.unanswered_since is not None
+                    or r.condemned
+                    or r.recheck
+                ):
                     every.append(pid)
                 else:
                     far.add(pid)

@@ -20,8 +20,9 @@ spoken for itself in its current life. Until then it is only probed; an id a mem
 at an address where no server holds that id's certificate, never answers, so it takes no
 neighbour slot and spreads no further than the tables the member told it to. A peer that
 says it is still *checking* how it is called (its dial-back at start, ``PeerInfo.checking``)
-is not present either, nor probed or heartbeated: calls to it may have no way in yet, and
-its silence while it checks is the clock of its death.
+is not present either; it is heartbeated every interval (so it hears at once when this
+peer is done checking too), but calls to it may have no way in yet, so an unanswered one is
+not held against it: its own silence for ``dead_after`` is the clock of its death.
 
 A death travels as a certificate: the dead peer's PeerInfo with ``leaving`` set. A table that
 receives one for a peer it holds alive does not believe it; it marks the peer *condemned*, and
@@ -90,9 +91,8 @@ def _present(r: PeerRecord) -> bool:
 
 
 def to_probe(r: PeerRecord) -> bool:
-    """Heard of only second hand in its current life, not dead, not leaving, not checking
-    how it is called (a probe could not reach it yet): to probe."""
-    return r.state != DEAD and not r.info.leaving and not r.heard_directly and not r.info.checking
+    """Heard of only second hand in its current life, not dead, not leaving: to probe."""
+    return r.state != DEAD and not r.info.leaving and not r.heard_directly
 
 
 class PeerTable:
@@ -131,6 +131,15 @@ class PeerTable:
         with self._lock:
             ids = [pid for pid, r in self._peers.items() if _present(r) and r.state == ALIVE]
         return sorted([*ids, self.me.id])
+
+    def heard_ids(self) -> list[str]:
+        """Sorted ids of the peers not dead that spoke for themselves in their current life,
+        those still checking how they are called included: whom a starting peer has found
+        (two peers starting together, each the other's bootstrap, are both checking)."""
+        with self._lock:
+            return sorted(
+                pid for pid, r in self._peers.items() if r.state != DEAD and r.heard_directly
+            )
 
     def unverified_ids(self) -> list[str]:
         """Ids heard of only second hand in their current life and not dead: to probe."""
@@ -323,10 +332,12 @@ class PeerTable:
         return False
 
     def unanswered(self, peer_id: str, since: float) -> None:
-        """A heartbeat to ``peer_id`` sent at ``since`` (monotonic) got no answer from it."""
+        """A heartbeat to ``peer_id`` sent at ``since`` (monotonic) got no answer from it.
+        Not held against a peer still checking how it is called: no call may reach it yet
+        (its silence is the clock, ``sweep``)."""
         with self._lock:
             rec = self._peers.get(peer_id)
-            if rec is None:
+            if rec is None or rec.info.checking:
                 return
             rec.recheck = False  # asked, and no word: suspicion as for any silence
             if rec.unanswered_since is None:
@@ -340,7 +351,7 @@ class PeerTable:
         answers (``gone_addresses``)."""
         with self._lock:
             rec = self._peers.get(peer_id)
-            if rec is None or rec.state == DEAD:
+            if rec is None or rec.state == DEAD or rec.info.checking:
                 return
             self.unanswered(peer_id, since)  # the dead_after clock (an RLock: re-entered)
             newly_gone, rec.gone = not rec.gone, True

@@ -111,16 +111,16 @@ def find_swarm(
     """
     started = time.monotonic() if started is None else started
     deadline = started + timeout
-    if len(membership.present_ids()) >= 2:  # found already (e.g. while waiting for peers)
+    if membership.heard_ids():  # found already (e.g. while waiting for peers)
         return
     backoff = Backoff()
     rounds = 0
-    while len(membership.present_ids()) < 2:
+    while not membership.heard_ids():
         if stop is not None and stop.is_set():
             return
         rounds += 1
         membership.beat_once()
-        if len(membership.present_ids()) < 2 and not backoff.sleep(deadline):
+        if not membership.heard_ids() and not backoff.sleep(deadline):
             raise JoinError(
                 f"no bootstrap peer answered: {', '.join(membership.bootstrap)} "
                 f"(after {time.monotonic() - started:.0f}s)"
@@ -128,7 +128,7 @@ def find_swarm(
     log.info(
         "found the swarm after %d heartbeat rounds: %d peers known",
         rounds,
-        len(membership.present_ids()) - 1,
+        len(membership.heard_ids()),
     )
 
 
