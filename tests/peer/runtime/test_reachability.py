@@ -340,3 +340,57 @@ def test_an_unreachable_daemon_without_a_relay_exits_non_zero_unless_opted_out(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.mark.timeout(120)
+def test_two_daemons_each_the_others_bootstrap_check_each_other_and_train_together(
+    tmp_path: Path,
+) -> None:
+    """Two sites given one bootstrap list start at once: each finds the other while both
+    are still checking their reachability (neither counts the other before that), each
+    dials the other back, and they train together from step 0."""
+    ports = [closed_port() for _ in range(2)]  # free now; each daemon binds its own
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    procs = []
+    for i in range(2):
+        run_dir = tmp_path / f"site{i}"
+        cmd = [
+            str(BIN / "gossipgrad-peer"),
+            "--insecure",
+            f"--peer.id=site{i}",
+            f"--peer.listen={ports[i]}",
+            f"--peer.run_dir={run_dir}",
+            f"--peer.bootstrap={ports[1 - i]}",
+            "--peer.expected_peers=2",
+            "--peer.start_timeout=30",
+            "--train.steps=30",
+            "--train.eval_every=0",
+            "--train.threads=1",
+            "--metrics.enabled=false",
+            "--checkpoint.every=0",
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+            )
+        )
+    try:
+        for i, proc in enumerate(procs):
+            _, err = proc.communicate(timeout=100)
+            assert proc.returncode == 0, err[-3000:]
+            status = read_record(tmp_path / f"site{i}" / "status.json", PeerStatus)
+            assert status is not None and status.state == "done" and status.step == 30
+            assert status.reachability is not None
+            assert (status.reachability.status, status.reachability.checker) == (
+                "reachable",
+                f"site{1 - i}",
+            )
+            assert status.joined_at_step in (None, 0)
+        summary = json.loads((tmp_path / "site0" / "summary.json").read_text())
+        exchanges = sum(summary["exchanges"].values())
+        assert exchanges >= 25, summary["exchanges"]  # mixed through the run
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
