@@ -10,8 +10,9 @@ What a heartbeat tells goes into the peer table (``peers.py``).
 Who is heartbeated, per interval (``membership.heartbeat_interval``):
 
 1. the gossip neighbours (and former ones for ``dead_after`` after a rewire: a round begun
-   before it may still wait on one), and every peer whose last heartbeat went unanswered or
-   that another peer reported dead (until it answers or is dead here);
+   before it may still wait on one), every peer whose last heartbeat went unanswered or
+   that another peer reported dead (until it answers or is dead here), and every peer still
+   checking how it can be called (``peers.py``: it hears at once when this one is done);
 2. every ``far_every`` intervals, ``ceil(far_fanout * log2 n)`` of the other live peers, taken
    round-robin from a list shuffled anew on each pass, so each one is heartbeated at least once
    per pass (SWIM's round-robin probe selection: Das, Gupta, Motivala, DSN 2002, section 4.3);

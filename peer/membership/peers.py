@@ -380,8 +380,9 @@ class PeerTable:
                 if r.info.checking and (
                     r.condemned if not r.heard_directly else now - r.last_seen > self.cfg.dead_after
                 ):
-                    # Not heartbeated while it checks (it beats us): its silence is the clock
-                    # here, and the word of one that heard it, where only that is known.
+                    # Unanswered calls are not held against it while it checks: its own
+                    # silence is the clock, or, known only second hand, the word of one
+                    # that heard it.
                     log.warning("peer %s dead while checking how it is called", pid)
                     r.state, changed = DEAD, True
                     continue

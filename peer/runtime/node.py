@@ -255,9 +255,10 @@ class Peer:
         ``checking``: the caller checks this peer's reachability before it trains
         (:meth:`check_reachability`, then :meth:`start_relaying` if no one can dial it, as
         the daemon does). Until :meth:`done_checking` this peer's heartbeats say so
-        (``PeerInfo.checking``), and no other peer counts it, mixes with it or calls it:
-        without that, a reachable peer waiting for ``expected_peers`` would count a peer
-        behind NAT before any call could reach it, and train without it."""
+        (``PeerInfo.checking``), and no other peer counts it or mixes with it, nor holds an
+        unanswered call against it: without that, a reachable peer waiting for
+        ``expected_peers`` would count a peer behind NAT before any call could reach it,
+        and train without it."""
         if self._started:
             return
         port = self.server.start()
