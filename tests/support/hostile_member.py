@@ -28,8 +28,11 @@ import argparse
 import contextlib
 import faulthandler
 import json
+import os
+import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import grpc
@@ -45,7 +48,7 @@ FAR_STEP = 10**12  # what evil and evil2 say their step is
 STALLED_HEARTBEATS = 4  # per honest peer, over its limit of 2
 STALLED_PUSHES = 10  # per honest peer, over its limit of 8
 CALL_S = 5.0  # the deadline of each call; the attacks' shortened to what is left of the attack
-HANG_S = 50.0  # past the attack's end, the process dumps its threads' stacks and ends
+HANG_S = 50.0  # past the attack's end, the process prints where its main thread is and ends
 
 
 class Impersonator:
@@ -136,6 +139,22 @@ def heartbeat(swarm: str, sender: str, known: list[pb.PeerInfo] = ()) -> pb.Hear
     return pb.HeartbeatRequest(swarm=swarm, sender=me, known=list(known), view_digest=0)
 
 
+def watchdog(seconds: float) -> None:
+    """In ``seconds``, print the main thread's stack and end the process with status 1."""
+    main_thread = threading.main_thread().ident
+
+    def fire() -> None:
+        frame = sys._current_frames().get(main_thread)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(gone)\n"
+        sys.stderr.write(f"still running {seconds:.0f} s after start; the main thread:\n{stack}")
+        sys.stderr.flush()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     for name in ("bootstrap", "certs", "out", "swarm"):
@@ -145,8 +164,12 @@ def main() -> int:
     args = parser.parse_args()
     certs = Path(args.certs)
     # Every call below has a deadline; should the process outlive them all anyway, it prints
-    # where each thread is and ends, so that the test shows the hang instead of a timeout.
-    faulthandler.dump_traceback_later(args.seconds + HANG_S, exit=True)
+    # where its main thread is and ends, so that the test shows the hang instead of a
+    # timeout. (faulthandler's dump of every thread stops at 100 threads, and the stalled
+    # calls' threads alone are more: the main thread, listed last, was left out.) faulthandler
+    # still ends it should the watchdog not get the GIL.
+    watchdog(args.seconds + HANG_S)
+    faulthandler.dump_traceback_later(args.seconds + HANG_S + 10, exit=True)
 
     def member(pid: str) -> TransportSecurity:
         return TransportSecurity.from_files(
@@ -181,8 +204,10 @@ def main() -> int:
             report["rounds"] += 1
             replies: dict[str, pb.HeartbeatReply] = {}
             for pid, address in honest.items():
-                clients.setdefault(pid, PeerClient(address, opts, sec, peer=pid))
-                watch = watching.setdefault(pid, PeerClient(address, opts, watcher, peer=pid))
+                if pid not in clients:  # (setdefault would build and leak two clients a round)
+                    clients[pid] = PeerClient(address, opts, sec, peer=pid)
+                    watching[pid] = PeerClient(address, opts, watcher, peer=pid)
+                watch = watching[pid]
                 if pid not in stalled and not args.watch_only:
                     stalled[pid] = Stalling(address, staller, pid, stop)
                 t0 = time.monotonic()
