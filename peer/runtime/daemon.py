@@ -45,7 +45,6 @@ from gossipgrad.peer.runtime import checkpoint
 from gossipgrad.peer.runtime.joining import JoinError, find_swarm
 from gossipgrad.peer.runtime.node import Peer
 from gossipgrad.peer.runtime.optimizer import GossipOptimizer
-from gossipgrad.peer.runtime.reachability import UNREACHABLE, NotReachable
 from gossipgrad.peer.runtime.site import SiteContext, SiteOptimizer, close_site, init_site
 from gossipgrad.peer.tasks import build_task
 from gossipgrad.peer.tasks.schedule import make_scheduler
@@ -133,14 +132,13 @@ class Daemon:
             self.cfg.gossip.algorithm,
             ", ".join(f"{k}={v!r}" for k, v in chosen.items()) or "none",
         )
-        # A peer with a bootstrap list checks its reachability before training (_start): its
-        # heartbeats say so until then, so nobody counts it before calls can reach it.
-        checking = bool(self.cfg.peer.bootstrap)
+        # A peer with a bootstrap list settles its reachability in _start, in its own order
+        # (before the wait for expected_peers, or at the join): not in the constructor.
         if site is None:
-            gopt = GossipOptimizer(model, optimizer, self.cfg, checking=checking)
+            gopt = GossipOptimizer(model, optimizer, self.cfg, check_reachability=False)
         else:
             gopt = SiteOptimizer(
-                model, optimizer, self.cfg, site, verify=t.verify_site, checking=checking
+                model, optimizer, self.cfg, site, verify=t.verify_site, check_reachability=False
             )
         self._write_status(
             id=gopt.peer.id,
@@ -277,26 +275,11 @@ class Daemon:
         is set: nobody could push to this peer."""
         if peer.membership is None:
             return
-        found = peer.check_reachability()
-        self._write_status(reachability=dataclasses.asdict(found), relay="")
-        if found.status != UNREACHABLE:
-            peer.done_checking()
-            return
-        relay = peer.start_relaying() if self.cfg.peer.relay == "auto" else ""
-        self._write_status(relay=relay)
-        peer.done_checking()  # called through its relay now, or exits, or trains alone
-        if relay:
-            return
-        why = (
-            "; ".join(f"{k}: {v}" for k, v in sorted(peer.relay_refusals.items()))
-            or "no member to relay"
-            if self.cfg.peer.relay == "auto"
-            else "peer.relay = off"
+        relay = peer.settle_reachability(
+            lambda found: self._write_status(reachability=dataclasses.asdict(found), relay="")
         )
-        line = f"not reachable and no relay: {found.summary()}; relays tried: {why}"
-        if self.cfg.peer.require_reachable:
-            raise NotReachable(f"{line} (peer.require_reachable = false to go on)")
-        log.warning("%s; training alone", line)
+        if relay:
+            self._write_status(relay=relay)
 
     def _joined(
         self, gopt: GossipOptimizer, resumed: bool, started: float, checked: bool = False

@@ -43,7 +43,9 @@ from gossipgrad.peer.runtime.donor import SnapshotCache, SnapshotRefused
 from gossipgrad.peer.runtime.joining import StateDownload
 from gossipgrad.peer.runtime.reachability import (
     CHECK_TIMEOUT_S,
+    UNREACHABLE,
     DialBack,
+    NotReachable,
     Reachability,
     tcp_probe,
 )
@@ -252,9 +254,9 @@ class Peer:
         """Bind the server, then build membership and the algorithm (they need this peer's
         address and id), and start them. Idempotent.
 
-        ``checking``: the caller checks this peer's reachability before it trains
-        (:meth:`check_reachability`, then :meth:`start_relaying` if no one can dial it, as
-        the daemon does). Until :meth:`done_checking` this peer's heartbeats say so
+        ``checking``: the caller settles this peer's reachability before it trains
+        (:meth:`settle_reachability`, as ``GossipOptimizer.start`` and the daemon do). Until
+        :meth:`done_checking` this peer's heartbeats say so
         (``PeerInfo.checking``), and no other peer counts it or mixes with it, nor holds an
         unanswered call against it: without that, a reachable peer waiting for
         ``expected_peers`` would count a peer behind NAT before any call could reach it,
@@ -406,6 +408,37 @@ class Peer:
         else:
             log.warning("%s", found.summary())
         return found
+
+    def settle_reachability(
+        self, on_verdict: Callable[[Reachability], None] = lambda found: None
+    ) -> str:
+        """At start: have a bootstrap peer dial this one back (:meth:`check_reachability`;
+        ``on_verdict`` hears the outcome at once); if it could not, be called through a
+        relay (``peer.relay = "auto"``, :meth:`start_relaying`); then tell the others this
+        peer is done checking (:meth:`done_checking`). Returns the relay's id ("" if none).
+
+        An unreachable peer that no member relays for raises NotReachable (a one-line
+        error: nobody could push to it) if ``peer.require_reachable`` is set; otherwise it
+        is logged, and the peer trains alone."""
+        found = self.check_reachability()
+        on_verdict(found)
+        relay = ""
+        if found.status == UNREACHABLE and self.cfg.peer.relay == "auto":
+            relay = self.start_relaying()
+        self.done_checking()  # called directly, or through its relay, or exits, or alone
+        if found.status != UNREACHABLE or relay:
+            return relay
+        why = (
+            "; ".join(f"{k}: {v}" for k, v in sorted(self.relay_refusals.items()))
+            or "no member to relay"
+            if self.cfg.peer.relay == "auto"
+            else "peer.relay = off"
+        )
+        line = f"not reachable and no relay: {found.summary()}; relays tried: {why}"
+        if self.cfg.peer.require_reachable:
+            raise NotReachable(f"{line} (peer.require_reachable = false to go on)")
+        log.warning("%s; training alone", line)
+        return ""
 
     def done_checking(self) -> None:
         """This peer's reachability is settled (and its relay chosen, if it needs one): the

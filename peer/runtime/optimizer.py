@@ -41,6 +41,7 @@ from gossipgrad.peer.flat import FlatParameters, FloatBuffers, persistent_buffer
 from gossipgrad.peer.network.malloc import trim_malloc
 from gossipgrad.peer.runtime.background import BackgroundRound
 from gossipgrad.peer.runtime.checkpoint import params_digest
+from gossipgrad.peer.runtime.joining import find_swarm
 from gossipgrad.peer.runtime.node import Peer
 from gossipgrad.peer.runtime.state_stream import StateWriter, host_copy, on_host
 from torch import nn
@@ -65,8 +66,10 @@ class GossipOptimizer:
         config: the peer config ([peer], [gossip], [membership], [metrics], [transport]).
         registry: Prometheus registry for the metrics (None: a fresh one per peer).
         start: join the swarm at once (else call ``start()``).
-        checking: the caller checks this peer's reachability before training and then calls
-            ``peer.done_checking()`` (the daemon does; ``Peer.start``).
+        check_reachability: with a bootstrap list, ``start()`` finds the swarm and has a
+            member dial this peer back, and a relay call it if none can (``start``); False
+            leaves that to the caller (the daemon, which waits for ``expected_peers`` in
+            between).
     """
 
     def __init__(
@@ -77,7 +80,7 @@ class GossipOptimizer:
         *,
         registry=None,
         start: bool = True,
-        checking: bool = False,
+        check_reachability: bool = True,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -106,7 +109,7 @@ class GossipOptimizer:
             buffers=self.buffers,
         )
         if start:
-            self.start(checking)
+            self.start(check_reachability)
 
     @property
     def metrics(self):
@@ -136,10 +139,22 @@ class GossipOptimizer:
         """The wrapped optimizer's parameter groups (to read or set the learning rate)."""
         return self.optimizer.param_groups
 
-    def start(self, checking: bool = False) -> None:
-        """Join the swarm: serve gRPC, start membership (idempotent). ``checking``: the
-        caller checks this peer's reachability before it trains (``Peer.start``)."""
-        self.peer.start(checking)
+    def start(self, check_reachability: bool = True) -> None:
+        """Join the swarm: serve gRPC, start membership (idempotent).
+
+        With a bootstrap list (and ``check_reachability``), also find the swarm (JoinError
+        if no bootstrap peer answers within ``peer.start_timeout``) and settle how this
+        peer is called before returning: a member dials it back, and one nobody can dial
+        is called through a relay (``Peer.settle_reachability``: NotReachable if no member
+        takes it and ``peer.require_reachable``). Until then its heartbeats say it is still
+        checking, and no other peer counts it or mixes with it. Without that, a library
+        peer behind NAT trained alone."""
+        bootstrap = bool(self.config.peer.bootstrap)
+        self.peer.start(checking=bootstrap)
+        membership = self.peer.membership
+        if check_reachability and bootstrap and membership.me.checking:
+            find_swarm(membership, self.config.peer.start_timeout)
+            self.peer.settle_reachability()
 
     def wait_for_peers(
         self, count: int, timeout: float, stop: threading.Event | None = None

@@ -146,7 +146,7 @@ class SiteOptimizer:
         verify: after every round, all-gather a checksum of the parameters and raise if the
             ranks disagree (costs one tiny collective; for tests and debugging).
         registry: Prometheus registry of the leader's metrics.
-        checking: as for GossipOptimizer (the leader's peer).
+        check_reachability: as for GossipOptimizer (the leader's peer).
     """
 
     def __init__(
@@ -158,7 +158,7 @@ class SiteOptimizer:
         *,
         verify: bool = False,
         registry=None,
-        checking: bool = False,
+        check_reachability: bool = True,
     ) -> None:
         if not dist.is_initialized():
             raise ValueError("SiteOptimizer needs torch.distributed initialized (init_site)")
@@ -172,7 +172,11 @@ class SiteOptimizer:
         if site.leader:
             try:  # e.g. its port is taken: the other ranks must not wait for it
                 self.gopt = GossipOptimizer(
-                    model, optimizer, config, registry=registry, checking=checking
+                    model,
+                    optimizer,
+                    config,
+                    registry=registry,
+                    check_reachability=check_reachability,
                 )
             except Exception as err:
                 error = err

@@ -28,6 +28,8 @@ from gossipgrad.peer.network.relay import MAX_TUNNELS_PER_CALLER, RelayDialer, o
 from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
 from gossipgrad.peer.runtime.joining import JoinError
 from gossipgrad.peer.runtime.node import Peer
+from gossipgrad.peer.runtime.optimizer import GossipOptimizer
+from gossipgrad.peer.runtime.reachability import NotReachable
 from gossipgrad.peer.runtime.relaying import relay_score
 from gossipgrad.peer.security import TransportSecurity, write_swarm_certs
 from gossipgrad.proto import gossip_pb2 as pb
@@ -480,3 +482,39 @@ def test_a_killed_relay_is_replaced_and_the_swarm_ends_in_consensus(tmp_path: Pa
         assert "relaying for peer2" in log and "relaying for peer3" in log
     finally:
         swarm.stop(timeout=10)
+
+
+def test_a_library_peer_nobody_can_dial_is_called_through_a_relay_from_its_constructor(
+    certs, nat: list[CountingListener]
+) -> None:
+    """GossipOptimizer, the library's entry point, settles its reachability itself: with a
+    bootstrap list and an address nobody can dial, its constructor returns with a relay
+    chosen, the member counts it, and their rounds mix through the relay. Before, only the
+    daemon checked, and a library peer behind NAT trained alone. A second such peer, for
+    which no member has room (p0 relays for one), gets NotReachable from the constructor."""
+
+    def optimizer(pid: str, bootstrap: list[str], **extra) -> GossipOptimizer:
+        torch.manual_seed(3)  # the same initial model everywhere
+        model = nn.Linear(6, 2)
+        overrides = {"peer.id": pid, "peer.bootstrap": bootstrap, **FAST_MEMBERSHIP,
+                     **tls(certs, pid), **extra}  # fmt: skip
+        return GossipOptimizer(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), build_config({}, overrides)
+        )
+
+    p0 = optimizer("p0", [], **{"peer.relay_capacity": 1})
+    x = None
+    try:
+        x = optimizer("x", [p0.peer.address], **{"peer.advertise": nat[0].address})
+        assert x.peer.reachability is not None and x.peer.reachability.status == "unreachable"
+        assert x.peer.relay == "p0"
+        assert p0.wait_for_peers(2, 10) and x.wait_for_peers(2, 10)
+        rounds = run_rounds([p0.peer, x.peer], 3, end=False)
+        assert all(s.mixed for s in rounds if s.round >= 1), rounds  # round 0 opens them
+        assert sample(p0.peer, "gossipgrad_relay_forwarded_bytes_total", {"attached": "x"}) > 0
+        with pytest.raises(NotReachable, match="not reachable and no relay"):
+            optimizer("y", [p0.peer.address], **{"peer.advertise": nat[1].address})
+    finally:
+        for o in (x, p0):
+            if o is not None:
+                o.close()
