@@ -63,6 +63,22 @@ def sent_heartbeats(peer: Peer) -> float:
     return value or 0.0
 
 
+def watch_heartbeats(peer: Peer) -> tuple[list[float], int]:
+    """For WATCH_S seconds, the gaps between ``peer``'s answered heartbeats (the last one
+    to the end of the watch included) and how many there were."""
+    gaps, count, last, t_last = [], 0, sent_heartbeats(peer), time.monotonic()
+    end = t_last + WATCH_S
+    while time.monotonic() < end:
+        time.sleep(0.01)
+        now, value = time.monotonic(), sent_heartbeats(peer)
+        if value != last:
+            gaps.append(now - t_last)
+            count += int(value - last)
+            last, t_last = value, now
+    gaps.append(time.monotonic() - t_last)
+    return gaps, count
+
+
 def test_probes_of_made_up_ids_never_delay_a_heartbeat_to_a_neighbour() -> None:
     p0, p1 = start_peers(2)  # heartbeats every 0.1 s, a heartbeat timeout of 1 s
     timeout = p0.membership.heartbeat_timeout
@@ -78,16 +94,7 @@ def test_probes_of_made_up_ids_never_delay_a_heartbeat_to_a_neighbour() -> None:
             )
         assert len(p0.membership.unverified_ids()) == GHOSTS
         # Watch p0's answered heartbeats (all to p1) while it probes the ghosts.
-        gaps, count, last, t_last = [], 0, sent_heartbeats(p0), time.monotonic()
-        end = t_last + WATCH_S
-        while time.monotonic() < end:
-            time.sleep(0.01)
-            now, value = time.monotonic(), sent_heartbeats(p0)
-            if value != last:
-                gaps.append(now - t_last)
-                count += int(value - last)
-                last, t_last = value, now
-        gaps.append(time.monotonic() - t_last)
+        gaps, count = watch_heartbeats(p0)
         probes = len(taken)
     print(f"heartbeats to p1 in {WATCH_S:.0f} s: {count}, longest gap {max(gaps):.2f} s, "
           f"connections to the silent address: {probes}")  # fmt: skip
@@ -190,16 +197,7 @@ def test_a_member_that_never_answers_does_not_slow_the_heartbeats_to_the_others(
             while "silent" not in p0.membership.present_ids() or not taken:
                 assert time.monotonic() < deadline, "p0 never heartbeated the member"
                 time.sleep(0.02)
-            gaps, count, last, t_last = [], 0, sent_heartbeats(p0), time.monotonic()
-            end = t_last + WATCH_S
-            while time.monotonic() < end:
-                time.sleep(0.01)
-                now, value = time.monotonic(), sent_heartbeats(p0)
-                if value != last:
-                    gaps.append(now - t_last)
-                    count += int(value - last)
-                    last, t_last = value, now
-            gaps.append(time.monotonic() - t_last)
+            gaps, count = watch_heartbeats(p0)
             present = "silent" in p0.membership.present_ids()
         finally:
             stop.set()
