@@ -153,8 +153,12 @@ class GossipOptimizer:
         self.peer.start(checking=bootstrap)
         membership = self.peer.membership
         if check_reachability and bootstrap and membership.me.checking:
-            find_swarm(membership, self.config.peer.start_timeout)
-            self.peer.settle_reachability()
+            try:
+                find_swarm(membership, self.config.peer.start_timeout)
+                self.peer.settle_reachability()
+            except BaseException:
+                self.peer.close()  # a constructor that raises leaves no server behind
+                raise
 
     def wait_for_peers(
         self, count: int, timeout: float, stop: threading.Event | None = None

@@ -514,6 +514,8 @@ def test_a_library_peer_nobody_can_dial_is_called_through_a_relay_from_its_const
         assert sample(p0.peer, "gossipgrad_relay_forwarded_bytes_total", {"attached": "x"}) > 0
         with pytest.raises(NotReachable, match="not reachable and no relay"):
             optimizer("y", [p0.peer.address], **{"peer.advertise": nat[1].address})
+        y = p0.peer.membership.record("y")  # the constructor closed y: it said goodbye
+        assert y is not None and y.state == "dead" and y.info.leaving, y
     finally:
         for o in (x, p0):
             if o is not None:
