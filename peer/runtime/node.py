@@ -721,8 +721,9 @@ class Peer:
         if self.buffer_average is not None:
             self.buffer_average.prune(present)
         # Series of peers that left (also ones a late reply re-created): counts move to the
-        # departed series.
-        for pid in self.metrics.neighbor_ids - present:
+        # departed series. Not those of a peer still checking how it is called (heartbeated,
+        # not yet present): it has not left.
+        for pid in self.metrics.neighbor_ids - present - set(m.heard_ids()):
             self.metrics.remove_neighbor(pid)
         # A peer called another way now (a relay chosen, or another): its clients reconnect.
         for info in m.known_infos():
