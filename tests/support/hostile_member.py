@@ -114,22 +114,33 @@ class Stalling:
             t.join(max(0.0, until - time.monotonic()))
 
 
-def ask_state_and_cancel(
-    address: str, sec: TransportSecurity, peer: str, swarm: str, timeout: float
-) -> None:
-    """Ask ``peer`` for its state and cancel the download once its header came."""
-    with grpc.secure_channel(
-        address, sec.channel_credentials(), options=sec.channel_args(peer)
-    ) as channel:
-        download = channel.unary_stream(
-            protocol.method_path(protocol.STATE),
-            request_serializer=pb.StateRequest.SerializeToString,
-            response_deserializer=STATE_CODEC.decode,
-        )
-        call = download(pb.StateRequest(swarm=swarm, requester=ME), timeout=timeout)
-        with contextlib.suppress(grpc.RpcError, StopIteration):
-            next(call)  # the header: the state was there to send
-        call.cancel()
+def ask_state_and_cancel(channel: grpc.Channel, swarm: str, timeout: float) -> None:
+    """Ask the peer at the other end of ``channel`` for its state and cancel the download
+    once its header came. (One channel per peer for the whole attack: a channel opened and
+    closed per ask, with a cancelled stream on it, is the likeliest place of the hang that
+    outlived the attack in full suites.)"""
+    download = channel.unary_stream(
+        protocol.method_path(protocol.STATE),
+        request_serializer=pb.StateRequest.SerializeToString,
+        response_deserializer=STATE_CODEC.decode,
+    )
+    call = download(pb.StateRequest(swarm=swarm, requester=ME), timeout=timeout)
+    with contextlib.suppress(grpc.RpcError, StopIteration):
+        next(call)  # the header: the state was there to send
+    call.cancel()
+
+
+class Progress:
+    """Where the main loop is, one line per step, flushed at once to a file of its own: a
+    process that hangs holding the GIL (its watchdog thread never runs) still shows its
+    last step there."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = path.open("w", buffering=1)
+        self._t0 = time.monotonic()
+
+    def __call__(self, what: str) -> None:
+        self._file.write(f"{time.monotonic() - self._t0:8.3f} {what}\n")
 
 
 def heartbeat(swarm: str, sender: str, known: list[pb.PeerInfo] = ()) -> pb.HeartbeatRequest:
@@ -185,6 +196,8 @@ def main() -> int:
     report: dict = {"rounds": 0, "checked": 0, "violations": [], "latencies": [], "errors": {}}
     stalled: dict[str, Stalling] = {}
     clients: dict[str, PeerClient] = {}  # evil's
+    state_channels: dict[str, grpc.Channel] = {}
+    progress = Progress(Path(args.out + ".progress"))
     watching: dict[str, PeerClient] = {}
     with PeerClient(args.bootstrap, opts, watcher) as boot:
         reply = boot.heartbeat(heartbeat(args.swarm, WATCHER), timeout=CALL_S)
@@ -202,11 +215,16 @@ def main() -> int:
     try:
         while time.monotonic() < end:
             report["rounds"] += 1
+            progress(f"round {report['rounds']}")
             replies: dict[str, pb.HeartbeatReply] = {}
             for pid, address in honest.items():
                 if pid not in clients:  # (setdefault would build and leak two clients a round)
                     clients[pid] = PeerClient(address, opts, sec, peer=pid)
                     watching[pid] = PeerClient(address, opts, watcher, peer=pid)
+                    state_channels[pid] = grpc.secure_channel(
+                        address, sec.channel_credentials(), options=sec.channel_args(pid)
+                    )
+                progress(f"watch {pid}")
                 watch = watching[pid]
                 if pid not in stalled and not args.watch_only:
                     stalled[pid] = Stalling(address, staller, pid, stop)
@@ -259,6 +277,7 @@ def main() -> int:
                 for k in range(GHOSTS)
             ]
             for pid, client in clients.items():
+                progress(f"forge {pid}")
                 try:
                     client.heartbeat(heartbeat(args.swarm, ME, forged), timeout=deadline())
                 except grpc.RpcError as err:
@@ -270,15 +289,18 @@ def main() -> int:
                     except grpc.RpcError as err:
                         name = f"too long {pid}: {err.code().name}"
                         report["errors"][name] = report["errors"].get(name, 0) + 1
-                ask_state_and_cancel(client.address, sec, pid, args.swarm, deadline())
+                progress(f"state {pid}")
+                ask_state_and_cancel(state_channels[pid], args.swarm, deadline())
             time.sleep(0.2)
     finally:
+        progress("closing")
         stop.set()
         for s in stalled.values():
             s.close()
-        for c in [*clients.values(), *watching.values()]:
+        for c in [*clients.values(), *watching.values(), *state_channels.values()]:
             c.close()
         server.stop(grace=0)
+        progress("closed")
     report["stalled"] = {pid: s.outcomes for pid, s in stalled.items()}
     report["stalled_details"] = {pid: s.details for pid, s in stalled.items()}
     report["impersonator_calls"] = handler.calls

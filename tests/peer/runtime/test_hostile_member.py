@@ -105,7 +105,15 @@ def run_members(swarm: LocalSwarm, certs, report_path: Path, watch_only: bool = 
     argv += [part for key, value in args.items() for part in (f"--{key}", value)]
     argv += ["--watch-only"] if watch_only else []
     hostile = subprocess.run(argv, capture_output=True, text=True, timeout=ATTACK_S + 120)
-    assert hostile.returncode == 0, hostile.stderr[-3000:]
+    if hostile.returncode != 0:
+        progress = Path(f"{report_path}.progress")
+        steps = progress.read_text().splitlines()[-15:] if progress.exists() else []
+        raise AssertionError(
+            "the hostile members' process failed; its last steps:\n"
+            + "\n".join(steps)
+            + "\n"
+            + hostile.stderr[-3000:]
+        )
     return json.loads(report_path.read_text())
 
 
