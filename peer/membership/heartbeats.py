@@ -51,11 +51,13 @@ within ``death_agreed_within``: ``dead_after`` plus an interval and a heartbeat 
 of the certificate, ``ceil(log2 n) + 1`` hops (where heartbeating everyone took ``dead_after``
 and a few intervals, but ``n / far_every`` heartbeats per interval).
 
-The heartbeat thread waits for a round's answers until the interval is over, not for every
-one: a member that takes connections and never answers holds its heartbeat for a whole
-heartbeat timeout (twice the interval by default), and waited for, it halved every
-neighbour's heartbeats. Its beat stays in flight, and it is left out of the rounds until it
-ends (one beat in flight per target), so it holds one thread of the pool, not one per round.
+The heartbeat thread waits for a round's answers (slow ones pace it: backpressure in a loaded
+swarm), except from a target whose last heartbeat went unanswered: for that one only until
+the interval is over. A member that takes connections and never answers holds its heartbeat
+for a whole heartbeat timeout (twice the interval by default), and waited for every round, it
+halved every neighbour's heartbeats. Its beat stays in flight, and it is left out of the
+rounds until it ends (one beat in flight per target), so it holds one thread of the pool, not
+one per round.
 """
 
 from __future__ import annotations
@@ -154,8 +156,10 @@ class Membership(PeerTable):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="heartbeat")
-        # (address, peer id) of the heartbeats sent and not yet ended (under the lock)
+        # (address, peer id) of the heartbeats sent and not yet ended, and of those whose
+        # last heartbeat went unanswered (under the lock)
         self._in_flight: set[tuple[str, str | None]] = set()
+        self._unanswering: set[tuple[str, str | None]] = set()
         self._probe_pool = ThreadPoolExecutor(max_workers=PROBE_THREADS, thread_name_prefix="probe")
         # probes of peers heard of only second hand: in flight (id -> who told of it), ids
         # probed this interval, and this interval's budgets left (all under the lock)
@@ -194,8 +198,9 @@ class Membership(PeerTable):
         super()._forget(peer_id)
         self._their_digest.pop(address, None)
 
-    def _beat(self, address: str, peer_id: str | None = None) -> None:
+    def _beat(self, address: str, peer_id: str | None = None) -> bool:
         """Heartbeat ``address``; an answer from anyone but ``peer_id`` counts as none.
+        Whether it was answered.
 
         The peer list goes along only where the other view is known to differ from ours as
         it is now. Where that is not known (never asked, or ours changed since it answered)
@@ -210,10 +215,11 @@ class Membership(PeerTable):
         differs = ours_then == digest and theirs != digest
         reply = self._exchange(address, peer_id, sent_at, digest, with_list=differs)
         if reply is None or differs or self.me.leaving:  # a goodbye needs no list
-            return
+            return reply is not None
         digest = self.view_digest()
         if reply.view_digest != digest:
             self._exchange(address, peer_id, sent_at, digest, with_list=True)
+        return True
 
     def _exchange(
         self, address: str, peer_id: str | None, sent_at: float, digest: int, *, with_list: bool
@@ -422,30 +428,48 @@ class Membership(PeerTable):
             self._probes_done.notify_all()
 
     def _beat_all(self, targets: list[tuple[str, str | None]], until: float | None = None) -> None:
-        """Heartbeat ``targets`` on the pool, but none whose last beat is still out; wait for
-        the answers until ``until`` (None: all of them). An error a beat raised is raised
-        here if it ended in time."""
+        """Heartbeat ``targets`` on the pool, but none whose last beat is still out. Wait for
+        every answer (each within the heartbeat timeout: a loaded swarm's slow answers pace
+        the rounds, as backpressure), except from a target whose last heartbeat went
+        unanswered: that one only until ``until`` (None: it too). An error a beat raised is
+        raised here if it ended in time."""
         with self._lock:
             fresh = [t for t in dict.fromkeys(targets) if t not in self._in_flight]
             self._in_flight.update(fresh)
-        futures: list[Future] = []
+            unanswering = self._unanswering & set(fresh)
+        futures: dict[tuple[str, str | None], Future] = {}
         for target in fresh:
             try:
                 future = self._pool.submit(self._beat, *target)
             except RuntimeError:  # shut down: the process is exiting
-                self._landed(target)
+                self._landed(target, None)
                 raise
-            future.add_done_callback(lambda _f, t=target: self._landed(t))
-            futures.append(future)
-        timeout = None if until is None else max(0.0, until - time.monotonic())
-        done, _ = wait_futures(futures, timeout=timeout)
-        for future in futures:
-            if future in done:
+            future.add_done_callback(lambda f, t=target: self._landed(t, f))
+            futures[target] = future
+        wait_futures([f for t, f in futures.items() if t not in unanswering])
+        if until is None or not unanswering:
+            wait_futures(futures.values())
+        else:
+            wait_futures(
+                [futures[t] for t in unanswering], timeout=max(0.0, until - time.monotonic())
+            )
+        for future in futures.values():
+            if future.done():
                 future.result()
 
-    def _landed(self, target: tuple[str, str | None]) -> None:
+    def _landed(self, target: tuple[str, str | None], future: Future | None) -> None:
+        answered = (
+            future is not None
+            and not future.cancelled()
+            and future.exception() is None
+            and future.result()
+        )
         with self._lock:
             self._in_flight.discard(target)
+            if answered:
+                self._unanswering.discard(target)
+            else:
+                self._unanswering.add(target)
 
     # ------------------------------------------------------------------ lifecycle
 
