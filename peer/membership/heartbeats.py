@@ -197,6 +197,7 @@ class Membership(PeerTable):
         address = self._peers[peer_id].info.address
         super()._forget(peer_id)
         self._their_digest.pop(address, None)
+        self._unanswering.discard((address, peer_id))
 
     def _beat(self, address: str, peer_id: str | None = None) -> bool:
         """Heartbeat ``address``; an answer from anyone but ``peer_id`` counts as none.
@@ -353,9 +354,10 @@ class Membership(PeerTable):
         ``wait_probes``: also wait (at most two heartbeat timeouts) for this interval's
         probes of peers heard of only second hand, as a starting peer does that needs them
         (a bootstrap's answer is such word); the heartbeat thread never waits for them.
-        ``until``: wait for the answers only until this time (``time.monotonic()``); the
-        beats still out go on, and their targets are skipped until they end (the heartbeat
-        thread's rounds). None: wait for every answer, each within its timeout."""
+        ``until``: wait for the answers of targets whose last heartbeat went unanswered only
+        until this time (``time.monotonic()``; every other answer is waited for); their
+        beats still out go on, and they are skipped until those end (the heartbeat thread's
+        rounds). None: wait for every answer, each within its timeout."""
         with self._lock:  # a new interval: new probe budgets
             self._probes_left, self._source_left, self._probed = VERIFY_PER_INTERVAL, {}, set()
         self._start_probes()
@@ -447,12 +449,8 @@ class Membership(PeerTable):
             future.add_done_callback(lambda f, t=target: self._landed(t, f))
             futures[target] = future
         wait_futures([f for t, f in futures.items() if t not in unanswering])
-        if until is None or not unanswering:
-            wait_futures(futures.values())
-        else:
-            wait_futures(
-                [futures[t] for t in unanswering], timeout=max(0.0, until - time.monotonic())
-            )
+        timeout = None if until is None else max(0.0, until - time.monotonic())
+        wait_futures([futures[t] for t in unanswering], timeout=timeout)
         for future in futures.values():
             if future.done():
                 future.result()
