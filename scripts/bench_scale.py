@@ -21,7 +21,8 @@ baseline measured in the same process and run:
 * start: building and starting the GossipOptimizer; state: ``state_dict()`` and saving it to
   memory with ``torch.save``, over a ``torch.save`` of the same state alone; checkpoint: the
   daemon's atomic save of that state to disk (temporary file, fsync, rename) over the same
-  ``torch.save`` to memory, and the resident memory its peak added, in model bytes.
+  ``torch.save`` to memory, and the resident memory its peak added, in model bytes (the
+  peers take these one at a time, after the rounds).
 
 Then, per size, a state download and the dense resync after it (``--join``, choco, AdamW: a
 state of 3 models): a donor past the rounds whose edges open from the shared initial model
@@ -89,17 +90,25 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
+#: The copy clock copies at most this many float32 values (128 MiB, far beyond any cache, so
+#: a copy is bound by memory bandwidth and its time is linear in its size) and scales the time
+#: to the model: two model-sized buffers per peer would cost 300M-parameter peers 2.4 GB each.
+CLOCK_NUMEL = 1 << 25
+
+
 class CopyClock:
     """Times one ``copy_`` of a model-sized tensor into another, between the steps the rounds
     run beside, so that the copy a round is measured against meets the same contention for
     cores and memory bandwidth as the round (peers on a shared host; one copy timed before
     the rounds, on a host the other peers had left quiet, once made every round look 2-3x as
-    costly as it was). Both buffers are allocated before the memory baseline is read."""
+    costly as it was). Above ``CLOCK_NUMEL`` values it copies that many and scales the time by
+    the model's size. Both buffers are allocated before the memory baseline is read."""
 
     def __init__(self, numel: int) -> None:
-        self.source = torch.randn(numel)
+        self.source = torch.randn(min(numel, CLOCK_NUMEL))
         self.target = torch.empty_like(self.source)
         self.target.copy_(self.source)  # page faults out of the way
+        self.scale = numel / self.source.numel()
         self.wall: list[float] = []
         self.cpu = 0.0  # the training thread's CPU in the copies timed
 
@@ -110,22 +119,21 @@ class CopyClock:
         self.cpu += time.thread_time() - c0
 
     def seconds(self) -> float:
-        """The median copy: the contention a typical round met."""
-        return statistics.median(self.wall)
+        """The median copy of the whole model: the contention a typical round met."""
+        return statistics.median(self.wall) * self.scale
 
 
-def peer_main(rank: int, args: dict, addresses, barrier, results) -> None:
+def peer_main(rank: int, args: dict, addresses, barrier, state_turn, results) -> None:
     """One peer: baseline, then gossip, then state; puts a dict of figures on ``results``."""
     try:
-        results.put(_peer(rank, args, addresses, barrier))
+        results.put(_peer(rank, args, addresses, barrier, state_turn))
     except BaseException as err:  # reported by the parent, which then stops
         results.put({"rank": rank, "error": f"{err!r}\n{traceback.format_exc()}"})
 
 
-def _peer(rank: int, a: dict, addresses, barrier) -> dict:
+def _peer(rank: int, a: dict, addresses, barrier, state_turn) -> dict:
     from gossipgrad.peer.algorithms.footprint import gossip_state_bytes
     from gossipgrad.peer.config import build_config
-    from gossipgrad.peer.runtime import checkpoint
     from gossipgrad.peer.runtime.optimizer import GossipOptimizer
 
     torch.set_num_threads(1)
@@ -232,25 +240,10 @@ def _peer(rank: int, a: dict, addresses, barrier) -> dict:
     degree = min(2, a["peers"] - 1)  # a ring
     formula = gossip_state_bytes(gopt.config.gossip, degree, model_bytes) / model_bytes
     final_loss = loss()
-
-    t0 = time.perf_counter()
-    state = gopt.state_dict()
-    state_dict_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    torch.save(state, io.BytesIO())
-    save_s = time.perf_counter() - t0
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    before_kib = memory_kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM starts again from VmRSS
-    with tempfile.TemporaryDirectory() as run_dir:
-        t0 = time.perf_counter()
-        checkpoint.save_atomic(Path(run_dir) / "checkpoint.pt", state)
-        checkpoint_s = time.perf_counter() - t0
-        checkpoint_kib = memory_kib("VmHWM") - before_kib
-    del state
-    gopt.close()
-    return {
+    # What only the rounds needed goes, and the peers measure their state one at a time: a
+    # state_dict() and its torch.save to memory are some five models at their peak, which
+    # two 300M-parameter peers at once would not fit in 24 GB.
+    figures = {
         "rank": rank,
         "numel": numel,
         "model_bytes": model_bytes,
@@ -269,6 +262,40 @@ def _peer(rank: int, a: dict, addresses, barrier) -> dict:
         "utilization": wall_plain / wall,
         "rounds": rounds,
         "start_s": start_s,
+    }
+    # What only the rounds needed goes, and the peers measure their state one at a time: a
+    # state_dict() and its torch.save to memory are some five models at their peak, which
+    # two 300M-parameter peers at once would not fit in 24 GB.
+    targets.clear()
+    del copies
+    gc.collect()
+    with state_turn:
+        figures.update(state_figures(gopt, model_bytes))
+        gopt.close()
+    return figures
+
+
+def state_figures(gopt, model_bytes: int) -> dict:
+    """``state_dict()`` and a checkpoint of it, each against a ``torch.save`` of the same
+    state to memory, and the resident memory the checkpoint's peak added."""
+    from gossipgrad.peer.runtime import checkpoint
+
+    t0 = time.perf_counter()
+    state = gopt.state_dict()
+    state_dict_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    torch.save(state, io.BytesIO())
+    save_s = time.perf_counter() - t0
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    before_kib = memory_kib("VmRSS")
+    reset_peak()
+    with tempfile.TemporaryDirectory() as run_dir:
+        t0 = time.perf_counter()
+        checkpoint.save_atomic(Path(run_dir) / "checkpoint.pt", state)
+        checkpoint_s = time.perf_counter() - t0
+        checkpoint_kib = memory_kib("VmHWM") - before_kib
+    return {
         "state_dict_s": state_dict_s,
         "state_over_save": (state_dict_s + save_s) / save_s,
         "checkpoint_over_save": checkpoint_s / save_s,
@@ -282,6 +309,7 @@ def run_case(args: argparse.Namespace, numel: int, algorithm: str) -> list[dict]
 
     ctx = mp.get_context("spawn")
     addresses, results, barrier = ctx.Queue(), ctx.Queue(), ctx.Barrier(args.peers)
+    state_turn = ctx.Lock()
     settings = {
         "numel": numel,
         "algorithm": algorithm,
@@ -293,7 +321,11 @@ def run_case(args: argparse.Namespace, numel: int, algorithm: str) -> list[dict]
         "set": args.set,
     }
     procs = [
-        ctx.Process(target=peer_main, args=(r, settings, addresses, barrier, results), daemon=True)
+        ctx.Process(
+            target=peer_main,
+            args=(r, settings, addresses, barrier, state_turn, results),
+            daemon=True,
+        )
         for r in range(args.peers)
     ]
     return run_processes(procs, results, args.timeout)
