@@ -10,9 +10,10 @@ that was not acknowledged is pushed again, the same bytes, and nothing is mixed 
 landed; what the codec drops stays in x_i − x̂_{i->j} (the error feedback;
 ``gossip.error_feedback = false``: Q(x_i − b), DCD-PSGD, Tang et al. 2018). The rules that
 keep both ends identical and the mixing symmetric are peer/algorithms/edges.py's; this class
-also keeps diloco's anchors together. Edges in sync (the same x̂ and seq: edges opened in the
-same round from the initial model, a ring's two most of all) send the same update, encoded
-once a round (``SharedUpdate``).
+also keeps diloco's anchors together. Edges in sync (the same x̂; the codec's seed is the
+round's: edges opened in the same round from the initial model, a ring's two most of all, and
+a dense opening that starts from the public copy of an edge updated in its round, as a
+joiner's neighbours' do) send the same update, encoded once a round (``SharedUpdate``).
 """
 
 from __future__ import annotations
@@ -162,7 +163,8 @@ class ChocoGossip(GossipAlgorithm):
     def _encode(self, peer: str, edge: Edge, weight: float) -> tuple[pb.UpdateHeader, bytes]:
         """The edge's next update with its header (edge lock held)."""
         t0 = time.perf_counter()
-        key = edge.delta_key(self.copies)
+        seed = self._round + 1  # every edge's this round: edges in sync encode alike
+        key = edge.delta_key(self.copies, seed)
         shared = self._updates.get(key) if key is not None else None
         if shared is not None and shared.edge.public_checksum == shared.checksum:
             # In sync with an edge updated this round (a ring's two edges, most rounds):
@@ -176,8 +178,14 @@ class ChocoGossip(GossipAlgorithm):
                 # One difference buffer for the round's edges, then freed (a dense codec's
                 # encoder reads x and x̂ a chunk at a time and needs none).
                 self._scratch = torch.empty_like(self.x)
+            early = self._round < INIT_ROUNDS
             kind, payload = edge.encode_next(
-                self.x, self.copies, early=self._round < INIT_ROUNDS, scratch=self._scratch
+                self.x,
+                self.copies,
+                early=early,
+                seed=seed,
+                scratch=self._scratch,
+                resync_from=self._in_sync_copy() if edge.opens_dense(early) else None,
             )
             checksum = tensor_checksum(edge.public)
             if key is not None:
@@ -200,6 +208,17 @@ class ChocoGossip(GossipAlgorithm):
         )
         edge.record_sent((header, payload), weight, self._round)
         return header, payload
+
+    def _in_sync_copy(self) -> tuple[torch.Tensor, float] | None:
+        """A public copy updated this round and unchanged since, with its ||x − x̂||, for a
+        RESYNC opening to start from (``Edge.encode_next``); None without one (no error
+        feedback: an edge's updates then depend on its own last x, never shared)."""
+        if not self.copies.error_feedback:
+            return None
+        for shared in self._updates.values():
+            if shared.edge.public_checksum == shared.checksum:
+                return shared.edge.public, shared.residual
+        return None
 
     def _hello(self, peer: str, edge: Edge) -> tuple[pb.UpdateHeader, bytes]:
         """A follower without a session asks the leader for one (epoch 0, no payload)."""
@@ -415,7 +434,9 @@ class ChocoGossip(GossipAlgorithm):
             for p, e in list(self.edges.items()):
                 if e.requested and p not in rnd.peers and p not in asked:
                     asked.append(p)
-            for p in [*rnd.peers, *asked]:
+            # Openings go last: a RESYNC starts from a copy the round's updates left in sync.
+            order = sorted([*rnd.peers, *asked], key=lambda p: self.edge(p).sent == 0)
+            for p in order:
                 if self.nb.view.is_alive(p) and self._push(p, rnd.weights.get(p, 0.0), rnd.turn):
                     rnd.pushed.add(p)
 

@@ -267,14 +267,15 @@ class Edge:
         else:
             self.last_sent.copy_(x)
 
-    def delta_key(self, c: Copies) -> tuple[int, int] | None:
-        """What the next update depends on besides x, if it is a DELTA of x − x̂: its seq
-        (the codec's seed) and x̂'s checksum. Two edges with the same key, encoding the same
-        x, send the same bytes and move x̂ alike (``take_update``). None for an opening or
-        a RESYNC, and without error feedback (then the base is the edge's own last x)."""
+    def delta_key(self, c: Copies, seed: int) -> tuple[int, int] | None:
+        """What the next update depends on besides x, if it is a DELTA of x − x̂: the codec's
+        ``seed`` (the round's, the same for every edge) and x̂'s checksum. Two edges with the
+        same key, encoding the same x, send the same bytes and move x̂ alike
+        (``take_update``). None for an opening or a RESYNC, and without error feedback (then
+        the base is the edge's own last x)."""
         if self.sent == 0 or not c.error_feedback or self.public_checksum is None:
             return None
-        return self.sent + 1, self.public_checksum
+        return seed, self.public_checksum
 
     def take_update(self, public: torch.Tensor, residual: float) -> None:
         """Fold in the update another edge with our ``delta_key`` made this round: its
@@ -282,26 +283,44 @@ class Edge:
         self.public.copy_(public)
         self.residual = residual
 
+    def opens_dense(self, early: bool) -> bool:
+        """The next update is a RESYNC opening (``encode_next``)."""
+        return self.sent == 0 and not (self.restarts == 0 and early)
+
     def encode_next(
-        self, x: torch.Tensor, c: Copies, early: bool, scratch: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        c: Copies,
+        early: bool,
+        seed: int,
+        scratch: torch.Tensor | None = None,
+        resync_from: tuple[torch.Tensor, float] | None = None,
     ) -> tuple[Kind, bytes]:
         """The next update of this edge, folded into ``public``: the session's opening (INIT
         while ``early`` and this edge never restarted, peers sharing the seeded initial model;
-        else a dense RESYNC of x), or q = Q(x − x̂) (error feedback off: Q(x − b), b being x at
-        the previous send). Checksum and seq are the caller's to stamp.
+        else a dense RESYNC), or q = Q(x − x̂) with the codec's ``seed`` (error feedback off:
+        Q(x − b), b being x at the previous send). Checksum and seq are the caller's to stamp.
+
+        A RESYNC sends x, or with ``resync_from`` (another edge's public copy and its
+        ||x − x̂||, updated this round) that copy: CHOCO's one x̂ for all neighbours, so that
+        this edge is in sync with that one from the next round on and sends its updates
+        without encoding them again (what x − x̂ holds is sent later, as error feedback's).
 
         ``scratch``: a buffer of x's shape and dtype for the difference of a sparse codec
         (one per round, so the edges of a round share one model-sized temporary; a dense
         codec encodes the difference a chunk at a time and needs none). ``residual`` becomes
         ||x − x̂|| after the update, measured by the encoder."""
-        if self.sent == 0 and self.restarts == 0 and early:
+        if self.sent == 0 and not self.opens_dense(early):
             c.initial.copy_to(self.public)
             kind, payload = Kind.INIT, b""
             self.residual = float("nan")
         elif self.sent == 0:
-            self.public.copy_(x)
+            if resync_from is None:
+                self.public.copy_(x)
+                self.residual = 0.0
+            else:
+                self.take_update(*resync_from)
             kind, payload = Kind.RESYNC, c.dense.encode(self.public)
-            self.residual = 0.0
         else:
             base = self.public if c.error_feedback or self.last_sent is None else self.last_sent
             # What the encoder built is applied to x̂ as the receiver's decode_add_ applies
@@ -309,7 +328,7 @@ class Edge:
             # x̂ is the base (a dense codec's chunk while in cache), else after.
             fold = base is self.public
             payload, sent, left = c.codec.encode_difference(
-                x, base, seed=self.sent + 1, scratch=scratch, fold=fold
+                x, base, seed=seed, scratch=scratch, fold=fold
             )
             if not fold:
                 sent.add_to_(self.public)

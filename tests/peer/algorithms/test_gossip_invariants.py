@@ -15,6 +15,7 @@ import time
 import grpc
 import pytest
 import torch
+from gossipgrad.peer.algorithms import choco
 from gossipgrad.peer.network import TransportError
 from gossipgrad.peer.runtime.node import Peer
 from gossipgrad.proto import gossip_pb2 as pb
@@ -529,6 +530,29 @@ def test_a_slow_link_mixes_every_few_rounds_at_most_max_staleness_apart(stalenes
     assert mixed(p0, "p1") == mixed(p1, "p0")
     assert assert_mirrors_exact(peers) == 2
     assert_average_kept(peers, m0, d0)
+
+
+def test_dense_openings_start_in_sync_and_share_updates(monkeypatch) -> None:
+    """Edges opened past the INIT rounds (a joiner, a rewired topology, a restarted
+    session) open with a dense RESYNC. One that opens where another edge was updated in the
+    round starts from that edge's public copy, not from x: from the next round both are in
+    sync and the peer encodes one update for the two. p0 and p1 gossip, then p2 joins: p0's
+    and p1's edges to it open rounds after their edge to each other, and yet they share."""
+    monkeypatch.setattr(choco, "INIT_ROUNDS", 0)
+    overrides = {**GOSSIP, "gossip.max_staleness": 0}
+    peers = start_peers(2, overrides)
+    run_rounds(peers, 3, timeout=60, end=False)
+    peers.append(start_peer("p2", [peers[0].address], 102, overrides))
+    wait_until_met(peers)
+    before = {p.id: p.algorithm.shared_updates for p in peers}
+    rounds = 10
+    run_rounds(peers, rounds, timeout=60)
+    quiesce(peers)
+    assert assert_mirrors_exact(peers) == 6
+    shared = {p.id: p.algorithm.shared_updates - before[p.id] for p in peers}
+    # Each of p0's and p1's rounds sends one update on each edge once the new one is open:
+    # all but the rounds until p2's opening reached them and the round of that opening.
+    assert shared["p0"] >= rounds - 4 and shared["p1"] >= rounds - 4, shared
 
 
 @pytest.mark.parametrize("codec", ["sign", "topk:0.2+int8"])

@@ -37,7 +37,7 @@ def resync(numel: int, dtype: torch.dtype = torch.float32) -> tuple[Edge, Edge, 
     leader = Edge(public=torch.zeros(numel), mirror=torch.zeros(numel), leader=True)
     follower = Edge(public=torch.zeros(numel), mirror=torch.zeros(numel, dtype=dtype), leader=False)
     follower.mirror.fill_(1.0)  # its pages resident, as a live edge's are
-    kind, payload = leader.encode_next(x, c, early=False)
+    kind, payload = leader.encode_next(x, c, early=False, seed=1)
     assert kind is Kind.RESYNC
     update = Incoming(
         epoch=leader.epoch,

@@ -46,7 +46,7 @@ def answer(table: EdgeTable, peer: str, rnd: OpenRound) -> None:
     """What the round's push does: open this round's exchange on the edge (as it is now)."""
     edge = table.edge(peer)
     with edge.lock:
-        kind, payload = edge.encode_next(X, COPIES, early=False)
+        kind, payload = edge.encode_next(X, COPIES, early=False, seed=rnd.round + 1)
         edge.record_sent((kind, payload), 0.5, rnd.round)
         rnd.turn[peer] = edge.epoch
 
