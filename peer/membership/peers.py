@@ -90,6 +90,11 @@ def _present(r: PeerRecord) -> bool:
     return r.state != DEAD and not r.info.leaving and r.heard_directly and not r.info.checking
 
 
+def _spoke_for_itself(r: PeerRecord) -> bool:
+    """Not dead, and heard from directly in its current life: known first hand."""
+    return r.state != DEAD and r.heard_directly
+
+
 def to_probe(r: PeerRecord) -> bool:
     """Heard of only second hand in its current life, not dead, not leaving: to probe."""
     return r.state != DEAD and not r.info.leaving and not r.heard_directly
@@ -137,9 +142,7 @@ class PeerTable:
         those still checking how they are called included: whom a starting peer has found
         (two peers starting together, each the other's bootstrap, are both checking)."""
         with self._lock:
-            return sorted(
-                pid for pid, r in self._peers.items() if r.state != DEAD and r.heard_directly
-            )
+            return sorted(pid for pid, r in self._peers.items() if _spoke_for_itself(r))
 
     def unverified_ids(self) -> list[str]:
         """Ids heard of only second hand in their current life and not dead: to probe."""
@@ -180,7 +183,7 @@ class PeerTable:
         """PeerInfos worth spreading: self and every peer not known dead that has spoken for
         itself in its current life (what is only hearsay here is not passed on)."""
         with self._lock:
-            infos = [r.info for r in self._peers.values() if r.state != DEAD and r.heard_directly]
+            infos = [r.info for r in self._peers.values() if _spoke_for_itself(r)]
         return [self.me, *infos]
 
     def certificates(self) -> list[pb.PeerInfo]:
