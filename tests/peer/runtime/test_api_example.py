@@ -129,14 +129,15 @@ HF_EXAMPLE = EXAMPLE.with_name("hf_gpt2.py")
 @pytest.mark.timeout(240)
 def test_a_transformers_gpt2_trains_as_two_peers(tmp_path: Path) -> None:
     """examples/hf_gpt2.py as a real pair: a Hugging Face GPT-2 (tied embeddings) under
-    GossipOptimizer with diloco; the peers learn the text and end on one model."""
+    GossipOptimizer with exact-diloco; the peers learn the text and end on one model."""
     pytest.importorskip("transformers")
     results, ckpts = run_pair([], tmp_path, HF_EXAMPLE, timeout=200)
     print(results)
     for r in results:
         assert r["steps"] == 200 and r["rounds"] == 20 and r["tied"]
-        # From ln 256 = 5.55 nats per byte at the start; measured 2.25 after 200 steps.
-        assert r["held_out_loss"] < 3.0, r
+        # From ln 256 = 5.55 nats per byte at the start; measured 1.57 after 200 steps
+        # (diloco's neighbourhood averages with anchors' gossip: 1.76).
+        assert r["held_out_loss"] < 2.5, r
     a, b = (torch.load(c, weights_only=True)["params"] for c in ckpts)
     # Each peer trained on its own half of the text; they end on one model (measured: 0).
     assert float((a - b).pow(2).sum() / a.pow(2).sum()) < 1e-4
