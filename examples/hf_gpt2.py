@@ -88,8 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
         "peer.id": f"peer{args.shard}",
         "peer.listen": args.listen,
         "peer.bootstrap": [args.bootstrap] if args.bootstrap else [],
-        "gossip.algorithm": "exact-diloco",
-        "gossip.local_steps": 10,
+        "gossip.algorithm": "exact-diloco",  # its codec and H: peer/config/recommended.py
         **dict(kv.split("=", 1) for kv in args.set),
     }
     config = load_config(args.config, overrides)

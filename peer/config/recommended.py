@@ -15,11 +15,13 @@ The values are the measured ones (docs/algorithms.md, BENCHMARKS.md):
   0.8 / 1.3 / 2.0 (all worse than 1) and docs/algorithms.md ("η = 1, μ = 0 are the
   defaults": DiLoCo's lr 0.7 with Nesterov 0.9 lost 0.5-1.0 of loss at every H);
   ``anchor_gamma`` 0.5 from the same runs (γ 1 diverged with 2-bit anchors).
-- exact-diloco: issue 43's in-process calibration of exact aggregation (8 workers, 1,000
-  steps of the char transformer): top-5 % + int2 with error feedback at H = 10 ended at 1.7480
-  at 219x fewer bytes than DDP, diloco's spec's loss (1.7482) at 58 % of its bytes; top-1.5 %
-  at H = 30 was too sparse at that size (2.0368). Outer step as diloco's (η = 1, μ = 0: error
-  feedback in place of outer momentum, as SparseLoCo has it).
+- exact-diloco: BENCHMARKS.md, "Density against H at 8 peers" and "exact-diloco on the same
+  unseen task": top-10 % + int2 at H = 5 ended +4.0 % above DDP at 63x fewer bytes on the
+  8-peer char transformer (the earlier default, top-5 % at H = 10: +7.9 % at 168x; all-reduce
+  DiLoCo int8 at H = 10: +5.9 % at 39x) and +11.8 % at 123x on the unseen 4-peer char GPT
+  (top-5 % at H = 10: +21.5 % at 414x; all-reduce DiLoCo fp32 at H = 10: +11.4 % at 10x).
+  Outer step as diloco's (η = 1, μ = 0: error feedback in place of outer momentum, as
+  SparseLoCo has it).
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ RECOMMENDED: dict[str, dict[str, Any]] = {
         "copy_dtype": "float16",
     },
     "exact-diloco": {
-        "local_steps": 10,
-        "codec": "topk:0.05+int2",
+        "local_steps": 5,
+        "codec": "topk:0.1+int2",
         "outer_lr": 1.0,
         "outer_momentum": 0.0,
     },
