@@ -240,9 +240,6 @@ def _peer(rank: int, a: dict, addresses, barrier, state_turn) -> dict:
     degree = min(2, a["peers"] - 1)  # a ring
     formula = gossip_state_bytes(gopt.config.gossip, degree, model_bytes) / model_bytes
     final_loss = loss()
-    # What only the rounds needed goes, and the peers measure their state one at a time: a
-    # state_dict() and its torch.save to memory are some five models at their peak, which
-    # two 300M-parameter peers at once would not fit in 24 GB.
     figures = {
         "rank": rank,
         "numel": numel,
