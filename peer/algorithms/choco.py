@@ -71,6 +71,11 @@ class SharedUpdate:
     residual: float
     checksum: int  # tensor_checksum(edge.public) after the update
 
+    @property
+    def current(self) -> bool:
+        """``edge``'s public copy is still the one this update left."""
+        return self.edge.public_checksum == self.checksum
+
 
 class ChocoGossip(GossipAlgorithm):
     """CHOCO-SGD over the tensor ``x`` (see the module docstring).
@@ -166,7 +171,7 @@ class ChocoGossip(GossipAlgorithm):
         seed = self._round + 1  # every edge's this round: edges in sync encode alike
         key = edge.delta_key(self.copies, seed)
         shared = self._updates.get(key) if key is not None else None
-        if shared is not None and shared.edge.public_checksum == shared.checksum:
+        if shared is not None and shared.current:
             # In sync with an edge updated this round (a ring's two edges, most rounds):
             # the same bytes and the same x̂ after them, without encoding x − x̂ again. (The
             # receiver checks x̂'s checksum: a stale x is merely an older point to send.)
@@ -215,10 +220,8 @@ class ChocoGossip(GossipAlgorithm):
         feedback: an edge's updates then depend on its own last x, never shared)."""
         if not self.copies.error_feedback:
             return None
-        for shared in self._updates.values():
-            if shared.edge.public_checksum == shared.checksum:
-                return shared.edge.public, shared.residual
-        return None
+        shared = next((u for u in self._updates.values() if u.current), None)
+        return None if shared is None else (shared.edge.public, shared.residual)
 
     def _hello(self, peer: str, edge: Edge) -> tuple[pb.UpdateHeader, bytes]:
         """A follower without a session asks the leader for one (epoch 0, no payload)."""

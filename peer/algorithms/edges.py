@@ -310,17 +310,17 @@ class Edge:
         (one per round, so the edges of a round share one model-sized temporary; a dense
         codec encodes the difference a chunk at a time and needs none). ``residual`` becomes
         ||x − x̂|| after the update, measured by the encoder."""
-        if self.sent == 0 and not self.opens_dense(early):
-            c.initial.copy_to(self.public)
-            kind, payload = Kind.INIT, b""
-            self.residual = float("nan")
-        elif self.sent == 0:
+        if self.opens_dense(early):
             if resync_from is None:
                 self.public.copy_(x)
                 self.residual = 0.0
             else:
                 self.take_update(*resync_from)
             kind, payload = Kind.RESYNC, c.dense.encode(self.public)
+        elif self.sent == 0:
+            c.initial.copy_to(self.public)
+            kind, payload = Kind.INIT, b""
+            self.residual = float("nan")
         else:
             base = self.public if c.error_feedback or self.last_sent is None else self.last_sent
             # What the encoder built is applied to x̂ as the receiver's decode_add_ applies
