@@ -59,6 +59,7 @@ def build_algorithm(
         nesterov=cfg.outer_nesterov,
         overlap=cfg.overlap,
         background=cfg.background_rounds,
+        qsr_alpha=cfg.qsr_alpha,
     )
     if cfg.algorithm == "exact-diloco":
         return ExactDiLoCo(

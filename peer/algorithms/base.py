@@ -57,6 +57,12 @@ class GossipAlgorithm(abc.ABC):
         """Called after optimizer step ``local_step`` (1-based); returns a round's stats if
         one ran."""
 
+    def observe_learning_rate(self, lr: float) -> None:
+        """The learning rate of the step just taken (the optimizer's first parameter group),
+        before ``round_due`` and ``after_step``; nothing by default (exact-diloco's phase
+        lengths follow it with ``gossip.qsr_alpha``)."""
+        return
+
     def round_due(self, local_step: int) -> bool:
         """Whether ``after_step(local_step)`` runs a round (True by default: it decides)."""
         return True

@@ -72,6 +72,7 @@ from gossipgrad.peer.algorithms.dissemination import (
 )
 from gossipgrad.peer.algorithms.neighbours import Neighbourhood
 from gossipgrad.peer.algorithms.outer import OuterSettings, outer_step, restore_outer
+from gossipgrad.peer.algorithms.phase_clock import PhaseClock
 from gossipgrad.peer.flat import FlatParameters, tensor_checksum
 from gossipgrad.peer.network.errors import UpdateRejected
 from gossipgrad.proto import gossip_pb2 as pb
@@ -138,6 +139,8 @@ class ExactDiLoCo(GossipAlgorithm):
         self.momentum = torch.zeros_like(self.anchor) if outer.momentum > 0 else None
         self.feedback = ErrorFeedback(self.codec) if error_feedback else None
         self.store = PhaseStore()
+        self.clock = PhaseClock(outer.local_steps, outer.qsr_alpha)
+        self._lr = 0.0  # the learning rate of the latest inner step (QSR's η)
         self._phase = 0
         self._checksum = tensor_checksum(self.anchor)
         self._finished = False
@@ -414,13 +417,21 @@ class ExactDiLoCo(GossipAlgorithm):
 
     # ------------------------------------------------------------------ a phase's end
 
+    def observe_learning_rate(self, lr: float) -> None:
+        self._lr = lr
+
     def round_due(self, local_step: int) -> bool:
-        return local_step % self.outer.local_steps == 0
+        return self.clock.due(local_step)
 
     def after_step(self, local_step: int) -> RoundStats | None:
         if not self.round_due(local_step) or self._finished:
             return None
-        return self._phase_end()
+        stats = self._phase_end()
+        length = self.clock.length
+        if self.clock.ended(local_step, self._lr) != length:
+            log.info("phase %d: %d inner steps (QSR at learning rate %.3g)", self._phase,
+                     self.clock.length, self._lr)  # fmt: skip
+        return stats
 
     def _phase_end(self) -> RoundStats:
         """Steps 1-5 of the module docstring."""
@@ -574,7 +585,11 @@ class ExactDiLoCo(GossipAlgorithm):
 
     def state_dict(self, for_joiner: bool = False) -> dict:
         with self.state_lock:
-            state = {"anchor": self.anchor.detach().clone(), "phase": self._phase}
+            state = {
+                "anchor": self.anchor.detach().clone(),
+                "phase": self._phase,
+                "clock": self.clock.state_dict(),
+            }
             if self.momentum is not None:
                 state["momentum"] = self.momentum.detach().clone()
             if self.feedback is not None and not for_joiner:
@@ -585,6 +600,7 @@ class ExactDiLoCo(GossipAlgorithm):
         with torch.no_grad(), self.state_lock:
             self._phase = restore_outer(self.anchor, self.momentum, state)
             self._checksum = tensor_checksum(self.anchor)
+            self.clock.load_state_dict(state.get("clock"))
         if self.feedback is not None:
             if "feedback" in state:
                 self.feedback.load_state_dict(state["feedback"])

@@ -35,6 +35,7 @@ class OuterSettings:
     nesterov: bool
     overlap: bool | str  # exchange of phase r runs during phase r + 1 ("auto": as measured)
     background: bool = False  # the phase end runs beside the next phase's first steps
+    qsr_alpha: float = 0.0  # exact-diloco: H grows as the learning rate decays (phase_clock.py)
 
 
 def outer_step(

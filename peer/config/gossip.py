@@ -62,6 +62,16 @@ class GossipSection(Section):
         "Per algorithm; diloco's quality falls and its bytes fall as 1/H (H = 5 / 10 / 20 / "
         "50 ended 6 / 10 / 14 / 19 % above DDP on the char transformer).",
     )
+    qsr_alpha: float = Field(
+        0.0,
+        ge=0,
+        description="exact-diloco: let phases grow as the learning rate decays (Quadratic "
+        "Synchronization Rule, Gu et al., ICLR 2024): after a phase end at learning rate lr, "
+        "the next phase lasts max(local_steps, floor((qsr_alpha / lr)^2)) inner steps; while "
+        "the learning rate rises (warm-up) phases stay at local_steps. 0: off. "
+        "qsr_alpha = peak lr x sqrt(H) makes phases longer than H once the lr falls below "
+        "its peak; docs/algorithms.md.",
+    )
     outer_lr: float = Field(
         default_factory=default_for("outer_lr"),
         gt=0,
@@ -253,6 +263,11 @@ class GossipSection(Section):
                 "exact-diloco takes each phase's mean before the next phase starts, so every "
                 "replica starts it from the same anchor: set background_rounds and overlap "
                 "to false"
+            )
+        if self.qsr_alpha > 0 and self.algorithm != "exact-diloco":
+            raise ValueError(
+                "qsr_alpha sets exact-diloco's phase lengths from the learning rate; "
+                f"{self.algorithm} does not use it: leave it at 0"
             )
         if self.background_rounds and self.algorithm == "diloco" and self.overlap is True:
             raise ValueError(

@@ -212,6 +212,7 @@ class GossipOptimizer:
         here, its stats, when it finished), so one round overlaps the next phase's compute.
         """
         step = self.local_step
+        self.algorithm.observe_learning_rate(float(self.optimizer.param_groups[0]["lr"]))
         if self._background is not None:
             stats = None
             if self.algorithm.round_due(step):
