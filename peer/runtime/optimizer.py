@@ -91,6 +91,9 @@ class GossipOptimizer:
         self.gossip_flat = self.flat.host_twin() if _state_on_host(config, self.flat) else self.flat
         self.buffers = FloatBuffers(model)
         self.local_step = 0
+        # The latest step whose after_local_step is over: a joiner's state taken between a
+        # step and its phase end starts from the step before (see _state).
+        self._settled_step = 0
         self.last_round: RoundStats | None = None
         self.blocking_seconds = 0.0  # training-thread time spent blocked in gossip
         self.finished = False  # finish() ran: the gossip of this run is over
@@ -224,6 +227,8 @@ class GossipOptimizer:
             with self._blocking(), self._parameters_to_gossip(self.algorithm.round_due(step)):
                 stats = self.algorithm.after_step(step)
             self._record(stats)
+        with self.state_lock:
+            self._settled_step = step
         self.peer.update_progress(self.local_step, self.round)
         return stats
 
@@ -306,7 +311,11 @@ class GossipOptimizer:
             "params": copy(self.flat.data),
             "buffers": {n: copy(b) for n, b in persistent_buffers(self.model)},
             "optimizer": self.optimizer.state_dict(),
-            "local_step": self.local_step,
+            # A joiner's state may be taken after step s and before s's round (a phase end
+            # waits for the neighbours' messages): it starts at s − 1, so its next step is
+            # s and it ends that phase with the swarm, its message among the phase's, instead
+            # of one phase apart from the swarm for the rest of the run.
+            "local_step": self._settled_step if for_joiner else self.local_step,
             "round": self.round,
             "fingerprint": self.flat.fingerprint,
             "algorithm": self.config.gossip.algorithm,
@@ -335,7 +344,7 @@ class GossipOptimizer:
                 if name in buffers:
                     buffers[name].copy_(value.to(buffers[name].device))
             self.optimizer.load_state_dict(state["optimizer"])
-            self.local_step = int(state["local_step"])
+            self.local_step = self._settled_step = int(state["local_step"])
             gossip = state.get("gossip", {"round": state.get("round", 0)})
             self.algorithm.load_state_dict(_to_device(gossip, self.gossip_flat.data.device))
 

@@ -68,30 +68,41 @@ def start_optimizers(
     ``lr``."""
     opts: list[GossipOptimizer] = []
     for i in range(n):
-        torch.manual_seed(7)
-        model = model_fn()
-        overrides = {
-            "peer.id": f"p{i}",
-            "peer.bootstrap": [opts[0].peer.address] if opts else [],
-            "metrics.enabled": False,
-            "membership.heartbeat_interval": 0.1,
-            # These tests assert exact agreement, which holds only while nobody is left out
-            # of an exchange; failure detection is not what they test, and with the suite on
-            # every core the peers' threads (one process, one GIL) can starve for seconds.
-            "membership.suspect_after": 30.0,
-            "membership.dead_after": 60.0,
-            "gossip.algorithm": algorithm,
-            "gossip.round_timeout": 30.0,
-            **{f"gossip.{k}": v for k, v in gossip.items()},
-        }
-        opts.append(
-            GossipOptimizer(
-                model, torch.optim.SGD(model.parameters(), lr=lr), build_config({}, overrides)
-            )
-        )
+        bootstrap = [opts[0].peer.address] if opts else []
+        opts.append(gossip_optimizer(f"p{i}", bootstrap, algorithm, lr, model_fn, **gossip))
     for o in opts:
         assert o.wait_for_peers(n, 20), "peers did not discover each other"
     return opts
+
+
+def gossip_optimizer(
+    peer_id: str,
+    bootstrap: list[str],
+    algorithm: str = "ef-gradient",
+    lr: float = 0.1,
+    model_fn: Callable[[], nn.Module] = small_model,
+    **gossip,
+) -> GossipOptimizer:
+    """One peer of ``start_optimizers``' swarms (a later one: a joiner), started."""
+    torch.manual_seed(7)
+    model = model_fn()
+    overrides = {
+        "peer.id": peer_id,
+        "peer.bootstrap": bootstrap,
+        "metrics.enabled": False,
+        "membership.heartbeat_interval": 0.1,
+        # These tests assert exact agreement, which holds only while nobody is left out
+        # of an exchange; failure detection is not what they test, and with the suite on
+        # every core the peers' threads (one process, one GIL) can starve for seconds.
+        "membership.suspect_after": 30.0,
+        "membership.dead_after": 60.0,
+        "gossip.algorithm": algorithm,
+        "gossip.round_timeout": 30.0,
+        **{f"gossip.{k}": v for k, v in gossip.items()},
+    }
+    return GossipOptimizer(
+        model, torch.optim.SGD(model.parameters(), lr=lr), build_config({}, overrides)
+    )
 
 
 def exchange_all(opts: list[GossipOptimizer], grads: list[torch.Tensor]) -> None:

@@ -29,7 +29,7 @@ from gossipgrad.peer.membership.topology import topology_from_name
 from gossipgrad.peer.runtime.optimizer import GossipOptimizer
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from support.optimizers import start_optimizers
+from support.optimizers import gossip_optimizer, start_optimizers
 from support.threads import on_threads
 
 pytestmark = pytest.mark.timeout(120)
@@ -255,4 +255,59 @@ def test_footprint_is_anchor_and_residual() -> None:
         assert a.momentum is None
     finally:
         for o in opts:
+            o.close()
+
+
+def test_a_joiner_whose_state_predates_a_phase_end_ends_that_phase_with_the_swarm() -> None:
+    # A donor serves a joiner's state from another thread at any moment, also between an
+    # optimizer step that ends a phase and that phase's end (which waits for every member's
+    # message, the joiner's included). The joiner then starts from the step before: its next
+    # step ends the same phase, its message is among the phase's, and the three replicas
+    # agree from there on. (Started at the donor's step, it ended its phases one behind the
+    # swarm's for the rest of the run, and the donors waited each phase for its message.)
+    opts = start_optimizers(2, algorithm="exact-diloco", codec="int8", local_steps=2)
+    joiner = gossip_optimizer(
+        "p2", [opts[0].peer.address], algorithm="exact-diloco", codec="int8", local_steps=2
+    )
+    everyone = [*opts, joiner]
+    try:
+        for o in everyone:
+            assert o.wait_for_peers(3, 20)
+        gen = torch.Generator().manual_seed(8)
+        numel = joiner.flat.numel
+
+        def moved(o: GossipOptimizer) -> torch.Tensor:
+            return o.flat.data + 0.05 * torch.randn(numel, generator=gen)
+
+        step_all(opts, [moved(o) for o in opts])  # step 1
+        for o, target in zip(opts, [moved(o) for o in opts], strict=True):  # step 2, no round
+            with o.state_lock:
+                o.flat.data.copy_(target)
+                o.local_step += 1
+        state = opts[0].state_dict(for_joiner=True)
+        assert (state["local_step"], state["gossip"]["phase"]) == (1, 0)
+        joiner.load_state_dict(state)
+        assert joiner.local_step == 1
+
+        target = moved(joiner)
+
+        def finish_step(o: GossipOptimizer) -> None:
+            if o is joiner:  # its step 2, then the phase end all three run together
+                with o.state_lock:
+                    o.flat.data.copy_(target)
+                    o.local_step += 1
+            o.after_local_step()
+
+        on_threads(finish_step, [(o,) for o in everyone])
+        algos = [o.algorithm for o in everyone]
+        assert [a.round for a in algos] == [1, 1, 1]
+        assert all(a.last_applied == ["p0", "p1", "p2"] for a in algos)
+        for _ in range(2):  # the next phase, all three in step
+            step_all(everyone, [moved(o) for o in everyone])
+        assert [a.round for a in algos] == [2, 2, 2]
+        for a in algos:
+            assert torch.equal(a.anchor, algos[0].anchor)
+            assert a.mismatches == 0 and a.resyncs == 0
+    finally:
+        for o in everyone:
             o.close()
