@@ -2,7 +2,7 @@
 # Sets up everything gossipgrad needs on this machine, idempotently:
 #   a virtual environment (.venv, or $GOSSIPGRAD_VENV), torch, the project (editable) with
 #   its test extras, the built-in data sets, and -- with --test -- the system packages the
-#   test suite drives (Prometheus, iproute2, OpenSSH's server and client).
+#   test suite drives (Prometheus, iproute2, nftables, OpenSSH's server and client).
 #
 # torch: a GPU site keeps whatever torch is already importable in the venv. With none, a
 # machine without an NVIDIA GPU gets $GOSSIPGRAD_TORCH (default torch==2.13.0, the CPU wheel
@@ -66,6 +66,8 @@ if [ "$want_test" = 1 ]; then
   missing=()
   command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
   command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+  # Sites behind NAT in network namespaces (tests/peer/runtime/test_relay_nat.py).
+  command -v nft >/dev/null 2>&1 || [ -x /usr/sbin/nft ] || missing+=(nftables)
   # ssh mode's end-to-end test starts a throwaway sshd on 127.0.0.1.
   [ -x /usr/sbin/sshd ] || command -v sshd >/dev/null 2>&1 || missing+=(openssh-server)
   command -v ssh >/dev/null 2>&1 || missing+=(openssh-client)

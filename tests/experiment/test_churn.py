@@ -47,6 +47,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
 from support.swarms import BASE
+from support.waiting import wait_for
 
 PEERS = 6
 STEPS = 800
@@ -66,13 +67,6 @@ CONSENSUS_FACTOR = 2.0
 # membership.suspect_after (2 s here) plus a round; a restart's own start-up does not stop
 # the others.
 STALL_BOUND_S = 10.0
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def final_params(swarm: LocalSwarm, peers) -> list[Path]:

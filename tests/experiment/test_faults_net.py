@@ -32,6 +32,7 @@ from gossipgrad.experiment.launch import LocalSwarm
 from gossipgrad.peer.security import write_swarm_certs
 from prometheus_client.parser import text_string_to_metric_families
 from support.netlab import NetLab, netlab_unavailable
+from support.waiting import wait_for
 
 pytestmark = [
     pytest.mark.timeout(240),
@@ -82,13 +83,6 @@ def scrape(lab: NetLab, i: int) -> dict[str, float]:
 
 def steps(swarm: LocalSwarm) -> list[int]:
     return [s.step for s in swarm.statuses()]
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def rss_kib(pid: int) -> int:

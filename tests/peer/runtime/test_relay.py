@@ -46,6 +46,7 @@ from support.peers import (
     wait_until_met,
 )
 from support.swarms import BASE
+from support.waiting import wait_for
 from torch import nn
 
 pytestmark = pytest.mark.timeout(120)
@@ -109,13 +110,6 @@ def swarm(certs, advertised: dict[str, str]) -> tuple[list[Peer], dict[str, str]
             relays[q.id] = outbound_only(q)
     wait_until_met(peers)
     return peers, relays
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def test_two_outbound_only_neighbours_train_through_relays_like_a_direct_swarm(

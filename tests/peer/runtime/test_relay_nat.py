@@ -10,6 +10,7 @@ NAT.
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ from gossipgrad.experiment.launch import LocalSwarm
 from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
 from gossipgrad.peer.security import write_swarm_certs
 from support.netlab import NetLab, netlab_unavailable
-from support.swarms import BASE
+from support.swarms import BASE, served_states
+from support.waiting import wait_for
 
 pytestmark = [
     pytest.mark.timeout(400),
@@ -93,3 +95,81 @@ def test_two_sites_behind_nat_train_through_relays_like_the_open_swarm(tmp_path:
     # counts it under "(departed)").
     assert max(summaries[2].exchanges.get("peer3", 0), summaries[3].exchanges.get("peer2", 0))
     assert nat_distance <= 2 * open_distance
+
+
+@pytest.mark.slow
+def test_behind_nat_a_killed_relay_is_replaced_and_a_natted_joiner_trains(tmp_path: Path) -> None:
+    """Real NAT: peer2 and peer3 behind NATs of their own attach to peer0 or peer1; the relay
+    peer2 uses is SIGKILLed mid-run, and both are called through the other open peer within
+    a few heartbeat intervals. Then peer4, behind a NAT of its own too, joins the running
+    swarm: it finds itself unreachable, attaches to the open peer, takes a donor's state and
+    trains to the end with the survivors, and all of them end together."""
+    natted = {2, 3, 4}
+    lab = NetLab([0] * 5, natted=natted)
+    certs = write_swarm_certs(tmp_path / "certs", [f"peer{i}" for i in range(5)])
+    steps = 1200
+    interval = float(BASE["membership.heartbeat_interval"])
+
+    def per_peer(i: int) -> dict[str, str]:
+        keys = {
+            "peer.listen": f"{lab.address(i)}:7000",
+            "security.ca": str(certs.ca),
+            "security.cert": str(certs.certs[f"peer{i}"]),
+            "security.key": str(certs.keys[f"peer{i}"]),
+        }
+        if i in natted:
+            keys["peer.listen"] = f"{lab.private_address(i)}:7000"
+            keys["peer.advertise"] = f"{lab.address(i)}:7000"
+        return keys
+
+    swarm = LocalSwarm(
+        tmp_path / "swarm",
+        4,
+        {**CONFIG, "train.steps": str(steps)},
+        command_prefix=lab.exec_prefix,
+        peer_overrides=per_peer,
+    )
+
+    def relay_of(i: int) -> str:
+        status = read_record(swarm.peer_dir(i) / "status.json", PeerStatus)
+        return status.relay if status is not None and status.relay else ""
+
+    try:
+        lab.up()
+        swarm.start()
+        wait_for(lambda: relay_of(2) and relay_of(3) and swarm.status(2).step >= 100, 150, "relays")
+        victim = int(relay_of(2).removeprefix("peer"))
+        assert victim in (0, 1)
+        other = 1 - victim
+        moved = [i for i in (2, 3) if relay_of(i) == f"peer{victim}"]
+        swarm.kill(victim)
+        killed_at = time.monotonic()
+        wait_for(lambda: all(relay_of(i) == f"peer{other}" for i in moved), 30, "a new relay")
+        took = time.monotonic() - killed_at
+        print(f"relay replaced {took:.2f}s after the kill ({took / interval:.1f} intervals)")
+        assert took < 5 * interval + 1.0
+        # The joiner, behind its NAT, bootstraps from the open survivor.
+        swarm.spawn(4, bootstrap=swarm.address(other), extra={"peer.expected_peers": "1"})
+        assert swarm.wait(300), "the swarm did not finish"
+        assert swarm.failed() == [victim]
+    finally:
+        for p in swarm.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+        swarm.stop(timeout=15)
+        lab.close()
+    finishers = [i for i in range(5) if i != victim]
+    summaries = {i: read_record(swarm.peer_dir(i) / "summary.json", PeerSummary) for i in finishers}
+    assert all(s is not None and s.steps == steps for s in summaries.values()), summaries
+    joiner = read_record(swarm.peer_dir(4) / "status.json", PeerStatus)
+    assert joiner is not None and joiner.reachability is not None
+    assert (joiner.reachability.status, joiner.reachability.cause) == ("unreachable", "timed_out")
+    assert joiner.relay == f"peer{other}"
+    served = {i: served_states(swarm, range(i, i + 1)) for i in finishers if i != 4}
+    donors = {digest: i for i, states in served.items() for _, digest in states}
+    assert joiner.start_step and joiner.start_params in donors, (joiner, donors)
+    print(f"peer4 took peer{donors[joiner.start_params]}'s state at step {joiner.start_step}")
+    cd = consensus_distance([swarm.peer_dir(i) / "params.pt" for i in finishers])
+    assert cd is not None
+    print(f"relative consensus distance of the finishers {cd[1]:.3e}")
+    assert cd[1] < 1e-3
