@@ -9,15 +9,17 @@ NAT.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from gossipgrad.experiment.analysis import consensus_distance
 from gossipgrad.experiment.launch import LocalSwarm
 from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
-from gossipgrad.peer.security import write_swarm_certs
+from gossipgrad.peer.security import SwarmCertPaths, write_swarm_certs
 from support.netlab import NetLab, netlab_unavailable
 from support.swarms import BASE, served_states
 from support.waiting import wait_for
@@ -35,6 +37,36 @@ CONFIG = {**BASE, "train.steps": str(STEPS), "checkpoint.every": "0"}
 NATTED = {2, 3}
 
 
+def site_keys(lab: NetLab, certs: SwarmCertPaths, i: int) -> dict[str, str]:
+    """Site i's own keys: its address and certificate; behind NAT it listens inside and
+    advertises what others would dial (its router's address)."""
+    keys = {
+        "peer.listen": f"{lab.address(i)}:7000",
+        "security.ca": str(certs.ca),
+        "security.cert": str(certs.certs[f"peer{i}"]),
+        "security.key": str(certs.keys[f"peer{i}"]),
+    }
+    if i in lab.natted:
+        keys["peer.listen"] = f"{lab.private_address(i)}:7000"
+        keys["peer.advertise"] = f"{lab.address(i)}:7000"
+    return keys
+
+
+@contextlib.contextmanager
+def lab_running(lab: NetLab, swarm: LocalSwarm) -> Iterator[None]:
+    """The lab's namespaces up for the block; after it every peer still running is killed
+    and the namespaces deleted."""
+    try:
+        lab.up()
+        yield
+    finally:
+        for p in swarm.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+        swarm.stop(timeout=15)
+        lab.close()
+
+
 def run_swarm(tmp_path: Path, natted: set[int]) -> tuple[LocalSwarm, float]:
     """The 4-site swarm to its end, ``natted`` behind NAT; the swarm and the relative
     consensus distance of its final models."""
@@ -42,32 +74,17 @@ def run_swarm(tmp_path: Path, natted: set[int]) -> tuple[LocalSwarm, float]:
     lab = NetLab([0, 0, 0, 0], natted=natted)
     certs = write_swarm_certs(tmp_path / f"certs-{name}", [f"peer{i}" for i in range(4)])
 
-    def per_peer(i: int) -> dict[str, str]:
-        keys = {
-            "peer.listen": f"{lab.address(i)}:7000",
-            "security.ca": str(certs.ca),
-            "security.cert": str(certs.certs[f"peer{i}"]),
-            "security.key": str(certs.keys[f"peer{i}"]),
-        }
-        if i in natted:  # it listens inside, and advertises what others would dial
-            keys["peer.listen"] = f"{lab.private_address(i)}:7000"
-            keys["peer.advertise"] = f"{lab.address(i)}:7000"
-        return keys
-
     swarm = LocalSwarm(
-        tmp_path / name, 4, CONFIG, command_prefix=lab.exec_prefix, peer_overrides=per_peer
+        tmp_path / name,
+        4,
+        CONFIG,
+        command_prefix=lab.exec_prefix,
+        peer_overrides=lambda i: site_keys(lab, certs, i),
     )
-    try:
-        lab.up()
+    with lab_running(lab, swarm):
         swarm.start()
         assert swarm.wait(300), f"{name} swarm did not finish"
         assert swarm.failed() == [], name
-    finally:
-        for p in swarm.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-        swarm.stop(timeout=15)
-        lab.close()
     cd = consensus_distance([swarm.peer_dir(i) / "params.pt" for i in range(4)])
     assert cd is not None
     return swarm, cd[1]
@@ -110,32 +127,19 @@ def test_behind_nat_a_killed_relay_is_replaced_and_a_natted_joiner_trains(tmp_pa
     steps = 1200
     interval = float(BASE["membership.heartbeat_interval"])
 
-    def per_peer(i: int) -> dict[str, str]:
-        keys = {
-            "peer.listen": f"{lab.address(i)}:7000",
-            "security.ca": str(certs.ca),
-            "security.cert": str(certs.certs[f"peer{i}"]),
-            "security.key": str(certs.keys[f"peer{i}"]),
-        }
-        if i in natted:
-            keys["peer.listen"] = f"{lab.private_address(i)}:7000"
-            keys["peer.advertise"] = f"{lab.address(i)}:7000"
-        return keys
-
     swarm = LocalSwarm(
         tmp_path / "swarm",
         4,
         {**CONFIG, "train.steps": str(steps)},
         command_prefix=lab.exec_prefix,
-        peer_overrides=per_peer,
+        peer_overrides=lambda i: site_keys(lab, certs, i),
     )
 
     def relay_of(i: int) -> str:
         status = read_record(swarm.peer_dir(i) / "status.json", PeerStatus)
         return status.relay if status is not None and status.relay else ""
 
-    try:
-        lab.up()
+    with lab_running(lab, swarm):
         swarm.start()
         wait_for(lambda: relay_of(2) and relay_of(3) and swarm.status(2).step >= 100, 150, "relays")
         victim = int(relay_of(2).removeprefix("peer"))
@@ -152,12 +156,6 @@ def test_behind_nat_a_killed_relay_is_replaced_and_a_natted_joiner_trains(tmp_pa
         swarm.spawn(4, bootstrap=swarm.address(other), extra={"peer.expected_peers": "1"})
         assert swarm.wait(300), "the swarm did not finish"
         assert swarm.failed() == [victim]
-    finally:
-        for p in swarm.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-        swarm.stop(timeout=15)
-        lab.close()
     finishers = [i for i in range(5) if i != victim]
     summaries = {i: read_record(swarm.peer_dir(i) / "summary.json", PeerSummary) for i in finishers}
     assert all(s is not None and s.steps == steps for s in summaries.values()), summaries
