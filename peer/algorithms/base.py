@@ -41,6 +41,9 @@ class GossipAlgorithm(abc.ABC):
     name: ClassVar[str]
     #: The update kinds it takes (pb.UpdateKind values).
     kinds: ClassVar[tuple[int, ...]]
+    #: Rounds are phases that every peer ends at the same steps (diloco, exact-diloco): a
+    #: joiner must start where its next phase end is the swarm's.
+    phased: ClassVar[bool] = False
 
     @property
     @abc.abstractmethod

@@ -65,6 +65,7 @@ class DiLoCo(GossipAlgorithm):
 
     name = "diloco"
     kinds = (pb.GRADIENT, *ChocoGossip.kinds)
+    phased = True
 
     def __init__(
         self,

@@ -112,6 +112,7 @@ class ExactDiLoCo(GossipAlgorithm):
 
     name = "exact-diloco"
     kinds = (pb.SHARED, pb.ANCHOR)
+    phased = True
 
     def __init__(
         self,

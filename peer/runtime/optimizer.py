@@ -91,8 +91,7 @@ class GossipOptimizer:
         self.gossip_flat = self.flat.host_twin() if _state_on_host(config, self.flat) else self.flat
         self.buffers = FloatBuffers(model)
         self.local_step = 0
-        # The latest step whose after_local_step is over: a joiner's state taken between a
-        # step and its phase end starts from the step before (see _state).
+        # The latest step whose after_local_step is over (see _joiners_step).
         self._settled_step = 0
         self.last_round: RoundStats | None = None
         self.blocking_seconds = 0.0  # training-thread time spent blocked in gossip
@@ -311,16 +310,23 @@ class GossipOptimizer:
             "params": copy(self.flat.data),
             "buffers": {n: copy(b) for n, b in persistent_buffers(self.model)},
             "optimizer": self.optimizer.state_dict(),
-            # A joiner's state may be taken after step s and before s's round (a phase end
-            # waits for the neighbours' messages): it starts at s − 1, so its next step is
-            # s and it ends that phase with the swarm, its message among the phase's, instead
-            # of one phase apart from the swarm for the rest of the run.
-            "local_step": self._settled_step if for_joiner else self.local_step,
+            "local_step": self._joiners_step() if for_joiner else self.local_step,
             "round": self.round,
             "fingerprint": self.flat.fingerprint,
             "algorithm": self.config.gossip.algorithm,
             "gossip": self.algorithm.state_dict(for_joiner),
         }
+
+    def _joiners_step(self) -> int:
+        """The step a joiner starts from. With phases (diloco, exact-diloco) a state taken
+        after step s and before s's phase end (which waits for every member's message, the
+        joiner's too) says s − 1: the joiner's next step is s, it ends that phase with the
+        swarm and its message is among the phase's, instead of ending its phases one behind
+        the swarm's for the rest of the run. Its parameters and optimizer state are step s's:
+        it trains one step more than it counts. Otherwise the step taken."""
+        if self.algorithm.phased and self.algorithm.round_due(self.local_step):
+            return self._settled_step
+        return self.local_step
 
     def load_state_dict(self, state: dict) -> None:
         self._wait_for_round()  # a round handed over before is over before the state changes
