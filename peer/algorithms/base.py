@@ -41,9 +41,6 @@ class GossipAlgorithm(abc.ABC):
     name: ClassVar[str]
     #: The update kinds it takes (pb.UpdateKind values).
     kinds: ClassVar[tuple[int, ...]]
-    #: Rounds are phases that every peer ends at the same steps (diloco, exact-diloco): a
-    #: joiner must start where its next phase end is the swarm's.
-    phased: ClassVar[bool] = False
 
     @property
     @abc.abstractmethod
@@ -65,6 +62,12 @@ class GossipAlgorithm(abc.ABC):
         before ``round_due`` and ``after_step``; nothing by default (exact-diloco's phase
         lengths follow it with ``gossip.qsr_alpha``)."""
         return
+
+    def phase_end_pending(self, local_step: int) -> bool:
+        """Whether step ``local_step`` ends a phase whose end is not applied yet (diloco,
+        exact-diloco: a phase end waits for the neighbours' messages), read under the state
+        lock; False without phases. A joiner's state taken then starts a step back."""
+        return False
 
     def round_due(self, local_step: int) -> bool:
         """Whether ``after_step(local_step)`` runs a round (True by default: it decides)."""

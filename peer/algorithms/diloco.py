@@ -65,7 +65,6 @@ class DiLoCo(GossipAlgorithm):
 
     name = "diloco"
     kinds = (pb.GRADIENT, *ChocoGossip.kinds)
-    phased = True
 
     def __init__(
         self,
@@ -85,6 +84,7 @@ class DiLoCo(GossipAlgorithm):
         # Only an outer step with momentum has a buffer to keep.
         self.momentum = torch.zeros_like(anchor) if outer.momentum > 0 else None
         self._phase = 0
+        self._ended_step = 0  # the latest step whose phase end is applied (under state_lock)
         self._pending: Ticket | None = None
         # θ at the end of the phase whose round runs in the background (background only).
         self._phase_end: torch.Tensor | None = None
@@ -103,12 +103,19 @@ class DiLoCo(GossipAlgorithm):
 
     # ------------------------------------------------------------------ the outer round
 
-    def _outer_round(self, overlap: bool, phase_end: torch.Tensor | None = None) -> RoundStats:
+    def _outer_round(
+        self,
+        overlap: bool,
+        phase_end: torch.Tensor | None = None,
+        local_step: int | None = None,
+    ) -> RoundStats:
         """The end of a phase: steps 1-5, or with ``overlap`` the eager variant (module
         docstring): this phase's own pseudo-gradient and the neighbours' of the phase
         before, whose exchange ran while this phase computed. With ``phase_end`` (θ_r, kept by
         ``hand_over`` for a round in the background) Δ is taken from it, without the lock, as
-        training goes on, and the parameters move by a' − θ_r instead of restarting from a'."""
+        training goes on, and the parameters move by a' − θ_r instead of restarting from a'.
+        ``local_step``: the step the phase ends at (None: the run's last, partial phase),
+        recorded with the new parameters under the lock (``phase_end_pending``)."""
         theta = self.flat.data if phase_end is None else phase_end
         reads_params = self.state_lock if phase_end is None else contextlib.nullcontext()
         with torch.no_grad(), reads_params:
@@ -131,13 +138,18 @@ class DiLoCo(GossipAlgorithm):
             else:  # a' − θ_r, in θ_r's buffer (no temporary), then onto the parameters
                 torch.sub(self.anchor, phase_end, out=phase_end)
                 self.flat.data.add_(phase_end)
-        self._phase += 1
+            self._phase += 1
+            if local_step is not None:
+                self._ended_step = local_step
         return stats
 
     # ------------------------------------------------------------------ interface
 
     def round_due(self, local_step: int) -> bool:
         return local_step % self.outer.local_steps == 0
+
+    def phase_end_pending(self, local_step: int) -> bool:
+        return self.round_due(local_step) and self._ended_step != local_step
 
     def hand_over(self, local_step: int) -> None:
         if not self.outer.background or not self.round_due(local_step):
@@ -155,13 +167,13 @@ class DiLoCo(GossipAlgorithm):
             if self._phase_done is not None:
                 self.overlap.observe_compute(started - self._phase_done)
             overlap = self.overlap.update(self.average.nb.round_trip())
-            stats = self._outer_round(overlap)
+            stats = self._outer_round(overlap, local_step=local_step)
             stats.overlap = overlap
             self._phase_done = time.perf_counter()
             return stats
         if self._phase_end is None:
             raise RuntimeError("hand_over() keeps θ before a round goes to the background")
-        return self._outer_round(overlap=False, phase_end=self._phase_end)
+        return self._outer_round(overlap=False, phase_end=self._phase_end, local_step=local_step)
 
     def consensus_round(self) -> RoundStats:
         """Gossip-only: a CHOCO round over the anchors, the parameters follow them."""
@@ -212,6 +224,7 @@ class DiLoCo(GossipAlgorithm):
             state = {
                 "anchor": self.anchor.detach().clone(),
                 "phase": self._phase,
+                "ended_step": self._ended_step,
                 "average": self.average.state_dict(for_joiner),
                 "anchors": self.anchors.state_dict(for_joiner),
             }
@@ -222,6 +235,7 @@ class DiLoCo(GossipAlgorithm):
     def load_state_dict(self, state: dict) -> None:
         with torch.no_grad(), self.state_lock:
             self._phase = restore_outer(self.anchor, self.momentum, state)
+            self._ended_step = int(state.get("ended_step", 0))
         self._pending = None
         self.average.load_state_dict(state.get("average", {}))
         self.anchors.load_state_dict(state.get("anchors", {}))

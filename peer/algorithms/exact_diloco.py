@@ -112,7 +112,6 @@ class ExactDiLoCo(GossipAlgorithm):
 
     name = "exact-diloco"
     kinds = (pb.SHARED, pb.ANCHOR)
-    phased = True
 
     def __init__(
         self,
@@ -142,6 +141,7 @@ class ExactDiLoCo(GossipAlgorithm):
         self.store = PhaseStore()
         self.clock = PhaseClock(outer.local_steps, outer.qsr_alpha)
         self._lr = 0.0  # the learning rate of the latest inner step (QSR's η)
+        self._ended_step = 0  # the latest step whose phase end is applied (under state_lock)
         self._phase = 0
         self._checksum = tensor_checksum(self.anchor)
         self._finished = False
@@ -424,18 +424,28 @@ class ExactDiLoCo(GossipAlgorithm):
     def round_due(self, local_step: int) -> bool:
         return self.clock.due(local_step)
 
+    def phase_end_pending(self, local_step: int) -> bool:
+        return self.round_due(local_step) and self._ended_step != local_step
+
     def after_step(self, local_step: int) -> RoundStats | None:
         if not self.round_due(local_step) or self._finished:
             return None
-        stats = self._phase_end()
+        return self._phase_end(local_step)
+
+    def _ended(self, local_step: int | None) -> None:
+        """Under the state lock, with the anchor the next phase starts from: the step this
+        phase ended at and the next one's end, so that a joiner's state is never taken
+        between them (None: the run's last, partial phase)."""
+        if local_step is None:
+            return
+        self._ended_step = local_step
         length = self.clock.length
         if self.clock.ended(local_step, self._lr) != length:
             log.info("phase %d: %d inner steps (QSR at learning rate %.3g)", self._phase,
                      self.clock.length, self._lr)  # fmt: skip
-        return stats
 
-    def _phase_end(self) -> RoundStats:
-        """Steps 1-5 of the module docstring."""
+    def _phase_end(self, local_step: int | None) -> RoundStats:
+        """Steps 1-5 of the module docstring, at the end of step ``local_step``."""
         t0 = time.perf_counter()
         self._await_anchor()
         self._adopt(keep_progress=True)  # an anchor received during the phase
@@ -463,7 +473,7 @@ class ExactDiLoCo(GossipAlgorithm):
 
         waited = self.nb.wait(missing, self.round_timeout, f"phase {phase}", on_wake=repair)
         if self._resync_ahead(phase):
-            return self._skip_to_swarm(phase, payload, waited, t0)
+            return self._skip_to_swarm(phase, payload, waited, t0, local_step)
         messages = self.store.close(phase)
         self.last_applied = [m.origin for m in messages]
         started = self._checksum  # the anchor this phase started from
@@ -477,7 +487,8 @@ class ExactDiLoCo(GossipAlgorithm):
             outer_step(self.anchor, step, self.momentum, self.outer)
             self.flat.data.copy_(self.anchor)
             self._checksum = tensor_checksum(self.anchor)
-        self._phase += 1
+            self._phase += 1
+            self._ended(local_step)
         self._remember(self._phase, self._checksum)
         self._answer_anchors()
         if mismatched:
@@ -505,7 +516,9 @@ class ExactDiLoCo(GossipAlgorithm):
                 self.metrics.record_anchor_mismatches(len(mismatched))
         return stats
 
-    def _skip_to_swarm(self, phase: int, payload: bytes, waited: float, t0: float) -> RoundStats:
+    def _skip_to_swarm(
+        self, phase: int, payload: bytes, waited: float, t0: float, local_step: int | None
+    ) -> RoundStats:
         """The swarm is past ``phase`` (an anchor of a later one came): its own message was
         late everywhere, so what it carried goes back into the residual (sent later), and
         the peer takes the anchor, the parameters starting from it."""
@@ -514,6 +527,8 @@ class ExactDiLoCo(GossipAlgorithm):
                 self.feedback.put_back(_NAME, payload)
         self.store.close(phase)
         self._adopt(keep_progress=False)
+        with self.state_lock:
+            self._ended(local_step)
         if self.metrics is not None:
             self.metrics.observe_round(time.perf_counter() - t0)
         return RoundStats(
@@ -578,7 +593,7 @@ class ExactDiLoCo(GossipAlgorithm):
             with torch.no_grad(), self.state_lock:
                 partial = not torch.equal(self.anchor, self.flat.data)
             if partial:
-                self._phase_end()
+                self._phase_end(None)
         # The forwards of the last phase: a subtree waits for them, and leaving cancels them.
         if not self.nb.drain(self.round_timeout if not interrupted else 1.0):
             log.warning("finished with forwards still queued: the neighbours may miss some")
@@ -590,6 +605,7 @@ class ExactDiLoCo(GossipAlgorithm):
                 "anchor": self.anchor.detach().clone(),
                 "phase": self._phase,
                 "clock": self.clock.state_dict(),
+                "ended_step": self._ended_step,
             }
             if self.momentum is not None:
                 state["momentum"] = self.momentum.detach().clone()
@@ -602,6 +618,7 @@ class ExactDiLoCo(GossipAlgorithm):
             self._phase = restore_outer(self.anchor, self.momentum, state)
             self._checksum = tensor_checksum(self.anchor)
             self.clock.load_state_dict(state.get("clock"))
+            self._ended_step = int(state.get("ended_step", 0))
         if self.feedback is not None:
             if "feedback" in state:
                 self.feedback.load_state_dict(state["feedback"])

@@ -91,8 +91,6 @@ class GossipOptimizer:
         self.gossip_flat = self.flat.host_twin() if _state_on_host(config, self.flat) else self.flat
         self.buffers = FloatBuffers(model)
         self.local_step = 0
-        # The latest step whose after_local_step is over (see _joiners_step).
-        self._settled_step = 0
         self.last_round: RoundStats | None = None
         self.blocking_seconds = 0.0  # training-thread time spent blocked in gossip
         self.finished = False  # finish() ran: the gossip of this run is over
@@ -226,8 +224,6 @@ class GossipOptimizer:
             with self._blocking(), self._parameters_to_gossip(self.algorithm.round_due(step)):
                 stats = self.algorithm.after_step(step)
             self._record(stats)
-        with self.state_lock:
-            self._settled_step = step
         self.peer.update_progress(self.local_step, self.round)
         return stats
 
@@ -324,9 +320,7 @@ class GossipOptimizer:
         swarm and its message is among the phase's, instead of ending its phases one behind
         the swarm's for the rest of the run. Its parameters and optimizer state are step s's:
         it trains one step more than it counts. Otherwise the step taken."""
-        if self.algorithm.phased and self.algorithm.round_due(self.local_step):
-            return self._settled_step
-        return self.local_step
+        return self.local_step - int(self.algorithm.phase_end_pending(self.local_step))
 
     def load_state_dict(self, state: dict) -> None:
         self._wait_for_round()  # a round handed over before is over before the state changes
@@ -350,7 +344,7 @@ class GossipOptimizer:
                 if name in buffers:
                     buffers[name].copy_(value.to(buffers[name].device))
             self.optimizer.load_state_dict(state["optimizer"])
-            self.local_step = self._settled_step = int(state["local_step"])
+            self.local_step = int(state["local_step"])
             gossip = state.get("gossip", {"round": state.get("round", 0)})
             self.algorithm.load_state_dict(_to_device(gossip, self.gossip_flat.data.device))
 

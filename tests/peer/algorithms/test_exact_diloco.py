@@ -299,6 +299,9 @@ def test_a_joiner_whose_state_predates_a_phase_end_ends_that_phase_with_the_swar
             o.after_local_step()
 
         on_threads(finish_step, [(o,) for o in everyone])
+        # Once step 2's phase end is applied, a joiner's state says step 2 (with phase 1).
+        later = opts[0].state_dict(for_joiner=True)
+        assert (later["local_step"], later["gossip"]["phase"]) == (2, 1)
         algos = [o.algorithm for o in everyone]
         assert [a.round for a in algos] == [1, 1, 1]
         assert all(a.last_applied == ["p0", "p1", "p2"] for a in algos)
