@@ -42,6 +42,8 @@ def test_the_emulated_task_is_the_built_in_one_with_a_wait_per_loss(monkeypatch)
         ({WAIT_ENV: "-5"}, "GOSSIPGRAD_ACCELERATOR_MS must be >= 0"),
         ({WAIT_ENV: "nan"}, "GOSSIPGRAD_ACCELERATOR_MS must be >= 0"),
         ({BASE_TASK_ENV: "mnist"}, "GOSSIPGRAD_EMULATED_TASK='mnist' is not a built-in task"),
+        ({BASE_TASK_ENV: "sized:huge"}, "a model size such as 100M, got 'huge'"),
+        ({BASE_TASK_ENV: "sized:1000"}, "a sized model needs at least 262144 parameters"),
     ],
 )
 def test_bad_settings_are_named_in_the_error(monkeypatch, env, message) -> None:
@@ -49,6 +51,26 @@ def test_bad_settings_are_named_in_the_error(monkeypatch, env, message) -> None:
         monkeypatch.setenv(key, value)
     with pytest.raises(ValueError, match=message):
         build_task(TASK_NAME, TaskContext())
+
+
+def test_a_sized_task_has_the_parameters_asked_for_and_sgd_lowers_its_loss(monkeypatch) -> None:
+    """``sized:SIZE``: a model of SIZE parameters (to a multiple of its tensors), the same on
+    every peer, whose steps train: the evaluation's loss falls."""
+    monkeypatch.setenv(BASE_TASK_ENV, "sized:2M")
+    monkeypatch.setenv(WAIT_ENV, "0")
+    peers = [build_task(TASK_NAME, TaskContext(num_peers=2, peer_index=i, seed=1)) for i in (0, 1)]
+    task = peers[0]
+    assert sum(p.numel() for p in task.model.parameters()) == 2_000_000
+    assert torch.equal(task.model.target, peers[1].model.target)
+    assert next(task.batches()) != next(peers[1].batches())  # each peer its own windows
+    before = task.evaluate(task.model)["loss"]
+    opt = task.make_optimizer(task.model.parameters())
+    batches = task.batches()
+    for _ in range(200):
+        opt.zero_grad()
+        task.loss(task.model, next(batches)).backward()
+        opt.step()
+    assert task.evaluate(task.model)["loss"] < 0.9 * before
 
 
 def test_bench_churn_refuses_an_emulated_accelerator_under_a_user_task(tmp_path) -> None:

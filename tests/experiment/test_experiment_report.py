@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-from gossipgrad.experiment import cli
-from gossipgrad.experiment.analysis import time_to_target
+import torch
+from gossipgrad.experiment import analysis, cli
+from gossipgrad.experiment.analysis import consensus_distance, time_to_target
 from gossipgrad.experiment.markdown import markdown
 from gossipgrad.experiment.records import Report, Sample, SystemTime
 from gossipgrad.experiment.report import load_report, write_outputs
@@ -55,6 +56,26 @@ def accuracy_report() -> Report:
     ddp = proc([(50, 10.0, 0.70), (100, 20.0, 0.945)], (30.0, 0.95), "accuracy")
     psgd = proc([(50, 5.0, 0.60), (100, 10.0, 0.85)], (15.0, 0.90), "accuracy")
     return report_of("accuracy", peers, {"ddp": ddp, "powersgd": psgd})
+
+
+def test_consensus_distance_read_a_chunk_at_a_time_is_the_whole_vectors_one(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """(1/n) Σ ||x_i − x̄||² and its ratio to ||x̄||², from files read in chunks (one of them
+    short), against the formula over the whole vectors; a missing file is left out."""
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(23, generator=gen) for _ in range(3)]
+    files = [tmp_path / f"p{i}.pt" for i in range(4)]  # p3.pt: never written
+    for x, f in zip(xs, files, strict=False):
+        torch.save(x, f)
+    monkeypatch.setattr(analysis, "CONSENSUS_CHUNK", 5)
+    dist, relative = consensus_distance(files)
+    stacked = torch.stack(xs).double()
+    mean = stacked.mean(0)
+    expected = float(((stacked - mean) ** 2).sum(1).mean())
+    assert dist == pytest.approx(expected, rel=1e-12)
+    assert relative == pytest.approx(expected / float((mean**2).sum()), rel=1e-12)
+    assert consensus_distance(files[:1]) is None
 
 
 def test_accuracy_target_is_the_first_mean_at_or_above_ddp_final() -> None:

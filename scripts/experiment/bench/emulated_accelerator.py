@@ -5,7 +5,8 @@ The peers of a local swarm share this host's CPUs, so whatever one peer does bes
 other peer's steps: a churn benchmark on one host then measures CPU contention as much as the
 protocol. Sites train on accelerators of their own, and a step's device time leaves the host's
 CPU free for gossip, membership and the others. ``task`` emulates that: it builds the built-in
-task named by ``GOSSIPGRAD_EMULATED_TASK`` (default ``digits``) and makes each computed loss
+task named by ``GOSSIPGRAD_EMULATED_TASK`` (default ``digits``; ``sized:100M``, a model of that
+many parameters: ``sized``) and makes each computed loss
 wait ``GOSSIPGRAD_ACCELERATOR_MS`` milliseconds before it is returned, in ``time.sleep``, which
 gives up the CPU as a thread blocked on its device does. Evaluation does not wait.
 
@@ -20,6 +21,7 @@ import os
 import time
 
 import torch
+from gossipgrad.experiment.bench.sized import parse_size, sized_task
 from gossipgrad.peer.tasks.base import Task, TaskContext
 from gossipgrad.peer.tasks.registry import BUILTIN_TASKS
 
@@ -27,6 +29,8 @@ from gossipgrad.peer.tasks.registry import BUILTIN_TASKS
 TASK_NAME = "gossipgrad.experiment.bench.emulated_accelerator:task"
 #: Environment variable: the built-in task that runs on the emulated accelerator.
 BASE_TASK_ENV = "GOSSIPGRAD_EMULATED_TASK"
+#: A base task of that many parameters (``sized:100M``; ``sized``).
+SIZED_PREFIX = "sized:"
 #: Environment variable: milliseconds each step waits for the emulated accelerator.
 WAIT_ENV = "GOSSIPGRAD_ACCELERATOR_MS"
 
@@ -48,12 +52,16 @@ def task(ctx: TaskContext) -> Task:
     """The built-in task ``GOSSIPGRAD_EMULATED_TASK`` with a loss that waits
     ``GOSSIPGRAD_ACCELERATOR_MS`` ms per call (a training step computes it once)."""
     name = os.environ.get(BASE_TASK_ENV, "digits")
-    if name not in BUILTIN_TASKS:
-        raise ValueError(
-            f"{BASE_TASK_ENV}={name!r} is not a built-in task; valid: {', '.join(BUILTIN_TASKS)}"
-        )
     wait = accelerator_wait_s()
-    base = BUILTIN_TASKS[name](ctx)
+    if name.startswith(SIZED_PREFIX):
+        base = sized_task(ctx, parse_size(name[len(SIZED_PREFIX) :]))
+    elif name in BUILTIN_TASKS:
+        base = BUILTIN_TASKS[name](ctx)
+    else:
+        raise ValueError(
+            f"{BASE_TASK_ENV}={name!r} is not a built-in task; valid: "
+            f"{', '.join(BUILTIN_TASKS)}, or {SIZED_PREFIX}SIZE (e.g. {SIZED_PREFIX}100M)"
+        )
 
     def loss_fn(model: torch.nn.Module, batch) -> torch.Tensor:
         loss = base.loss(model, batch)
