@@ -191,11 +191,14 @@ class ErrorFeedback:
             self._residuals.pop(name, None)
             self._norms.pop(name, None)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Checkpointable state: the codec spec and a copy of every residual."""
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
+        """Checkpointable state: the codec spec and a copy of every residual (``copy``
+        False: the residuals themselves, for a caller that saves them before they change)."""
         return {
             "codec": self.codec.spec,
-            "residuals": {k: v.detach().clone() for k, v in self._residuals.items()},
+            "residuals": {
+                k: v.detach().clone() if copy else v.detach() for k, v in self._residuals.items()
+            },
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:

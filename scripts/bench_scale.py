@@ -20,9 +20,10 @@ baseline measured in the same process and run:
   without gossip over their wall time with it (1: gossip costs the training nothing).
 * start: building and starting the GossipOptimizer; state: ``state_dict()`` and saving it to
   memory with ``torch.save``, over a ``torch.save`` of the same state alone; checkpoint: the
-  daemon's atomic save of that state to disk (temporary file, fsync, rename) over the same
-  ``torch.save`` to memory, and the resident memory its peak added, in model bytes (the
-  peers take these one at a time, after the rounds).
+  daemon's atomic save of the state to disk (temporary file, fsync, rename), written from
+  the live tensors held still (``checkpoint_state``), over the same ``torch.save`` to
+  memory, and the resident memory its peak added, in model bytes (the peers take these one
+  at a time, after the rounds).
 
 Then, per size, a state download and the dense resync after it (``--join``, choco, AdamW: a
 state of 3 models): a donor past the rounds whose edges open from the shared initial model
@@ -273,8 +274,9 @@ def _peer(rank: int, a: dict, addresses, barrier, state_turn) -> dict:
 
 
 def state_figures(gopt, model_bytes: int) -> dict:
-    """``state_dict()`` and a checkpoint of it, each against a ``torch.save`` of the same
-    state to memory, and the resident memory the checkpoint's peak added."""
+    """``state_dict()``, and a checkpoint as the daemon writes it (from the live state,
+    ``checkpoint_state``), each against a ``torch.save`` of the same state to memory, and
+    the resident memory the checkpoint's peak added."""
     from gossipgrad.peer.runtime import checkpoint
 
     t0 = time.perf_counter()
@@ -283,13 +285,15 @@ def state_figures(gopt, model_bytes: int) -> dict:
     t0 = time.perf_counter()
     torch.save(state, io.BytesIO())
     save_s = time.perf_counter() - t0
+    del state  # the daemon's checkpoint takes no copy: measured without this one
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     before_kib = memory_kib("VmRSS")
     reset_peak()
     with tempfile.TemporaryDirectory() as run_dir:
         t0 = time.perf_counter()
-        checkpoint.save_atomic(Path(run_dir) / "checkpoint.pt", state)
+        with gopt.checkpoint_state() as live:
+            checkpoint.save_atomic(Path(run_dir) / "checkpoint.pt", live)
         checkpoint_s = time.perf_counter() - t0
         checkpoint_kib = memory_kib("VmHWM") - before_kib
     return {

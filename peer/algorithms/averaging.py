@@ -171,10 +171,10 @@ class CompressedAverage:
             self.codec.decode_add_(self._mine, out)
         return out
 
-    def state_dict(self, for_joiner: bool = False) -> dict:
+    def state_dict(self, for_joiner: bool = False, copy: bool = True) -> dict:
         if for_joiner or self.feedback is None:
             return {"step": self.step}
-        return {"step": self.step, "feedback": self.feedback.state_dict()}
+        return {"step": self.step, "feedback": self.feedback.state_dict(copy)}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state.get("step", 0))

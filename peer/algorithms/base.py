@@ -101,11 +101,13 @@ class GossipAlgorithm(abc.ABC):
         """Take one incoming update (a gRPC server thread)."""
 
     @abc.abstractmethod
-    def state_dict(self, for_joiner: bool = False) -> dict[str, Any]:
+    def state_dict(self, for_joiner: bool = False, copy: bool = True) -> dict[str, Any]:
         """The algorithm's state: for a checkpoint, or (``for_joiner``) for a peer that joins
         the swarm, which takes what is shared (anchor, outer momentum) and none of what is
         this peer's own (error-feedback residuals: a joiner that copied them would send their
-        contents a second time)."""
+        contents a second time). ``copy`` False: its tensors are the algorithm's own, live,
+        not copies, for a caller that holds the state lock with no round under way while it
+        reads them (``GossipOptimizer.checkpoint_state``)."""
 
     @abc.abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:

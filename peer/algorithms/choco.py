@@ -569,7 +569,7 @@ class ChocoGossip(GossipAlgorithm):
     def consensus_round(self) -> RoundStats:
         return self.step_round(trained=False)
 
-    def state_dict(self, for_joiner: bool = False) -> dict:
+    def state_dict(self, for_joiner: bool = False, copy: bool = True) -> dict:
         return {"round": self._round}
 
     def load_state_dict(self, state: dict) -> None:

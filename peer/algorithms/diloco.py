@@ -219,17 +219,18 @@ class DiLoCo(GossipAlgorithm):
             return self.average.handle_update(header, payload)
         return self.anchors.handle_update(header, payload)
 
-    def state_dict(self, for_joiner: bool = False) -> dict:
+    def state_dict(self, for_joiner: bool = False, copy: bool = True) -> dict:
+        taken = torch.Tensor.clone if copy else torch.Tensor.detach
         with self.state_lock:
             state = {
-                "anchor": self.anchor.detach().clone(),
+                "anchor": taken(self.anchor),
                 "phase": self._phase,
                 "ended_step": self._ended_step,
-                "average": self.average.state_dict(for_joiner),
-                "anchors": self.anchors.state_dict(for_joiner),
+                "average": self.average.state_dict(for_joiner, copy),
+                "anchors": self.anchors.state_dict(for_joiner, copy),
             }
             if self.momentum is not None:
-                state["momentum"] = self.momentum.detach().clone()
+                state["momentum"] = taken(self.momentum)
             return state
 
     def load_state_dict(self, state: dict) -> None:

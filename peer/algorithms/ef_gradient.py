@@ -88,13 +88,13 @@ class EFGradient(GossipAlgorithm):
             return self.average.handle_update(header, payload)
         return self.consensus.handle_update(header, payload)
 
-    def state_dict(self, for_joiner: bool = False) -> dict:
+    def state_dict(self, for_joiner: bool = False, copy: bool = True) -> dict:
         state = {
-            "average": self.average.state_dict(for_joiner),
-            "consensus": self.consensus.state_dict(for_joiner),
+            "average": self.average.state_dict(for_joiner, copy),
+            "consensus": self.consensus.state_dict(for_joiner, copy),
         }
         if self.velocity is not None and not for_joiner:
-            state["velocity"] = self.velocity.clone()
+            state["velocity"] = self.velocity.clone() if copy else self.velocity.detach()
         return state
 
     def load_state_dict(self, state: dict) -> None:

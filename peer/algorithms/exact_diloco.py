@@ -599,18 +599,19 @@ class ExactDiLoCo(GossipAlgorithm):
             log.warning("finished with forwards still queued: the neighbours may miss some")
         self._finished = True
 
-    def state_dict(self, for_joiner: bool = False) -> dict:
+    def state_dict(self, for_joiner: bool = False, copy: bool = True) -> dict:
+        taken = torch.Tensor.clone if copy else torch.Tensor.detach
         with self.state_lock:
             state = {
-                "anchor": self.anchor.detach().clone(),
+                "anchor": taken(self.anchor),
                 "phase": self._phase,
                 "clock": self.clock.state_dict(),
                 "ended_step": self._ended_step,
             }
             if self.momentum is not None:
-                state["momentum"] = self.momentum.detach().clone()
+                state["momentum"] = taken(self.momentum)
             if self.feedback is not None and not for_joiner:
-                state["feedback"] = self.feedback.state_dict()
+                state["feedback"] = self.feedback.state_dict(copy)
             return state
 
     def load_state_dict(self, state: dict) -> None:

@@ -88,25 +88,26 @@ class Daemon:
         signal.signal(signal.SIGINT, on_signal)
 
     def _save_checkpoint(self, gopt: GossipOptimizer) -> bool:
-        state = gopt.state_dict()
-        bad = checkpoint.nonfinite(state)
-        if bad:
-            # Never overwrite the last good checkpoint with a diverged state (parameters,
-            # optimizer moments, the algorithm's anchor or residual): a restart would resume
-            # it and crash again, or train on with a poisoned optimizer.
-            log.error(
-                "state not finite at %s: checkpoint not written (the last one stays)",
-                ", ".join(bad[:4]),
-            )
-            return False
-        state["data"] = {"batches": self.batches_drawn}
-        state["rng"] = checkpoint.rng_state()
-        try:
-            checkpoint.save_atomic(self.run_dir / "checkpoint.pt", state)
-            return True
-        except OSError as err:
-            log.error("checkpoint failed, training goes on: %s", err)
-            return False
+        # Written from the live tensors, the state held still meanwhile: no copy of it.
+        with gopt.checkpoint_state() as state:
+            bad = checkpoint.nonfinite(state)
+            if bad:
+                # Never overwrite the last good checkpoint with a diverged state (parameters,
+                # optimizer moments, the algorithm's anchor or residual): a restart would
+                # resume it and crash again, or train on with a poisoned optimizer.
+                log.error(
+                    "state not finite at %s: checkpoint not written (the last one stays)",
+                    ", ".join(bad[:4]),
+                )
+                return False
+            state["data"] = {"batches": self.batches_drawn}
+            state["rng"] = checkpoint.rng_state()
+            try:
+                checkpoint.save_atomic(self.run_dir / "checkpoint.pt", state)
+                return True
+            except OSError as err:
+                log.error("checkpoint failed, training goes on: %s", err)
+                return False
 
     def _write_status(self, **fields: Any) -> None:
         self.status.update(fields, time=time.time())

@@ -299,9 +299,27 @@ class GossipOptimizer:
         with self.state_lock:
             return self._state(for_joiner, lambda t: t.detach().clone())
 
-    def _state(self, for_joiner: bool, copy: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+    @contextlib.contextmanager
+    def checkpoint_state(self) -> Iterator[dict]:
+        """:meth:`state_dict` for the block's duration, its tensors the live ones instead of
+        copies: what a checkpoint writes, without the state's size again in memory while it
+        is written (3 models more for a diloco peer: parameters, anchor, residual). A round
+        in the background ends first and the state lock is held to the block's end, so
+        nothing changes the state meanwhile (a neighbour's update waits to be mixed, a joiner
+        to be served). On the training thread; keep none of its tensors after the block."""
+        self._wait_for_round()
+        with self.state_lock:
+            yield self._state(False, torch.Tensor.detach, copy_algorithm=False)
+
+    def _state(
+        self,
+        for_joiner: bool,
+        copy: Callable[[torch.Tensor], torch.Tensor],
+        copy_algorithm: bool = True,
+    ) -> dict:
         """:meth:`state_dict` under the lock, with parameters and buffers taken by ``copy``
-        (the optimizer's tensors are its own: the caller copies them if it needs to)."""
+        (the optimizer's tensors are its own: the caller copies them if it needs to) and the
+        algorithm's copied unless ``copy_algorithm`` is False."""
         return {
             "params": copy(self.flat.data),
             "buffers": {n: copy(b) for n, b in persistent_buffers(self.model)},
@@ -310,7 +328,7 @@ class GossipOptimizer:
             "round": self.round,
             "fingerprint": self.flat.fingerprint,
             "algorithm": self.config.gossip.algorithm,
-            "gossip": self.algorithm.state_dict(for_joiner),
+            "gossip": self.algorithm.state_dict(for_joiner, copy=copy_algorithm),
         }
 
     def _joiners_step(self) -> int:

@@ -21,11 +21,12 @@ parameter/gradient buffers in place, with no host copies.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -335,8 +336,21 @@ class SiteOptimizer:
     def state_dict(self) -> dict[str, Any]:
         if self.gopt is not None:
             return self.gopt.state_dict()
+        return self._follower_state(torch.Tensor.clone)
+
+    @contextlib.contextmanager
+    def checkpoint_state(self) -> Iterator[dict[str, Any]]:
+        """The leader's ``GossipOptimizer.checkpoint_state`` (the live state, held still);
+        a follower's state is changed by its training thread alone: taken as it is."""
+        if self.gopt is not None:
+            with self.gopt.checkpoint_state() as state:
+                yield state
+        else:
+            yield self._follower_state(torch.Tensor.detach)
+
+    def _follower_state(self, take: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Any]:
         return {
-            "params": self.flat.data.detach().clone(),
+            "params": take(self.flat.data.detach()),
             "optimizer": self.optimizer.state_dict(),
             "local_step": self.local_step,
             "round": self._rounds,
