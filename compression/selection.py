@@ -13,12 +13,12 @@ instead; we do the same and then make one streaming pass:
    ties broken towards lower indices). If there are fewer than ``(1 - tolerance) * k``, lower
    the threshold once; if that still undershoots, fall back to the exact selection.
 
-Dense selections (k of at least 1/8 of the elements, diloco's top-20 %) would pay for step 3's
-partition of millions of candidates every time. There a larger stratified sample (one random
-position in each of ``s`` equal strata, so no period of the tensor's layout biases it) holds
-enough hits to aim just below k instead: four standard deviations of the sampled count under
-it (1.6 % of k, far above ``(1 - tolerance) * k``), so the pass keeps its candidates as they are
-and step 3 is left for the rare overshoot.
+Dense selections (k of at least 1/8 of the elements, diloco's top-20 %, up to all of them
+but one) would pay for step 3's partition of millions of candidates every time. There a larger
+stratified sample (one random position in each of ``s`` equal strata, so no period of the
+tensor's layout biases it) holds enough hits to aim just below k instead: four standard
+deviations of the sampled count under it (1.6 % of k, far above ``(1 - tolerance) * k``), so
+the pass keeps its candidates as they are and step 3 is left for the rare overshoot.
 
 The pass can also gather what an encoder reads next while each chunk is in cache
 (:func:`approx_topk`): the kept values and the positions' bitmap, which would otherwise cost
@@ -233,7 +233,7 @@ def approx_topk(
     read in the same pass as the candidates (a trim keeps those of the kept ones), and the
     positions' bitmap where it is their layout (``bitmap_pays``) and no trim was needed."""
     n = flat.numel()
-    if n <= EXACT_BELOW or k >= n // 4 or k <= 0:
+    if n <= EXACT_BELOW or k >= n or k <= 0:
         return Selection(exact_topk_indices(flat, k))
     numpy_pass = numpy_path(flat) if use_numpy is None else use_numpy
     for attempt, margin_scale in enumerate((1.0, 3.0)):
