@@ -114,11 +114,11 @@ def _unpack_small(data: np.ndarray, width: int, count: int) -> np.ndarray:
     flat[:used] = data[:used]
     buf[:, 8 - width :] = flat.reshape(groups, width)
     g = buf.view(">u8").reshape(-1).astype(np.uint64)
-    mask = np.uint64((1 << width) - 1)
-    out = np.empty((groups, 8), dtype=np.int64)
-    for i in range(8):
-        out[:, i] = (g >> np.uint64(width * (7 - i))) & mask
-    return out.reshape(-1)[:count]
+    # All eight shifts in one broadcast pass, written in order (eight strided column writes
+    # took 55 ms for 10M values of 3 bits, this 32).
+    shifts = np.arange(7, -1, -1, dtype=np.uint64) * np.uint64(width)
+    out = (g[:, None] >> shifts[None, :]) & np.uint64((1 << width) - 1)
+    return out.view(np.int64).reshape(-1)[:count]
 
 
 def pack_uint(values: torch.Tensor, width: int, *, use_numpy: bool | None = None) -> torch.Tensor:
@@ -271,7 +271,13 @@ def rice_decode(
     r = unpack_uint(rem, bits, count, use_numpy=use_numpy)
     # idx_i = Σ_{j<=i} ((q_j << bits) + r_j + 1) − 1, where ones_i − i = Σ_{j<=i} q_j (the
     # i-th terminator follows i earlier ones and the zeros of q_0..q_i): in place, no gaps.
-    idx = ones.sub_(torch.arange(count, device=ones.device)).bitwise_left_shift_(bits)
+    # numpy's arange on CPU: torch's took 37 ms for 10M positions on one thread, numpy's 10.
+    counter = (
+        torch.from_numpy(np.arange(count, dtype=np.int64))
+        if ones.device.type == "cpu"
+        else torch.arange(count, device=ones.device)
+    )
+    idx = ones.sub_(counter).bitwise_left_shift_(bits)
     idx.add_(r.add_(1).cumsum_(0)).sub_(1)
     if int(idx[-1].item()) >= numel:
         raise DecodeError(f"index {int(idx[-1].item())} out of range for {numel} elements")
