@@ -15,11 +15,11 @@ instead; we do the same and then make one streaming pass:
 
 Dense selections (k of at least 1/32 of the elements: exact-diloco's top-10 %, diloco's
 top-20 %, up to all of them but one) would pay for step 3's partition of millions of
-candidates every time. There a larger
-stratified sample (one random position in each of ``s`` equal strata, so no period of the
-tensor's layout biases it) holds enough hits to aim just below k instead: four standard
-deviations of the sampled count under it (1.6 % of k, far above ``(1 - tolerance) * k``), so
-the pass keeps its candidates as they are and step 3 is left for the rare overshoot.
+candidates every time. There a larger stratified sample (one random position in each of ``s``
+equal strata, so no period of the tensor's layout biases it) holds enough hits to aim just
+below k instead: four standard deviations of the sampled count under it (1.6 % of k, far
+above ``(1 - tolerance) * k``), so the pass keeps its candidates as they are and step 3 is
+left for the rare overshoot.
 
 The pass can also gather what an encoder reads next while each chunk is in cache
 (:func:`approx_topk`): the kept values and the positions' bitmap, which would otherwise cost

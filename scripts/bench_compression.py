@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from gossipgrad.compression import from_spec
 from gossipgrad.compression.selection import approx_topk_indices, exact_topk_indices
+from gossipgrad.experiment.bench.sizes import parse_size
 from rich.console import Console
 from rich.table import Table
 
@@ -57,13 +58,6 @@ QUICK_CODECS = ["none", "fp16", "int8", "int4", "sign", "topk:0.01+int8", "topk:
 EXACT_CODEC_MAX = 20_000_000
 
 console = Console(width=150)
-
-
-def parse_size(text: str) -> int:
-    """'1M' -> 1_000_000, '100k' -> 100_000, '5000' -> 5000."""
-    text = text.strip().lower()
-    mult = {"k": 10**3, "m": 10**6, "g": 10**9}.get(text[-1:], 1)
-    return int(float(text[:-1] if mult > 1 else text) * mult)
 
 
 def gradient_like(n: int, seed: int = 0) -> torch.Tensor:

@@ -30,18 +30,12 @@ from collections.abc import Callable
 
 import torch
 from gossipgrad.compression import ErrorFeedback, from_spec
+from gossipgrad.experiment.bench.sizes import parse_size
 from gossipgrad.peer.algorithms.mixing import Pair, consensus_step
 from gossipgrad.peer.config.recommended import recommended
 from gossipgrad.peer.flat import tensor_checksum
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
-
-
-def parse_size(text: str) -> int:
-    """'10M' -> 10_000_000; '300k' -> 300_000; plain integers as they are."""
-    text = text.strip().upper()
-    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
 def best_of(repeat: int, step: Callable[[], object]) -> float:

@@ -52,22 +52,21 @@ import traceback
 from pathlib import Path
 
 import torch
+from gossipgrad.experiment.bench.sizes import parse_size
 from torch import nn
 
 WIDTH = 1024
 
 
-def parse_size(text: str) -> int:
-    """'10M' -> 10_000_000; '300k' -> 300_000; plain integers as they are."""
-    text = text.strip().upper()
-    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
-    number = text[:-1] if text[-1:] in "KMG" else text
+def model_size(text: str) -> int:
+    """``parse_size``, at least ``WIDTH`` parameters (argparse.ArgumentTypeError)."""
+    shown = text.strip().upper()
     try:
-        value = int(float(number) * scale)
+        value = parse_size(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a model size: {text!r} (e.g. 10M)") from None
+        raise argparse.ArgumentTypeError(f"not a model size: {shown!r} (e.g. 10M)") from None
     if value < WIDTH:
-        raise argparse.ArgumentTypeError(f"model size {text!r} is below {WIDTH} parameters")
+        raise argparse.ArgumentTypeError(f"model size {shown!r} is below {WIDTH} parameters")
     return value
 
 
@@ -626,7 +625,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
     p.add_argument("--json", type=Path, help="also write the rows to this file")
     args = p.parse_args(argv)
-    args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    args.sizes = [model_size(s) for s in args.sizes.split(",") if s.strip()]
     args.algorithms = [s.strip() for s in args.algorithms.split(",") if s.strip()]
     try:
         args.local_steps = {

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from gossipgrad.compression import from_spec
 from gossipgrad.compression.envelope_pb2 import TensorEnvelope
+from gossipgrad.experiment.bench.sizes import parse_size
 from rich.console import Console
 from rich.table import Table
 
@@ -35,13 +36,6 @@ DEFAULT_SPECS = [
     "chunktopk:0.001",
     "chunktopk:0.001:block=65536",
 ]
-
-
-def parse_size(text: str) -> int:
-    """'1M' -> 1_000_000, '100k' -> 100_000, '5000' -> 5000."""
-    text = text.strip().lower()
-    mult = {"k": 10**3, "m": 10**6}.get(text[-1:], 1)
-    return int(float(text[:-1] if mult > 1 else text) * mult)
 
 
 def gradient_like(n: int, seed: int = 0) -> torch.Tensor:

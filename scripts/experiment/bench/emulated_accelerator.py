@@ -21,7 +21,7 @@ import os
 import time
 
 import torch
-from gossipgrad.experiment.bench.sized import parse_size, sized_task
+from gossipgrad.experiment.bench.sized import sized_params, sized_task
 from gossipgrad.peer.tasks.base import Task, TaskContext
 from gossipgrad.peer.tasks.registry import BUILTIN_TASKS
 
@@ -54,7 +54,7 @@ def task(ctx: TaskContext) -> Task:
     name = os.environ.get(BASE_TASK_ENV, "digits")
     wait = accelerator_wait_s()
     if name.startswith(SIZED_PREFIX):
-        base = sized_task(ctx, parse_size(name[len(SIZED_PREFIX) :]))
+        base = sized_task(ctx, sized_params(name[len(SIZED_PREFIX) :]))
     elif name in BUILTIN_TASKS:
         base = BUILTIN_TASKS[name](ctx)
     else:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+from gossipgrad.experiment.bench.sizes import parse_size
 from gossipgrad.peer.tasks.base import Task, TaskContext
 from torch import nn
 
@@ -27,15 +28,10 @@ WINDOW = 1 << 16
 EVAL_WINDOWS = 8
 
 
-def parse_size(text: str) -> int:
-    """'100M' -> 100_000_000; '300k' -> 300_000; plain integers as they are (ValueError
-    unless the result is at least ``LAYERS * WINDOW``)."""
-    raw = text.strip().upper()
-    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(raw[-1:], 1)
-    try:
-        n = int(float(raw[:-1] if scale > 1 else raw) * scale)
-    except ValueError:
-        raise ValueError(f"a model size such as 100M, got {text!r}") from None
+def sized_params(text: str) -> int:
+    """The parameters of ``sized:TEXT`` (``parse_size``; ValueError unless at least
+    ``LAYERS * WINDOW``)."""
+    n = parse_size(text)
     if n < LAYERS * WINDOW:
         raise ValueError(f"a sized model needs at least {LAYERS * WINDOW} parameters, got {n}")
     return n
