@@ -207,6 +207,15 @@ class PeerMetrics:
             ["attached"],
             registry=r,
         )
+        self.relay_tunnels = Counter(
+            _name("relay_tunnels"),
+            "As a relay: tunnels opened to the peers attached here, by how their bytes went: "
+            "spliced (two plain connections at the raw tunnel listener, peer.relay_port) or "
+            "calls (Relay and Accept gRPC calls: the listener is off, or an end could not "
+            "reach it).",
+            ["how"],
+            registry=r,
+        )
         self.relayed = Counter(
             _name("relayed_bytes"),
             "Bytes this peer's tunnels carried through each relay, both ways: calls to it as "
@@ -371,6 +380,10 @@ class PeerMetrics:
     def record_relay_forwarded(self, attached: str, nbytes: int) -> None:
         """As a relay: ``nbytes`` forwarded to or from the attached peer ``attached``."""
         self.relay_forwarded.labels(attached=attached).inc(nbytes)
+
+    def record_relay_tunnel(self, how: str) -> None:
+        """As a relay: a tunnel opened, ``how`` its bytes go (spliced, calls)."""
+        self.relay_tunnels.labels(how=how).inc()
 
     def record_relayed(self, relay: str, nbytes: int) -> None:
         """``nbytes`` this peer's tunnels carried through ``relay``."""

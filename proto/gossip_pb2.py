@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgossipgrad/proto/gossip.proto\x12\rgossipgrad.v1\"\xa6\x02\n\x0cUpdateHeader\x12\r\n\x05swarm\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x10\n\x08receiver\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\r\n\x05round\x18\x05 \x01(\x04\x12\'\n\x04kind\x18\x06 \x01(\x0e\x32\x19.gossipgrad.v1.UpdateKind\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x04\x12\x14\n\x0cpayload_size\x18\x08 \x01(\x04\x12\x19\n\x11model_fingerprint\x18\t \x01(\t\x12\x12\n\ndense_size\x18\n \x01(\x04\x12\x12\n\nedge_epoch\x18\x0b \x01(\x04\x12\x0e\n\x06weight\x18\x0c \x01(\x01\x12\x15\n\rdropped_epoch\x18\r \x01(\x04\x12\x0e\n\x06origin\x18\x0e \x01(\t\"T\n\x0bUpdateChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.gossipgrad.v1.UpdateHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"H\n\x0bWholeUpdate\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.gossipgrad.v1.UpdateHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xc0\x01\n\tPushReply\x12/\n\x06status\x18\x01 \x01(\x0e\x32\x1f.gossipgrad.v1.PushReply.Status\x12\x14\n\x0c\x65xpected_seq\x18\x02 \x01(\x04\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\\\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\r\n\tDUPLICATE\x10\x02\x12\x0f\n\x0bNEED_RESYNC\x10\x03\x12\x0c\n\x08\x46INISHED\x10\x04\"\xcb\x01\n\x08PeerInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\r\n\x05round\x18\x04 \x01(\x04\x12\x13\n\x0bincarnation\x18\x05 \x01(\x04\x12\x0f\n\x07leaving\x18\x06 \x01(\x08\x12\x17\n\x0fmetrics_address\x18\x07 \x01(\t\x12\r\n\x05relay\x18\x08 \x01(\t\x12\x13\n\x0brelay_epoch\x18\t \x01(\x04\x12\x10\n\x08relaying\x18\n \x01(\r\x12\x10\n\x08\x63hecking\x18\x0b \x01(\x08\"\x87\x01\n\x10HeartbeatRequest\x12\r\n\x05swarm\x18\x01 \x01(\t\x12\'\n\x06sender\x18\x02 \x01(\x0b\x32\x17.gossipgrad.v1.PeerInfo\x12&\n\x05known\x18\x03 \x03(\x0b\x32\x17.gossipgrad.v1.PeerInfo\x12\x13\n\x0bview_digest\x18\x04 \x01(\x06\"y\n\x0eHeartbeatReply\x12*\n\tresponder\x18\x01 \x01(\x0b\x32\x17.gossipgrad.v1.PeerInfo\x12&\n\x05known\x18\x02 \x03(\x0b\x32\x17.gossipgrad.v1.PeerInfo\x12\x13\n\x0bview_digest\x18\x03 \x01(\x06\"F\n\x0cStateRequest\x12\r\n\x05swarm\x18\x01 \x01(\t\x12\x11\n\trequester\x18\x02 \x01(\t\x12\x14\n\x0cstate_format\x18\x03 \x01(\r\"\x81\x01\n\x0bStateHeader\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x14\n\x0cpayload_size\x18\x04 \x01(\x04\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x14\n\x0cstate_format\x18\x06 \x01(\r\"R\n\nStateChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.gossipgrad.v1.StateHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"H\n\x13ReachabilityRequest\x12\r\n\x05swarm\x18\x01 \x01(\t\x12\x11\n\trequester\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"\xda\x01\n\x11ReachabilityReply\x12\x37\n\x06result\x18\x01 \x01(\x0e\x32\'.gossipgrad.v1.ReachabilityReply.Result\x12\x0f\n\x07\x63hecker\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"k\n\x06Result\x12\x16\n\x12RESULT_UNSPECIFIED\x10\x00\x12\r\n\tREACHABLE\x10\x01\x12\x0b\n\x07REFUSED\x10\x02\x12\r\n\tTIMED_OUT\x10\x03\x12\x12\n\x0eWRONG_IDENTITY\x10\x04\x12\n\n\x06\x46\x41ILED\x10\x05\",\n\rAttachRequest\x12\r\n\x05swarm\x18\x01 \x01(\t\x12\x0c\n\x04peer\x18\x02 \x01(\t\"\x1d\n\x0b\x41ttachEvent\x12\x0e\n\x06tunnel\x18\x01 \x01(\x04\"J\n\tRelayOpen\x12\r\n\x05swarm\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x0e\n\x06target\x18\x03 \x01(\t\x12\x0e\n\x06tunnel\x18\x04 \x01(\x04\"N\n\nRelayFrame\x12(\n\x04open\x18\x01 \x01(\x0b\x32\x18.gossipgrad.v1.RelayOpenH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part*\x88\x01\n\nUpdateKind\x12\x1b\n\x17UPDATE_KIND_UNSPECIFIED\x10\x00\x12\t\n\x05\x44\x45LTA\x10\x01\x12\n\n\x06RESYNC\x10\x02\x12\x0c\n\x08GRADIENT\x10\x03\x12\x08\n\x04INIT\x10\x04\x12\t\n\x05\x46INAL\x10\x05\x12\x0b\n\x07\x42UFFERS\x10\x06\x12\n\n\x06SHARED\x10\x07\x12\n\n\x06\x41NCHOR\x10\x08\x32\xd7\x04\n\x06Gossip\x12\x44\n\nPushUpdate\x12\x1a.gossipgrad.v1.UpdateChunk\x1a\x18.gossipgrad.v1.PushReply(\x01\x12G\n\x0fPushWholeUpdate\x12\x1a.gossipgrad.v1.WholeUpdate\x1a\x18.gossipgrad.v1.PushReply\x12K\n\tHeartbeat\x12\x1f.gossipgrad.v1.HeartbeatRequest\x1a\x1d.gossipgrad.v1.HeartbeatReply\x12I\n\rDownloadState\x12\x1b.gossipgrad.v1.StateRequest\x1a\x19.gossipgrad.v1.StateChunk0\x01\x12Y\n\x11\x43heckReachability\x12\".gossipgrad.v1.ReachabilityRequest\x1a .gossipgrad.v1.ReachabilityReply\x12\x44\n\x06\x41ttach\x12\x1c.gossipgrad.v1.AttachRequest\x1a\x1a.gossipgrad.v1.AttachEvent0\x01\x12\x41\n\x05Relay\x12\x19.gossipgrad.v1.RelayFrame\x1a\x19.gossipgrad.v1.RelayFrame(\x01\x30\x01\x12\x42\n\x06\x41\x63\x63\x65pt\x12\x19.gossipgrad.v1.RelayFrame\x1a\x19.gossipgrad.v1.RelayFrame(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgossipgrad/proto/gossip.proto\x12\rgossipgrad.v1\"\xa6\x02\n\x0cUpdateHeader\x12\r\n\x05swarm\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x10\n\x08receiver\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\r\n\x05round\x18\x05 \x01(\x04\x12\'\n\x04kind\x18\x06 \x01(\x0e\x32\x19.gossipgrad.v1.UpdateKind\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x04\x12\x14\n\x0cpayload_size\x18\x08 \x01(\x04\x12\x19\n\x11model_fingerprint\x18\t \x01(\t\x12\x12\n\ndense_size\x18\n \x01(\x04\x12\x12\n\nedge_epoch\x18\x0b \x01(\x04\x12\x0e\n\x06weight\x18\x0c \x01(\x01\x12\x15\n\rdropped_epoch\x18\r \x01(\x04\x12\x0e\n\x06origin\x18\x0e \x01(\t\"T\n\x0bUpdateChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.gossipgrad.v1.UpdateHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"H\n\x0bWholeUpdate\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.gossipgrad.v1.UpdateHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xc0\x01\n\tPushReply\x12/\n\x06status\x18\x01 \x01(\x0e\x32\x1f.gossipgrad.v1.PushReply.Status\x12\x14\n\x0c\x65xpected_seq\x18\x02 \x01(\x04\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\\\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\r\n\tDUPLICATE\x10\x02\x12\x0f\n\x0bNEED_RESYNC\x10\x03\x12\x0c\n\x08\x46INISHED\x10\x04\"\xdf\x01\n\x08PeerInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\r\n\x05round\x18\x04 \x01(\x04\x12\x13\n\x0bincarnation\x18\x05 \x01(\x04\x12\x0f\n\x07leaving\x18\x06 \x01(\x08\x12\x17\n\x0fmetrics_address\x18\x07 \x01(\t\x12\r\n\x05relay\x18\x08 \x01(\t\x12\x13\n\x0brelay_epoch\x18\t \x01(\x04\x12\x10\n\x08relaying\x18\n \x01(\r\x12\x10\n\x08\x63hecking\x18\x0b \x01(\x08\x12\x12\n\nrelay_port\x18\x0c \x01(\r\"\x87\x01\n\x10HeartbeatRequest\x12\r\n\x05swarm\x18\x01 \x01(\t\x12\'\n\x06sender\x18\x02 \x01(\x0b\x32\x17.gossipgrad.v1.PeerInfo\x12&\n\x05known\x18\x03 \x03(\x0b\x32\x17.gossipgrad.v1.PeerInfo\x12\x13\n\x0bview_digest\x18\x04 \x01(\x06\"y\n\x0eHeartbeatReply\x12*\n\tresponder\x18\x01 \x01(\x0b\x32\x17.gossipgrad.v1.PeerInfo\x12&\n\x05known\x18\x02 \x03(\x0b\x32\x17.gossipgrad.v1.PeerInfo\x12\x13\n\x0bview_digest\x18\x03 \x01(\x06\"F\n\x0cStateRequest\x12\r\n\x05swarm\x18\x01 \x01(\t\x12\x11\n\trequester\x18\x02 \x01(\t\x12\x14\n\x0cstate_format\x18\x03 \x01(\r\"\x81\x01\n\x0bStateHeader\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x14\n\x0cpayload_size\x18\x04 \x01(\x04\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x14\n\x0cstate_format\x18\x06 \x01(\r\"R\n\nStateChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.gossipgrad.v1.StateHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"H\n\x13ReachabilityRequest\x12\r\n\x05swarm\x18\x01 \x01(\t\x12\x11\n\trequester\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"\xda\x01\n\x11ReachabilityReply\x12\x37\n\x06result\x18\x01 \x01(\x0e\x32\'.gossipgrad.v1.ReachabilityReply.Result\x12\x0f\n\x07\x63hecker\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"k\n\x06Result\x12\x16\n\x12RESULT_UNSPECIFIED\x10\x00\x12\r\n\tREACHABLE\x10\x01\x12\x0b\n\x07REFUSED\x10\x02\x12\r\n\tTIMED_OUT\x10\x03\x12\x12\n\x0eWRONG_IDENTITY\x10\x04\x12\n\n\x06\x46\x41ILED\x10\x05\"<\n\rAttachRequest\x12\r\n\x05swarm\x18\x01 \x01(\t\x12\x0c\n\x04peer\x18\x02 \x01(\t\x12\x0e\n\x06splice\x18\x03 \x01(\x08\"-\n\x0b\x41ttachEvent\x12\x0e\n\x06tunnel\x18\x01 \x01(\x04\x12\x0e\n\x06ticket\x18\x02 \x01(\x0c\"j\n\tRelayOpen\x12\r\n\x05swarm\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x0e\n\x06target\x18\x03 \x01(\t\x12\x0e\n\x06tunnel\x18\x04 \x01(\x04\x12\x0e\n\x06splice\x18\x05 \x01(\x08\x12\x0e\n\x06ticket\x18\x06 \x01(\x0c\"N\n\nRelayFrame\x12(\n\x04open\x18\x01 \x01(\x0b\x32\x18.gossipgrad.v1.RelayOpenH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part*\x88\x01\n\nUpdateKind\x12\x1b\n\x17UPDATE_KIND_UNSPECIFIED\x10\x00\x12\t\n\x05\x44\x45LTA\x10\x01\x12\n\n\x06RESYNC\x10\x02\x12\x0c\n\x08GRADIENT\x10\x03\x12\x08\n\x04INIT\x10\x04\x12\t\n\x05\x46INAL\x10\x05\x12\x0b\n\x07\x42UFFERS\x10\x06\x12\n\n\x06SHARED\x10\x07\x12\n\n\x06\x41NCHOR\x10\x08\x32\xd7\x04\n\x06Gossip\x12\x44\n\nPushUpdate\x12\x1a.gossipgrad.v1.UpdateChunk\x1a\x18.gossipgrad.v1.PushReply(\x01\x12G\n\x0fPushWholeUpdate\x12\x1a.gossipgrad.v1.WholeUpdate\x1a\x18.gossipgrad.v1.PushReply\x12K\n\tHeartbeat\x12\x1f.gossipgrad.v1.HeartbeatRequest\x1a\x1d.gossipgrad.v1.HeartbeatReply\x12I\n\rDownloadState\x12\x1b.gossipgrad.v1.StateRequest\x1a\x19.gossipgrad.v1.StateChunk0\x01\x12Y\n\x11\x43heckReachability\x12\".gossipgrad.v1.ReachabilityRequest\x1a .gossipgrad.v1.ReachabilityReply\x12\x44\n\x06\x41ttach\x12\x1c.gossipgrad.v1.AttachRequest\x1a\x1a.gossipgrad.v1.AttachEvent0\x01\x12\x41\n\x05Relay\x12\x19.gossipgrad.v1.RelayFrame\x1a\x19.gossipgrad.v1.RelayFrame(\x01\x30\x01\x12\x42\n\x06\x41\x63\x63\x65pt\x12\x19.gossipgrad.v1.RelayFrame\x1a\x19.gossipgrad.v1.RelayFrame(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gossipgrad.proto.gossip_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_UPDATEKIND']._serialized_start=1984
-  _globals['_UPDATEKIND']._serialized_end=2120
+  _globals['_UPDATEKIND']._serialized_start=2068
+  _globals['_UPDATEKIND']._serialized_end=2204
   _globals['_UPDATEHEADER']._serialized_start=49
   _globals['_UPDATEHEADER']._serialized_end=343
   _globals['_UPDATECHUNK']._serialized_start=345
@@ -44,31 +44,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHREPLY_STATUS']._serialized_start=606
   _globals['_PUSHREPLY_STATUS']._serialized_end=698
   _globals['_PEERINFO']._serialized_start=701
-  _globals['_PEERINFO']._serialized_end=904
-  _globals['_HEARTBEATREQUEST']._serialized_start=907
-  _globals['_HEARTBEATREQUEST']._serialized_end=1042
-  _globals['_HEARTBEATREPLY']._serialized_start=1044
-  _globals['_HEARTBEATREPLY']._serialized_end=1165
-  _globals['_STATEREQUEST']._serialized_start=1167
-  _globals['_STATEREQUEST']._serialized_end=1237
-  _globals['_STATEHEADER']._serialized_start=1240
-  _globals['_STATEHEADER']._serialized_end=1369
-  _globals['_STATECHUNK']._serialized_start=1371
-  _globals['_STATECHUNK']._serialized_end=1453
-  _globals['_REACHABILITYREQUEST']._serialized_start=1455
-  _globals['_REACHABILITYREQUEST']._serialized_end=1527
-  _globals['_REACHABILITYREPLY']._serialized_start=1530
-  _globals['_REACHABILITYREPLY']._serialized_end=1748
-  _globals['_REACHABILITYREPLY_RESULT']._serialized_start=1641
-  _globals['_REACHABILITYREPLY_RESULT']._serialized_end=1748
-  _globals['_ATTACHREQUEST']._serialized_start=1750
-  _globals['_ATTACHREQUEST']._serialized_end=1794
-  _globals['_ATTACHEVENT']._serialized_start=1796
-  _globals['_ATTACHEVENT']._serialized_end=1825
-  _globals['_RELAYOPEN']._serialized_start=1827
-  _globals['_RELAYOPEN']._serialized_end=1901
-  _globals['_RELAYFRAME']._serialized_start=1903
-  _globals['_RELAYFRAME']._serialized_end=1981
-  _globals['_GOSSIP']._serialized_start=2123
-  _globals['_GOSSIP']._serialized_end=2722
+  _globals['_PEERINFO']._serialized_end=924
+  _globals['_HEARTBEATREQUEST']._serialized_start=927
+  _globals['_HEARTBEATREQUEST']._serialized_end=1062
+  _globals['_HEARTBEATREPLY']._serialized_start=1064
+  _globals['_HEARTBEATREPLY']._serialized_end=1185
+  _globals['_STATEREQUEST']._serialized_start=1187
+  _globals['_STATEREQUEST']._serialized_end=1257
+  _globals['_STATEHEADER']._serialized_start=1260
+  _globals['_STATEHEADER']._serialized_end=1389
+  _globals['_STATECHUNK']._serialized_start=1391
+  _globals['_STATECHUNK']._serialized_end=1473
+  _globals['_REACHABILITYREQUEST']._serialized_start=1475
+  _globals['_REACHABILITYREQUEST']._serialized_end=1547
+  _globals['_REACHABILITYREPLY']._serialized_start=1550
+  _globals['_REACHABILITYREPLY']._serialized_end=1768
+  _globals['_REACHABILITYREPLY_RESULT']._serialized_start=1661
+  _globals['_REACHABILITYREPLY_RESULT']._serialized_end=1768
+  _globals['_ATTACHREQUEST']._serialized_start=1770
+  _globals['_ATTACHREQUEST']._serialized_end=1830
+  _globals['_ATTACHEVENT']._serialized_start=1832
+  _globals['_ATTACHEVENT']._serialized_end=1877
+  _globals['_RELAYOPEN']._serialized_start=1879
+  _globals['_RELAYOPEN']._serialized_end=1985
+  _globals['_RELAYFRAME']._serialized_start=1987
+  _globals['_RELAYFRAME']._serialized_end=2065
+  _globals['_GOSSIP']._serialized_start=2207
+  _globals['_GOSSIP']._serialized_end=2806
 # @@protoc_insertion_point(module_scope)

@@ -99,7 +99,7 @@ class PushReply(_message.Message):
     def __init__(self, status: _Optional[_Union[PushReply.Status, str]] = ..., expected_seq: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("id", "address", "step", "round", "incarnation", "leaving", "metrics_address", "relay", "relay_epoch", "relaying", "checking")
+    __slots__ = ("id", "address", "step", "round", "incarnation", "leaving", "metrics_address", "relay", "relay_epoch", "relaying", "checking", "relay_port")
     ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class PeerInfo(_message.Message):
     RELAY_EPOCH_FIELD_NUMBER: _ClassVar[int]
     RELAYING_FIELD_NUMBER: _ClassVar[int]
     CHECKING_FIELD_NUMBER: _ClassVar[int]
+    RELAY_PORT_FIELD_NUMBER: _ClassVar[int]
     id: str
     address: str
     step: int
@@ -122,7 +123,8 @@ class PeerInfo(_message.Message):
     relay_epoch: int
     relaying: int
     checking: bool
-    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., step: _Optional[int] = ..., round: _Optional[int] = ..., incarnation: _Optional[int] = ..., leaving: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., relay: _Optional[str] = ..., relay_epoch: _Optional[int] = ..., relaying: _Optional[int] = ..., checking: _Optional[bool] = ...) -> None: ...
+    relay_port: int
+    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., step: _Optional[int] = ..., round: _Optional[int] = ..., incarnation: _Optional[int] = ..., leaving: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., relay: _Optional[str] = ..., relay_epoch: _Optional[int] = ..., relaying: _Optional[int] = ..., checking: _Optional[bool] = ..., relay_port: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("swarm", "sender", "known", "view_digest")
@@ -215,30 +217,38 @@ class ReachabilityReply(_message.Message):
     def __init__(self, result: _Optional[_Union[ReachabilityReply.Result, str]] = ..., checker: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("swarm", "peer")
+    __slots__ = ("swarm", "peer", "splice")
     SWARM_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
+    SPLICE_FIELD_NUMBER: _ClassVar[int]
     swarm: str
     peer: str
-    def __init__(self, swarm: _Optional[str] = ..., peer: _Optional[str] = ...) -> None: ...
+    splice: bool
+    def __init__(self, swarm: _Optional[str] = ..., peer: _Optional[str] = ..., splice: _Optional[bool] = ...) -> None: ...
 
 class AttachEvent(_message.Message):
-    __slots__ = ("tunnel",)
+    __slots__ = ("tunnel", "ticket")
     TUNNEL_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     tunnel: int
-    def __init__(self, tunnel: _Optional[int] = ...) -> None: ...
+    ticket: bytes
+    def __init__(self, tunnel: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class RelayOpen(_message.Message):
-    __slots__ = ("swarm", "sender", "target", "tunnel")
+    __slots__ = ("swarm", "sender", "target", "tunnel", "splice", "ticket")
     SWARM_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     TUNNEL_FIELD_NUMBER: _ClassVar[int]
+    SPLICE_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     swarm: str
     sender: str
     target: str
     tunnel: int
-    def __init__(self, swarm: _Optional[str] = ..., sender: _Optional[str] = ..., target: _Optional[str] = ..., tunnel: _Optional[int] = ...) -> None: ...
+    splice: bool
+    ticket: bytes
+    def __init__(self, swarm: _Optional[str] = ..., sender: _Optional[str] = ..., target: _Optional[str] = ..., tunnel: _Optional[int] = ..., splice: _Optional[bool] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class RelayFrame(_message.Message):
     __slots__ = ("open", "data")

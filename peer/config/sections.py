@@ -88,6 +88,19 @@ class PeerSection(Section):
         "(0: none). Each costs the bytes that peer's neighbours exchange with it, twice "
         "through this host, and a few threads per connection to it.",
     )
+    relay_port: int = Field(
+        0,
+        ge=-1,
+        le=65535,
+        description="TCP port of the raw tunnel listener this peer opens when it relays "
+        "(relay_capacity > 0), on peer.listen's host: a tunnel whose two ends can connect "
+        "there is spliced below gRPC, its bytes copied between two plain connections (the "
+        "caller's TLS runs through it end to end), at a fraction of the relay's CPU of "
+        "carrying them in gRPC calls (BENCHMARKS.md, Relays). 0: any free port (advertised "
+        "in heartbeats); -1: none. An end that cannot connect (a firewall that lets only "
+        "the gossip port in) or that reaches the relay through transport.dial_via keeps to "
+        "gRPC calls.",
+    )
     join_after_steps: int = Field(
         20,
         ge=0,

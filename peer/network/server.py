@@ -64,7 +64,12 @@ from gossipgrad.peer.network.protocol import (
     parse_request,
     parse_whole_update,
 )
-from gossipgrad.peer.network.relay import ACCEPT_TIMEOUT_S, THREADS_PER_ATTACHED, RelayHub
+from gossipgrad.peer.network.relay import (
+    ACCEPT_TIMEOUT_S,
+    THREADS_PER_ATTACHED,
+    RelayHub,
+    open_frame,
+)
 from gossipgrad.peer.security import TransportSecurity
 from gossipgrad.proto import gossip_pb2 as pb
 
@@ -510,6 +515,10 @@ class GossipServer:
         tunnel = self._or_refuse(
             context, lambda: self.relays.open(opening, caller, requests, context)
         )
+        if opening.splice:  # the caller waits to hear how the tunnel goes
+            yield open_frame(pb.RelayOpen(tunnel=tunnel.id, ticket=tunnel.caller_ticket))
+            if tunnel.tickets:
+                return  # spliced: its ends (or its timeout) close it, not this call
         try:
             if not tunnel.accepted.wait(ACCEPT_TIMEOUT_S):
                 context.abort(

@@ -38,7 +38,13 @@ from gossipgrad.peer.network import (
 )
 from gossipgrad.peer.network.framing import StreamedPayload
 from gossipgrad.peer.network.pool import ClientPool
-from gossipgrad.peer.network.relay import Attachment, RelayDialer, RelayHub
+from gossipgrad.peer.network.relay import (
+    Attachment,
+    RelayDialer,
+    RelayHub,
+    RelayRoute,
+    can_connect,
+)
 from gossipgrad.peer.runtime.donor import SnapshotCache, SnapshotRefused
 from gossipgrad.peer.runtime.joining import StateDownload
 from gossipgrad.peer.runtime.reachability import (
@@ -209,6 +215,7 @@ class Peer:
             cfg.peer.swarm,
             self.metrics.record_relay_forwarded,
             self._relay_load,
+            self.metrics.record_relay_tunnel,
         )
         #: Local endpoints of the peers this one calls through their relays.
         self.relay_dialer = RelayDialer(
@@ -283,11 +290,14 @@ class Peer:
         )
         if self.cfg.metrics.enabled:
             self.metrics_port = self.metrics.serve(self.cfg.metrics.host, self.cfg.metrics.port)
+        if self.relays.capacity > 0 and self.cfg.peer.relay_port >= 0:
+            self.relays.listen(host, self.cfg.peer.relay_port)
         me = pb.PeerInfo(
             id=self.id,
             address=self.address,
             incarnation=time.time_ns(),
             relaying=len(self.relays.attached()),
+            relay_port=self.relays.port,
             checking=checking and bool(self.cfg.peer.bootstrap),
             metrics_address=(
                 f"{self.cfg.metrics.host}:{self.metrics_port}" if self.cfg.metrics.enabled else ""
@@ -355,6 +365,7 @@ class Peer:
         if self.relay_keeper is not None:
             self.relay_keeper.close()
         self.server.stop(grace=0.5)
+        self.relays.stop_listening()
         self.relay_dialer.close()
         self.clients.close()
         self.metrics.stop()
@@ -504,19 +515,36 @@ class Peer:
             return self.relay_dialer.endpoint(peer_id)
         return self.cfg.transport.dial_target(address)
 
-    def _relay_route(self, target: str):
-        """The relay ``target`` is called through now, and how to open a Relay call there."""
+    def _relay_route(self, target: str) -> RelayRoute | None:
+        """The relay ``target`` is called through now, and how to open a tunnel there."""
         rec = self.membership.record(target) if self.membership is not None else None
         relay = rec.info.relay if rec is not None else ""
         if not relay:
             return None
         if relay == self.id:  # relaying for it ourselves: straight into our own hub
-            return relay, lambda frames: self.relays.open_local(self.id, frames)
+            return RelayRoute(
+                relay,
+                lambda frames: self.relays.open_local(self.id, frames),
+                splice_local=lambda opening, conn: self.relays.open_spliced(opening, self.id, conn),
+            )
         relay_rec = self.membership.record(relay)
         if relay_rec is None or relay_rec.info.relay:
             return None
         client = self.clients.get(relay_rec.info.address, relay)
-        return relay, lambda frames: client.relay_stream(protocol.RELAY, frames)
+        return RelayRoute(
+            relay,
+            lambda frames: client.relay_stream(protocol.RELAY, frames),
+            self._tunnel_listener(relay_rec.info),
+        )
+
+    def _tunnel_listener(self, info: pb.PeerInfo) -> tuple[str, int] | None:
+        """Where member ``info``'s raw tunnel listener is dialled (None: it has none, or it
+        is reached through ``transport.dial_via``, an emulated link the listener's port
+        would bypass)."""
+        if not info.relay_port or self.cfg.transport.dial_target(info.address) != info.address:
+            return None
+        host = info.address.rsplit(":", 1)[0].strip("[]")
+        return host, info.relay_port
 
     def _local_address(self) -> str:
         """This peer's own gossip server as dialled from this host (a tunnel's far end)."""
@@ -529,13 +557,23 @@ class Peer:
         """Attach to member ``info`` as this peer's relay (raises TransportError if it does
         not take this peer)."""
         client = self.clients.get(info.address, info.id)
+        splice_at = self._tunnel_listener(info)
+        if splice_at is not None and not can_connect(splice_at):
+            log.info(
+                "relay %s's tunnel listener %s:%d is closed to this peer: tunnels "
+                "go through gRPC calls",
+                info.id,
+                *splice_at,
+            )
+            splice_at = None
         attachment = Attachment(
             info.id,
             client.attach,
             lambda frames: client.relay_stream(protocol.ACCEPT, frames),
-            pb.AttachRequest(swarm=self.cfg.peer.swarm, peer=self.id),
+            pb.AttachRequest(swarm=self.cfg.peer.swarm, peer=self.id, splice=bool(splice_at)),
             self._local_address(),
             lambda n: self.metrics.record_relayed(info.id, n),
+            splice_at,
         )
         attachment.start(ATTACH_TIMEOUT_S)
         return attachment

@@ -89,6 +89,8 @@ def play_round(
     m.record_blocking(0.01 * len(neighbors))
     for attached in filter(None, args.relay_for.split(",")):  # both ways, to two neighbours
         m.record_relay_forwarded(attached, 4 * update_wire_bytes(args.params, args.density, rng))
+        if r % 50 == 0:  # a neighbour's connection to it (re)opened
+            m.record_relay_tunnel("spliced")
 
 
 def main(argv: list[str] | None = None) -> int:

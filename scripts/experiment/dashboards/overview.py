@@ -9,6 +9,7 @@ from .panels import Panel, rejected_by_reason, stat, table, timeseries
 from .promql import (
     RECEIVED,
     RELAY_FORWARDED,
+    RELAY_TUNNELS,
     SENT,
     compression_ratio,
     lifetime_compression_ratio,
@@ -76,6 +77,15 @@ def _traffic_panels(s: str) -> list[Panel]:
             "Bps",
             "Bytes each relay forwards to and from each unreachable peer attached to it, both "
             "ways (its tunnels: calls to that peer, and that peer's calls to peers behind it).",
+        ),
+        timeseries(
+            "Relay tunnels opened since start (relay, how)",
+            [(f"sum by (peer, how) ({RELAY_TUNNELS}{{{s}}})", "{{peer}} {{how}}")],
+            "none",
+            "Tunnels each relay opened to the peers attached to it (one per connection to "
+            "such a peer): spliced at its raw tunnel listener, or carried in gRPC calls (the "
+            "listener off, or an end that could not reach it: several times the relay's CPU "
+            "per byte).",
         ),
     ]
 

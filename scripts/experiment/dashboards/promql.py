@@ -10,6 +10,7 @@ QUANTILES = (0.5, 0.9, 0.99)
 SENT = "gossipgrad_sent_bytes_total"
 RECEIVED = "gossipgrad_received_bytes_total"
 RELAY_FORWARDED = "gossipgrad_relay_forwarded_bytes_total"
+RELAY_TUNNELS = "gossipgrad_relay_tunnels_total"
 
 
 def rate(metric: str, sel: str, by: str = "") -> str:

@@ -49,6 +49,7 @@ EXPECTED = {
     "gossipgrad_first_mix_seconds": ("gauge", set()),
     "gossipgrad_reachable": ("gauge", set()),
     "gossipgrad_relay_forwarded_bytes": ("counter", {"attached"}),
+    "gossipgrad_relay_tunnels": ("counter", {"how"}),
     "gossipgrad_relayed_bytes": ("counter", {"relay"}),
     "gossipgrad_rejected_updates": ("counter", {"reason"}),
     "gossipgrad_resyncs": ("counter", {"neighbor"}),
@@ -86,6 +87,7 @@ def filled(m: PeerMetrics) -> PeerMetrics:
     m.set_peers(alive=2, suspect=0, dead=0)
     m.set_neighbors(1)
     m.record_relay_forwarded("b", 100)
+    m.record_relay_tunnel("spliced")
     m.record_relayed("b", 100)
     return m
 

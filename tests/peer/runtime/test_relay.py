@@ -9,6 +9,7 @@ processes for the relay killed mid-run.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -84,6 +85,15 @@ def sample(peer: Peer, name: str, labels: dict[str, str] | None = None) -> float
     return peer.metrics.registry.get_sample_value(name, labels or {}) or 0.0
 
 
+def tunnels_by_how(relays: list[Peer]) -> set[str]:
+    """How the tunnels through ``relays`` went (gossipgrad_relay_tunnels_total's labels)."""
+    return {
+        how
+        for how in TUNNELS
+        if sum(sample(p, "gossipgrad_relay_tunnels_total", {"how": how}) for p in relays)
+    }
+
+
 def outbound_only(peer: Peer) -> str:
     """The reachability check finds ``peer`` unreachable; it attaches to a relay."""
     found = peer.check_reachability()
@@ -93,7 +103,14 @@ def outbound_only(peer: Peer) -> str:
     return relay
 
 
-def swarm(certs, advertised: dict[str, str]) -> tuple[list[Peer], dict[str, str]]:
+#: ``peer.relay_port`` for each way a tunnel goes: spliced at the relay's raw tunnel
+#: listener (the default), or carried in Relay and Accept calls (no listener).
+TUNNELS = {"spliced": 0, "calls": -1}
+
+
+def swarm(
+    certs, advertised: dict[str, str], relay_port: int = 0
+) -> tuple[list[Peer], dict[str, str]]:
     """p0, p1, x, y (a ring p0-p1-x-y: x and y are neighbours), the same seeds every time,
     and the relay each peer in ``advertised`` attached to. Those attach before the swarm is
     awaited, as a daemon's start does: a peer enters others' topologies only once it has
@@ -101,6 +118,7 @@ def swarm(certs, advertised: dict[str, str]) -> tuple[list[Peer], dict[str, str]
     peers: list[Peer] = []
     for i, pid in enumerate(["p0", "p1", "x", "y"]):
         extra = {"peer.advertise": advertised[pid]} if pid in advertised else {}
+        extra["peer.relay_port"] = relay_port
         bootstrap = [peers[0].address] if peers else []
         peers.append(start_peer(pid, bootstrap, 200 + i, {**tls(certs, pid), **extra}))
     relays = {}
@@ -112,13 +130,15 @@ def swarm(certs, advertised: dict[str, str]) -> tuple[list[Peer], dict[str, str]
     return peers, relays
 
 
+@pytest.mark.parametrize("tunnels", TUNNELS)
 def test_two_outbound_only_neighbours_train_through_relays_like_a_direct_swarm(
-    certs, nat: list[CountingListener]
+    certs, nat: list[CountingListener], tunnels: str
 ) -> None:
     """x and y advertise addresses where nothing serves gossip: every call to them goes
     through their relays (none reaches those addresses), x and y talk to each other through
     them, under end-to-end mutual TLS, and the swarm mixes as one where everybody can be
-    dialled: every edge's mirrors exact, and the same spread after the same rounds."""
+    dialled: every edge's mirrors exact, and the same spread after the same rounds. The
+    same whether the relays splice the tunnels or carry them in gRPC calls."""
     rounds = 15
     mark = started_count()
     direct, _ = swarm(certs, {})
@@ -127,7 +147,7 @@ def test_two_outbound_only_neighbours_train_through_relays_like_a_direct_swarm(
     direct_after = distance(direct)
     close_started(mark)
 
-    peers, relays = swarm(certs, {"x": nat[0].address, "y": nat[1].address})
+    peers, relays = swarm(certs, {"x": nat[0].address, "y": nat[1].address}, TUNNELS[tunnels])
     p0, p1, x, _ = peers
     assert distance(peers) == pytest.approx(start)  # the same models to begin with
     assert set(relays.values()) <= {"p0", "p1"}
@@ -168,6 +188,7 @@ def test_two_outbound_only_neighbours_train_through_relays_like_a_direct_swarm(
     # Relay call, to its own server (BENCHMARKS.md, "Relays").
     for relay in set(relays.values()):
         assert by_id[relay].address not in by_id[relay].clients.addresses(), relay
+    assert tunnels_by_how([by_id[relay] for relay in set(relays.values())]) == {tunnels}
 
 
 def test_the_relay_score_weighs_round_trip_and_load() -> None:
@@ -274,30 +295,57 @@ def test_an_outbound_only_joiner_downloads_its_state_through_a_relay(certs) -> N
             lis.close()
 
 
-def test_what_a_relay_alters_breaks_the_connection_and_never_arrives_under_tls(certs) -> None:
-    """p0 relays for x and, from some moment, flips one bit in every frame it forwards: j's
+@pytest.mark.parametrize("tunnels", TUNNELS)
+def test_what_a_relay_alters_breaks_the_connection_and_never_arrives_under_tls(
+    certs, tunnels: str
+) -> None:
+    """p0 relays for x and, from some moment, flips one bit in every read it forwards: j's
     download of x's state and j's heartbeats to x through p0 fail (each connection breaks at
     the first altered TLS record) and nothing altered arrives. (Before, faithful, it brought
-    the state intact.)"""
+    the state intact.) Spliced tunnels or tunnels in gRPC calls alike."""
     mark = started_count()
     nowhere = CountingListener()
     tamper = threading.Event()
     altered = [0]
 
+    def alter(raw: bytes) -> bytes:
+        if tamper.is_set() and len(raw) > 4:
+            altered[0] += 1
+            return raw[:-1] + bytes([raw[-1] ^ 0x01])
+        return raw
+
     def altering(forward):
         def frames(tunnel) -> Iterator[bytes]:
             for raw in forward(tunnel):
-                if tamper.is_set() and len(raw) > 4:
-                    raw = raw[:-1] + bytes([raw[-1] ^ 0x01])
-                    altered[0] += 1
-                yield raw
+                yield alter(raw)
 
         return frames
 
+    def altering_splice(tunnel) -> None:
+        """The relay's splice, each read passed through ``alter``."""
+
+        def copy(src: socket.socket, dst: socket.socket) -> None:
+            try:
+                while raw := src.recv(65536):
+                    dst.sendall(alter(raw))
+            except OSError:
+                pass
+            finally:
+                for sock in (src, dst):
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+
+        a, b = tunnel.ends[0], tunnel.ends[1]
+        other = threading.Thread(target=copy, args=(b, a), daemon=True)
+        other.start()
+        copy(a, b)
+        other.join()
+
     try:
-        p0 = start_peer("p0", [], 1, tls(certs, "p0"))
+        p0 = start_peer("p0", [], 1, {**tls(certs, "p0"), "peer.relay_port": TUNNELS[tunnels]})
         p0.relays.to_target = altering(p0.relays.to_target)
         p0.relays.to_caller = altering(p0.relays.to_caller)
+        p0.relays._splice = altering_splice
         blob = bytes(range(256)) * 1024
         torch.manual_seed(2)
         flat = FlatParameters(nn.Sequential(nn.Linear(40, 30), nn.Tanh(), nn.Linear(30, 5)))
@@ -323,6 +371,7 @@ def test_what_a_relay_alters_breaks_the_connection_and_never_arrives_under_tls(c
         assert to_x.heartbeat(heartbeat, timeout=5).responder.id == "x"
         header, state = j.download_state(timeout=30)
         assert (header.sender, bytes(state)) == ("x", blob)
+        assert tunnels_by_how([p0]) == {tunnels}
 
         tamper.set()
         # The call fails however gRPC words it (TSI_DATA_CORRUPTED, a closed connection).
