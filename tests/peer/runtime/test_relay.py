@@ -25,7 +25,12 @@ from gossipgrad.experiment.links import LinkEmulator, Stage
 from gossipgrad.peer.config import build_config
 from gossipgrad.peer.flat import FlatParameters
 from gossipgrad.peer.network import PeerClient, TransportError, TransportOptions, protocol
-from gossipgrad.peer.network.relay import MAX_TUNNELS_PER_CALLER, RelayDialer, open_frame
+from gossipgrad.peer.network.relay import (
+    MAX_TUNNELS_PER_CALLER,
+    RelayDialer,
+    RelayRoute,
+    open_frame,
+)
 from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
 from gossipgrad.peer.runtime.joining import JoinError
 from gossipgrad.peer.runtime.node import Peer
@@ -443,6 +448,46 @@ def test_a_relay_is_no_way_around_the_targets_admission_nor_its_own_bounds(certs
         if dialer is not None:
             dialer.close()
         lis.close()
+
+
+def test_a_caller_that_cannot_reach_the_tunnel_listener_keeps_to_calls(certs) -> None:
+    """j calls x through p0 twice: dialling p0's tunnel listener where it is, the tunnel is
+    spliced; told a port where nothing listens (a firewall that lets only the gossip port
+    in), its probe fails and the same call goes through in a Relay call, and p0 counts
+    one tunnel each way."""
+    mark = started_count()
+    nowhere = CountingListener()
+    dialers: list[RelayDialer] = []
+    try:
+        p0 = start_peer("p0", [], 1, tls(certs, "p0"))
+        x = start_peer("x", [p0.address], 3, {**tls(certs, "x"), "peer.advertise": nowhere.address})
+        assert outbound_only(x) == "p0"
+        sec = security(certs, "j")
+        relay = PeerClient(p0.address, TransportOptions(retries=0), sec, peer="p0")
+        open_stream = lambda frames: relay.relay_stream(protocol.RELAY, frames)  # noqa: E731
+        expected: dict[str, float] = {"spliced": 0, "calls": 0}
+        for listener, how in (
+            (("127.0.0.1", p0.relays.port), "spliced"),
+            (("127.0.0.1", int(closed_port().rsplit(":", 1)[1])), "calls"),
+        ):
+            dialer = RelayDialer(
+                lambda target: pb.RelayOpen(swarm="gossipgrad", sender="j", target=target),
+                lambda target, at=listener: RelayRoute("p0", open_stream, at),
+            )
+            dialers.append(dialer)
+            with PeerClient(dialer.endpoint("x"), TransportOptions(), sec, peer="x") as to_x:
+                me = pb.PeerInfo(id="j", address="127.0.0.1:1", incarnation=1)
+                reply = to_x.heartbeat(pb.HeartbeatRequest(swarm="gossipgrad", sender=me))
+                assert reply.responder.id == "x"
+            expected[how] += 1
+            counted = {h: sample(p0, "gossipgrad_relay_tunnels_total", {"how": h}) for h in TUNNELS}
+            assert counted == expected, how
+        relay.close()
+    finally:
+        for dialer in dialers:
+            dialer.close()
+        close_started(mark)
+        nowhere.close()
 
 
 # --- real processes: the relay SIGKILLed mid-run ---------------------------------------------
