@@ -453,8 +453,8 @@ def test_a_relay_is_no_way_around_the_targets_admission_nor_its_own_bounds(certs
 def test_a_caller_that_cannot_reach_the_tunnel_listener_keeps_to_calls(certs) -> None:
     """j calls x through p0 twice: dialling p0's tunnel listener where it is, the tunnel is
     spliced; told a port where nothing listens (a firewall that lets only the gossip port
-    in), its probe fails and the same call goes through in a Relay call, and p0 counts
-    one tunnel each way."""
+    in), its probe fails and the same call goes through in a Relay call: p0 counts one
+    tunnel in calls, for the second only."""
     mark = started_count()
     nowhere = CountingListener()
     dialers: list[RelayDialer] = []
@@ -481,7 +481,10 @@ def test_a_caller_that_cannot_reach_the_tunnel_listener_keeps_to_calls(certs) ->
                 assert reply.responder.id == "x"
             expected[how] += 1
             counted = {h: sample(p0, "gossipgrad_relay_tunnels_total", {"how": h}) for h in TUNNELS}
-            assert counted == expected, how
+            # Every tunnel counts one way; p0's own calls to x (its heartbeats) add spliced
+            # ones at any time, so the calls are what tell j's tunnels apart.
+            assert counted["calls"] == expected["calls"], how
+            assert counted["spliced"] >= expected["spliced"], how
         relay.close()
     finally:
         for dialer in dialers:
