@@ -32,6 +32,7 @@ from gossipgrad.peer.network.relay import (
     open_frame,
 )
 from gossipgrad.peer.records import PeerStatus, PeerSummary, read_record
+from gossipgrad.peer.runtime import node as node_module
 from gossipgrad.peer.runtime.joining import JoinError
 from gossipgrad.peer.runtime.node import Peer
 from gossipgrad.peer.runtime.optimizer import GossipOptimizer
@@ -488,6 +489,47 @@ def test_a_caller_that_cannot_reach_the_tunnel_listener_keeps_to_calls(certs) ->
         relay.close()
     finally:
         for dialer in dialers:
+            dialer.close()
+        close_started(mark)
+        nowhere.close()
+
+
+def test_a_target_that_cannot_reach_the_tunnel_listener_gets_its_tunnels_in_calls(
+    certs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """x's probe of p0's tunnel listener fails when it attaches (patched: a firewall between
+    them), so p0 splices nothing to x: j, which reaches the listener, asks for a spliced
+    tunnel, is answered without a ticket and carries it in its Relay call; every tunnel to x
+    goes in calls, p0's own included."""
+    mark = started_count()
+    nowhere = CountingListener()
+    dialer = None
+    try:
+        p0 = start_peer("p0", [], 1, tls(certs, "p0"))
+        with monkeypatch.context() as patch:
+            patch.setattr(node_module, "can_connect", lambda address: False)
+            x = start_peer(
+                "x", [p0.address], 3, {**tls(certs, "x"), "peer.advertise": nowhere.address}
+            )
+            assert outbound_only(x) == "p0"
+        sec = security(certs, "j")
+        relay = PeerClient(p0.address, TransportOptions(retries=0), sec, peer="p0")
+        dialer = RelayDialer(
+            lambda target: pb.RelayOpen(swarm="gossipgrad", sender="j", target=target),
+            lambda target: RelayRoute(
+                "p0",
+                lambda frames: relay.relay_stream(protocol.RELAY, frames),
+                ("127.0.0.1", p0.relays.port),
+            ),
+        )
+        with PeerClient(dialer.endpoint("x"), TransportOptions(), sec, peer="x") as to_x:
+            me = pb.PeerInfo(id="j", address="127.0.0.1:1", incarnation=1)
+            reply = to_x.heartbeat(pb.HeartbeatRequest(swarm="gossipgrad", sender=me))
+            assert reply.responder.id == "x"
+        assert tunnels_by_how([p0]) == {"calls"}
+        relay.close()
+    finally:
+        if dialer is not None:
             dialer.close()
         close_started(mark)
         nowhere.close()
