@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from gossipgrad.peer.network.errors import BindError
     from gossipgrad.peer.runtime.daemon import Daemon  # heavy imports after the config is valid
     from gossipgrad.peer.runtime.joining import JoinError
 
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         summary = Daemon(cfg).run()
-    except (ValueError, FileNotFoundError, JoinError) as err:
+    except (ValueError, FileNotFoundError, JoinError, BindError) as err:
         logging.getLogger("gossipgrad.peer").error("%s", err)
         return 1
     final = summary.get("final", {})

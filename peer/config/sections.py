@@ -101,6 +101,17 @@ class PeerSection(Section):
         "the gossip port in) or that reaches the relay through transport.dial_via keeps to "
         "gRPC calls.",
     )
+
+    @model_validator(mode="after")
+    def _relay_port_apart(self) -> PeerSection:
+        listen_port = int(self.listen.rsplit(":", 1)[1])
+        if self.relay_port > 0 and self.relay_port == listen_port:
+            raise ValueError(
+                f"relay_port {self.relay_port} is listen's port: the tunnel listener needs "
+                "a port of its own (or 0: any free one)"
+            )
+        return self
+
     join_after_steps: int = Field(
         20,
         ge=0,

@@ -32,6 +32,11 @@ REJECT_REASONS: tuple[str, ...] = (
 REASON_METADATA_KEY = "gossipgrad-reject-reason"
 
 
+class BindError(OSError):
+    """A port this peer serves on could not be opened (in use, or no such address): a start-up
+    error the daemon reports in one line."""
+
+
 class TransportError(grpc.RpcError):
     """A gossip call that failed: the gRPC status, its detail and, if any, the reason token.
 

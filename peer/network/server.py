@@ -45,7 +45,7 @@ from gossipgrad.peer.network import protocol
 from gossipgrad.peer.network.admission import Admission, Ticket
 from gossipgrad.peer.network.buffers import BufferPool
 from gossipgrad.peer.network.deadlines import CallDeadlines, Watch
-from gossipgrad.peer.network.errors import UpdateRejected, abort, malformed
+from gossipgrad.peer.network.errors import BindError, UpdateRejected, abort, malformed
 from gossipgrad.peer.network.framing import (
     FrameError,
     StreamedPayload,
@@ -186,9 +186,11 @@ class GossipServer:
             else:
                 port = server.add_insecure_port(self.bind)
         except RuntimeError as err:
-            raise OSError(f"cannot bind gossip server to {self.bind}: {err}") from err
+            raise BindError(
+                f"cannot bind gossip server to {self.bind} (peer.listen): {err}"
+            ) from err
         if port == 0:
-            raise OSError(f"cannot bind gossip server to {self.bind}")
+            raise BindError(f"cannot bind gossip server to {self.bind} (peer.listen)")
         return port
 
     @property

@@ -36,6 +36,7 @@ from gossipgrad.peer.network import (
     UpdateRejected,
     protocol,
 )
+from gossipgrad.peer.network.errors import BindError
 from gossipgrad.peer.network.framing import StreamedPayload
 from gossipgrad.peer.network.pool import ClientPool
 from gossipgrad.peer.network.relay import (
@@ -291,7 +292,14 @@ class Peer:
         if self.cfg.metrics.enabled:
             self.metrics_port = self.metrics.serve(self.cfg.metrics.host, self.cfg.metrics.port)
         if self.relays.capacity > 0 and self.cfg.peer.relay_port >= 0:
-            self.relays.listen(host, self.cfg.peer.relay_port)
+            try:
+                self.relays.listen(host, self.cfg.peer.relay_port)
+            except OSError as err:
+                self.server.stop(grace=0)
+                raise BindError(
+                    f"cannot open the relay's tunnel listener on {host}:"
+                    f"{self.cfg.peer.relay_port} (peer.relay_port): {err}"
+                ) from err
         me = pb.PeerInfo(
             id=self.id,
             address=self.address,

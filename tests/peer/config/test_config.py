@@ -51,6 +51,7 @@ def test_toml_file_and_overrides(tmp_path: Path) -> None:
         ({}, {"gossip.codec": "topk:7"}, "gossip.codec"),
         ({}, {"gossip.topology": "moebius"}, "topology"),
         ({}, {"peer.listen": "nohost"}, "peer.listen"),
+        ({}, {"peer.listen": "0.0.0.0:7070", "peer.relay_port": "7070"}, "relay_port"),
         ({}, {"train.shard_index": "4", "train.num_shards": "4"}, "shard_index"),
         ({}, {"membership.suspect_after": "100"}, "suspect_after"),
         ({"bogus": {}}, {}, "bogus: unknown key"),

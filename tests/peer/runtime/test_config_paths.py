@@ -16,6 +16,7 @@ import math
 import os
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -808,3 +809,31 @@ def test_non_loopback_plaintext_needs_insecure_and_ctrl_c_leaves_cleanly(tmp_pat
     print(
         f"SIGINT at step {summary.steps}: exited 0 after {seconds:.2f}s, {len(children)} children"
     )
+
+
+@pytest.mark.timeout(300)
+def test_a_port_in_use_is_a_one_line_error_naming_its_key(tmp_path: Path) -> None:
+    """The gossip port (peer.listen) or the relay's tunnel listener (peer.relay_port) taken by
+    another process: the daemon exits 1 with one line naming the key, no traceback."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        runs = {
+            key: subprocess.Popen(
+                _peer_command(tmp_path / key, f"--{key}={value}", "--train.steps=5"),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for key, value in (
+                ("peer.listen", f"127.0.0.1:{port}"),
+                ("peer.relay_port", str(port)),
+            )
+        }
+        for key, proc in runs.items():
+            out, err = proc.communicate(timeout=240)
+            assert proc.returncode == 1, (key, out, err)
+            assert "Traceback" not in err, err
+            errors = [line for line in err.splitlines() if " ERROR " in line]
+            assert len(errors) == 1 and key in errors[0] and str(port) in errors[0], err
