@@ -7,9 +7,12 @@ that downloads x's state (``--mb`` megabytes) ``--downloads`` times: every byte 
 relay's tunnel from x to j, and j's requests the other way. The relay process's CPU time
 over the downloads, less what it spends idle for as long (heartbeats), is divided by the
 bytes it forwarded (``gossipgrad_relay_forwarded_bytes_total``, both directions), and the
-frames it forwarded (calls of the hub's byte counter) give the mean frame size.
+frames it forwarded (calls of the hub's byte counter: a frame of a tunnel in calls, a read
+of a spliced one) give the mean frame size. ``--tunnels calls`` turns the relay's raw tunnel
+listener off (``peer.relay_port = -1``): the tunnels then go in Relay and Accept calls.
 
     python scripts/bench_relay_forwarding.py --mb 64 --downloads 4
+    python scripts/bench_relay_forwarding.py --mb 64 --downloads 4 --tunnels calls
 """
 
 from __future__ import annotations
@@ -41,9 +44,13 @@ def _peer(pid: str, overrides: dict[str, Any], state=None) -> Peer:
     return peer
 
 
-def _relay(conn) -> None:
+#: ``--tunnels`` -> the relay's ``peer.relay_port``.
+RELAY_PORT = {"spliced": 0, "calls": -1}
+
+
+def _relay(conn, relay_port: int) -> None:
     """The relay's process: serve, and answer ``"cpu"`` with (CPU s, bytes, frames)."""
-    relay = _peer("r", {"peer.relay_capacity": 2})
+    relay = _peer("r", {"peer.relay_capacity": 2, "peer.relay_port": relay_port})
     conn.send(relay.address)
     while (msg := conn.recv()) != "stop":
         assert msg == "cpu"
@@ -59,10 +66,10 @@ def closed_port() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def bench(mb: float, downloads: int) -> dict[str, float]:
+def bench(mb: float, downloads: int, tunnels: str = "spliced") -> dict[str, float]:
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=_relay, args=(there,), daemon=True)
+    proc = ctx.Process(target=_relay, args=(there, RELAY_PORT[tunnels]), daemon=True)
     proc.start()
     peers: list[Peer] = []
     try:
@@ -102,6 +109,7 @@ def bench(mb: float, downloads: int) -> dict[str, float]:
         forwarded = c1[1] - c0[1]
         frames = c1[2] - c0[2]
         return {
+            "tunnels": tunnels,
             "mb_per_download": mb,
             "downloads": downloads,
             "forwarded_mb": forwarded / 1e6,
@@ -124,10 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--mb", type=float, default=64.0, help="state size per download, MB")
     p.add_argument("--downloads", type=int, default=4, help="downloads through the relay")
+    p.add_argument(
+        "--tunnels", choices=sorted(RELAY_PORT), default="spliced", help="how tunnels go"
+    )
     args = p.parse_args(argv)
     if args.mb <= 0 or args.downloads < 1:
         p.error("--mb must be positive and --downloads at least 1")
-    r = bench(args.mb, args.downloads)
+    r = bench(args.mb, args.downloads, args.tunnels)
     print(
         f"forwarded {r['forwarded_mb']:.0f} MB in {r['wall_s']:.2f} s: relay CPU "
         f"{r['relay_cpu_s_per_gb']:.2f} s/GB, {r['frames']} frames of "
