@@ -9,7 +9,6 @@ processes for the relay killed mid-run.
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import threading
 import time
@@ -327,31 +326,36 @@ def test_what_a_relay_alters_breaks_the_connection_and_never_arrives_under_tls(
 
         return frames
 
-    def altering_splice(tunnel) -> None:
-        """The relay's splice, each read passed through ``alter``."""
+    class Altering:
+        """A spliced tunnel's end whose every send passes through ``alter``."""
 
-        def copy(src: socket.socket, dst: socket.socket) -> None:
-            try:
-                while raw := src.recv(65536):
-                    dst.sendall(alter(raw))
-            except OSError:
-                pass
-            finally:
-                for sock in (src, dst):
-                    with contextlib.suppress(OSError):
-                        sock.shutdown(socket.SHUT_RDWR)
+        def __init__(self, sock: socket.socket) -> None:
+            self.sock = sock
 
-        a, b = tunnel.ends[0], tunnel.ends[1]
-        other = threading.Thread(target=copy, args=(b, a), daemon=True)
-        other.start()
-        copy(a, b)
-        other.join()
+        def recv_into(self, buf) -> int:
+            return self.sock.recv_into(buf)
+
+        def sendall(self, data) -> None:
+            self.sock.sendall(alter(bytes(data)))
+
+        def shutdown(self, how: int) -> None:
+            self.sock.shutdown(how)
+
+        def close(self) -> None:
+            self.sock.close()
+
+    def altering_splice(splice):
+        def spliced(tunnel) -> None:
+            tunnel.ends = {end: Altering(sock) for end, sock in tunnel.ends.items()}
+            splice(tunnel)
+
+        return spliced
 
     try:
         p0 = start_peer("p0", [], 1, {**tls(certs, "p0"), "peer.relay_port": TUNNELS[tunnels]})
         p0.relays.to_target = altering(p0.relays.to_target)
         p0.relays.to_caller = altering(p0.relays.to_caller)
-        p0.relays._splice = altering_splice
+        p0.relays._splice = altering_splice(p0.relays._splice)
         blob = bytes(range(256)) * 1024
         torch.manual_seed(2)
         flat = FlatParameters(nn.Sequential(nn.Linear(40, 30), nn.Tanh(), nn.Linear(30, 5)))
