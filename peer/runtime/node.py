@@ -275,6 +275,15 @@ class Peer:
         self.metrics.mark_serving()
         host = self.cfg.peer.listen.rsplit(":", 1)[0]
         self.address = self.cfg.peer.advertise or f"{host}:{port}"
+        if self.relays.capacity > 0 and self.cfg.peer.relay_port >= 0:
+            try:
+                self.relays.listen(host, self.cfg.peer.relay_port)
+            except OSError as err:
+                self.server.stop(grace=0)
+                raise BindError(
+                    f"cannot open the relay's tunnel listener on {host}:"
+                    f"{self.cfg.peer.relay_port} (peer.relay_port): {err}"
+                ) from err
         if not self.cfg.peer.advertise and host in WILDCARD_HOSTS:
             log.warning(
                 "peer.listen %s binds every interface and peer.advertise is empty: other "
@@ -291,15 +300,6 @@ class Peer:
         )
         if self.cfg.metrics.enabled:
             self.metrics_port = self.metrics.serve(self.cfg.metrics.host, self.cfg.metrics.port)
-        if self.relays.capacity > 0 and self.cfg.peer.relay_port >= 0:
-            try:
-                self.relays.listen(host, self.cfg.peer.relay_port)
-            except OSError as err:
-                self.server.stop(grace=0)
-                raise BindError(
-                    f"cannot open the relay's tunnel listener on {host}:"
-                    f"{self.cfg.peer.relay_port} (peer.relay_port): {err}"
-                ) from err
         me = pb.PeerInfo(
             id=self.id,
             address=self.address,
