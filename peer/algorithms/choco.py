@@ -237,7 +237,7 @@ class ChocoGossip(GossipAlgorithm):
         return header, b""
 
     def _send(self, peer: str, edge: Edge, header: pb.UpdateHeader, payload: bytes) -> None:
-        verdict, late = None, False
+        verdict, late, code = None, False, None
         try:
             reply = self.nb.push(peer, header, payload, patience=edge.patience())
             verdict = VERDICT.get(reply.status, Verdict.NEED_RESYNC)
@@ -258,6 +258,8 @@ class ChocoGossip(GossipAlgorithm):
         with edge.lock:
             edge.timeouts = edge.timeouts + 1 if late else 0
             edge.release()
+            if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                edge.refused_for_now()
             if verdict is not None:
                 edge.answered(header.edge_epoch, header.seq, verdict)
         self.nb.notify()
@@ -278,6 +280,8 @@ class ChocoGossip(GossipAlgorithm):
                 turn[peer] = 0
                 update = self._hello(peer, edge)
             elif edge.unacked is not None:
+                if not edge.may_retry():
+                    return ""
                 update = edge.unacked  # not acknowledged: the same bytes again
             elif edge.can_send() and turn.get(peer) != edge.epoch:
                 turn[peer] = edge.epoch

@@ -69,6 +69,11 @@ _epoch_lock = threading.Lock()
 #: the interval waits (a hello is said again each round until the leader's opening comes; a
 #: failed check is answered LIMITED and the session ends once the interval has passed).
 HELLO_RESTART_INTERVAL = 5.0
+#: Seconds a push refused for now (RESOURCE_EXHAUSTED: the other end's session is due to end
+#: within HELLO_RESTART_INTERVAL, or it is busy) waits before the same update goes again. A
+#: round's wait pushed it again at every wake-up before: some 2,000 refused pushes, and as
+#: many warnings, in one interval on a loaded host.
+REFUSED_RETRY_S = 0.25
 
 
 def new_epoch() -> int:
@@ -150,6 +155,7 @@ class Edge:
     public_checksum: int | None = None  # tensor_checksum(public) after our last update
     busy: bool = False  # a push is in flight
     timeouts: int = 0  # pushes in a row that ran past their deadline (each doubles the next)
+    retry_at: float = 0.0  # monotonic time before which a refused-for-now push waits
     idle: threading.Event = field(default_factory=threading.Event)
     # in direction (j -> i)
     received: int = 0  # j's updates applied to `mirror` in this session
@@ -379,6 +385,15 @@ class Edge:
         """The push finished, whatever its outcome."""
         self.busy = False
         self.idle.set()
+
+    def refused_for_now(self) -> None:
+        """The push was refused for now (RESOURCE_EXHAUSTED): the same update waits
+        :data:`REFUSED_RETRY_S` before it goes again."""
+        self.retry_at = time.monotonic() + REFUSED_RETRY_S
+
+    def may_retry(self) -> bool:
+        """Whether the unacknowledged update may go again now."""
+        return time.monotonic() >= self.retry_at
 
     def answered(self, epoch: int, seq: int, verdict: Verdict) -> None:
         """j answered our update ``seq`` of session ``epoch`` (ignored if that session is over;

@@ -17,7 +17,7 @@ import time
 import grpc
 import pytest
 import torch
-from gossipgrad.peer.algorithms.edges import HELLO_RESTART_INTERVAL, Edge
+from gossipgrad.peer.algorithms.edges import HELLO_RESTART_INTERVAL, REFUSED_RETRY_S, Edge
 from gossipgrad.peer.flat import tensor_checksum
 from gossipgrad.peer.network import PeerClient, TransportOptions
 from gossipgrad.peer.runtime.node import Peer
@@ -134,3 +134,26 @@ def test_bad_updates_in_a_loop_restart_an_edge_at_most_once_per_interval(
         if edge.epoch != epoch:
             mixed |= {pid for s in stats for pid in s.mixed}
     assert edge.restarts - before <= 2, edge.restarts - before
+
+
+def test_a_push_refused_for_now_waits_before_it_goes_again() -> None:
+    """p1's session with p0 is due to end (a check failed within the interval): p0's updates
+    are refused for now (``rate_limited``) until the interval has passed. p0 pushes the same
+    update again every REFUSED_RETRY_S, not at every round or wake-up (before: some 2,000
+    refused pushes, and as many warnings, in one interval on a loaded host)."""
+    peers = start_peers(2, {"gossip.round_timeout": 1.0}, widths=(8, 4, 2))
+    run_rounds(peers, 2, timeout=60, end=False)
+    quiesce(peers)
+    p0, p1 = peers
+    edge = p1.algorithm.edges["p0"]
+    with edge.lock:
+        edge.restarted_at["check"] = time.monotonic()  # a failed check ended a session now
+        edge.restart_due = True  # and another: this one ends once the interval has passed
+    before = rejected(p1, "rate_limited")
+    started = time.monotonic()
+    while time.monotonic() - started < 2.0:  # p0's rounds, as fast as they come
+        p0.algorithm.step_round()
+    took = time.monotonic() - started
+    refused = rejected(p1, "rate_limited") - before
+    assert took < HELLO_RESTART_INTERVAL  # all within the interval: nothing was accepted
+    assert 1 <= refused <= took / REFUSED_RETRY_S + 2, (refused, took)
