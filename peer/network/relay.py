@@ -396,8 +396,7 @@ class RelayHub:
         with self._lock:
             ends = [sock for t in self._tunnels.values() if t.tickets for sock in t.ends.values()]
         for sock in ends:  # the splice's threads close them
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+            _end(sock)
 
     def _accept_raw(self, listener: socket.socket) -> None:
         while True:
@@ -606,9 +605,8 @@ def _copy(src: socket.socket, dst: socket.socket, count: Callable[[int], None]) 
     except OSError:
         pass
     finally:
-        for sock in (src, dst):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+        _end(src)
+        _end(dst)
 
 
 def _read_exactly(sock: socket.socket, n: int) -> bytes:
@@ -686,9 +684,14 @@ def _pump_out(
         _shut(sock)
 
 
-def _shut(sock: socket.socket) -> None:
+def _end(sock: socket.socket) -> None:
+    """Shut ``sock`` both ways (a thread blocked on it returns); it stays open to close."""
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
+
+
+def _shut(sock: socket.socket) -> None:
+    _end(sock)
     sock.close()
 
 
@@ -840,15 +843,15 @@ class RelayDialer:
 
     Args:
         opener: ``opener(target)``: the first frame's ``RelayOpen``.
-        route: ``route(target)``: the :class:`RelayRoute` (or ``(relay id, open_stream)``)
-            to the target's relay now, or None if it has none.
+        route: ``route(target)``: the :class:`RelayRoute` to the target's relay now, or None
+            if it has none.
         on_bytes: ``on_bytes(relay id, n)`` for every byte a tunnel carries, either way.
     """
 
     def __init__(
         self,
         opener: Callable[[str], pb.RelayOpen],
-        route: Callable[[str], RelayRoute | tuple[str, OpenStream] | None],
+        route: Callable[[str], RelayRoute | None],
         on_bytes: Callable[[str, int], None] = lambda relay, n: None,
     ) -> None:
         self._opener = opener
@@ -890,7 +893,6 @@ class RelayDialer:
             log.debug("no relay known for %s", target)
             _shut(conn)
             return
-        route = RelayRoute(*route)
         _no_delay(conn)
 
         def count(n: int) -> None:
@@ -927,12 +929,12 @@ class RelayDialer:
         listener (None, once the tunnel ended); else the call and its frames still to come,
         which carry the tunnel (``conn``'s bytes go out on the call)."""
         decided = threading.Event()
-        use_frames = []
+        ticket = b""  # read by requests() once decided: no ticket, the call carries the bytes
 
         def requests() -> Iterator[bytes]:
             yield open_frame(opening)
             decided.wait()
-            if use_frames:
+            if not ticket:
                 yield from _pump_in(conn, None, count)
 
         replies = route.open_stream(requests())
@@ -940,8 +942,6 @@ class RelayDialer:
         try:
             first = next(frames, None)
             ticket = first.open.ticket if first is not None and first.HasField("open") else b""
-            if not ticket:
-                use_frames.append(True)
         finally:
             decided.set()
         if first is None:

@@ -430,7 +430,9 @@ def test_a_relay_is_no_way_around_the_targets_admission_nor_its_own_bounds(certs
         # A whole gRPC connection to x through the relay, TLS pinned to x's name.
         dialer = RelayDialer(
             lambda target: pb.RelayOpen(swarm="gossipgrad", sender="evil", target=target),
-            lambda target: ("p0", lambda frames: relay.relay_stream(protocol.RELAY, frames)),
+            lambda target: RelayRoute(
+                "p0", lambda frames: relay.relay_stream(protocol.RELAY, frames)
+            ),
         )
         with PeerClient(dialer.endpoint("x"), options, sec, peer="x") as to_x:
             honest = pb.PeerInfo(id="evil", address="127.0.0.1:1", incarnation=1)
