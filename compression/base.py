@@ -19,10 +19,11 @@ from gossipgrad.compression import engine
 from gossipgrad.compression.bitpack import (
     BITMAP_INDEX_BITS,
     MAX_RICE_BITS,
+    Bitmap,
     bitmap_decode,
     bitmap_encode,
     bitmap_pays,
-    bitmap_pieces,
+    checked_bitmap,
     numpy_path,
     rice_bits_for,
     rice_decode,
@@ -101,6 +102,16 @@ class Codec(abc.ABC):
         ``decode_add_`` of its bytes would, without decoding its indices again (an encoder
         that takes what it sent out of an error-feedback residual)."""
         return engine.encode_parts(self, t, seed)
+
+    @torch.no_grad()
+    def encode_accumulated(
+        self, e: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seed: int | None = None
+    ) -> tuple[bytes, Encoded] | None:
+        """``e += a − b``, then ``encode_parts(e)``: the same bytes, in one fused pass where
+        the codec has one for these tensors (a dense top-k of float32 on CPU: error
+        feedback's residual accumulating a pseudo-gradient); None (``e`` untouched)
+        otherwise. ValueError on a non-finite sum (``e`` restored up to float rounding)."""
+        return engine.encode_accumulated(self, e, a, b, seed)
 
     @torch.no_grad()
     def encode_difference(
@@ -209,11 +220,19 @@ class Sparsifier(Codec):
         (the kept values, the positions' bitmap), so the encoder need not read them again."""
         return Selection(self.select(flat, seed))
 
+    def select_accumulating(
+        self, e: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seed: int
+    ) -> Selection | None:
+        """``e += a − b`` (1-D) and :meth:`select_parts` of the sum in one fused pass, where
+        this sparsifier has one for these tensors; None (``e`` untouched) otherwise."""
+        return None
+
     def encode_selection(self, kept: Selection, numel: int) -> tuple[int, torch.Tensor]:
         """:meth:`encode_indices` of ``kept.idx``, taking the bitmap the selection built
         where a bitmap is the layout (the same bytes)."""
-        if kept.bitmap is not None and bitmap_pays(kept.idx.numel(), numel):
+        if kept.bitmap is not None and bitmap_pays(kept.count, numel):
             return BITMAP_INDEX_BITS, kept.bitmap
+        assert kept.idx is not None  # a selection without indices is a bitmap that pays
         return self.encode_indices(kept.idx, numel)
 
     def count_range(self, numel: int) -> tuple[int, int]:
@@ -259,11 +278,12 @@ class Sparsifier(Codec):
 
     def decode_index_pieces(
         self, raw: torch.Tensor, index_bits: int, count: int, numel: int
-    ) -> Iterable[torch.Tensor]:
+    ) -> Iterable[torch.Tensor] | Bitmap:
         """:meth:`decode_indices` as consecutive pieces, validated in full before it returns:
-        a bitmap on CPU a chunk at a time (no array of every position), else one piece."""
+        a bitmap on CPU as itself (read a stretch at a time, no array of every position),
+        else one piece."""
         if index_bits == BITMAP_INDEX_BITS and numpy_path(raw):
-            return bitmap_pieces(raw, count, numel)
+            return checked_bitmap(raw, count, numel)
         return (self.decode_indices(raw, index_bits, count, numel),)
 
 
@@ -320,6 +340,27 @@ class Quantizer(Codec):
     def max_level(self) -> float:
         """Largest |integer level| a scale multiplies (for the overflow check)."""
         return 1.0
+
+    def fused_difference(
+        self, a: torch.Tensor, b: torch.Tensor, fold: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, float] | None:
+        """The whole of ``encode_difference``'s quantization of ``a − b`` in one fused pass
+        where this quantizer has one for these tensors (values, scales, what error feedback
+        keeps; with ``fold``, ``b += decoded`` as ``decode_add_`` would): None otherwise."""
+        return None
+
+    def fused_add(
+        self,
+        values: torch.Tensor,
+        scales: torch.Tensor | None,
+        dtype: torch.dtype,
+        target: torch.Tensor,
+        alpha: float,
+    ) -> bool:
+        """``target += alpha * dequantize(...)`` (the whole tensor's values, payload
+        ``dtype``) in one fused pass, the same bits as the chunked add, where this quantizer
+        has one for these tensors; False (nothing done) otherwise."""
+        return False
 
 
 class Identity(Quantizer):

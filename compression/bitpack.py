@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,16 +22,19 @@ from gossipgrad.compression.errors import DecodeError
 __all__ = [
     "BITMAP_INDEX_BITS",
     "MAX_RICE_BITS",
+    "Bitmap",
     "bitmap_decode",
     "bitmap_encode",
     "bitmap_pays",
     "bitmap_pieces",
+    "checked_bitmap",
     "pack_bits",
     "pack_uint",
     "rice_bits_for",
     "rice_decode",
     "rice_encode",
     "rice_max_bytes",
+    "set_bits",
     "unpack_bits",
     "unpack_uint",
 ]
@@ -351,7 +355,7 @@ def _check_bitmap_frame(data: torch.Tensor, numel: int) -> int:
     return nbytes
 
 
-def _set_bits(d: np.ndarray) -> int:
+def set_bits(d: np.ndarray) -> int:
     """How many bits of the uint8 array ``d`` are set (eight bytes to a word where numpy
     counts bits itself, from 2.0 on)."""
     if not hasattr(np, "bitwise_count"):
@@ -364,22 +368,49 @@ def _set_bits(d: np.ndarray) -> int:
     return total + int(np.bitwise_count(d[words * 8 :]).sum(dtype=np.int64))
 
 
+@dataclass(frozen=True)
+class Bitmap:
+    """``count`` sorted distinct positions of ``numel``, held as :func:`bitmap_encode`'s
+    bitmap (uint8, on CPU): a dense selection's positions, read a stretch at a time where an
+    array of them would take 8 bytes per kept entry."""
+
+    data: torch.Tensor
+    numel: int
+    count: int
+
+    def stretches(self, size: int) -> Iterator[tuple[int, int, np.ndarray, int]]:
+        """``(lo, hi, bytes, set)`` for each ``size`` positions [lo, hi) holding a set bit:
+        their bytes of the bitmap and how many of them are set (``size``: a multiple of 8)."""
+        d = self.data.numpy()
+        for lo in range(0, self.numel, size):
+            hi = min(self.numel, lo + size)
+            part = d[lo // 8 : (hi + 7) // 8]
+            held = set_bits(part)
+            if held:
+                yield lo, hi, part, held
+
+    def pieces(self) -> Iterator[torch.Tensor]:
+        """The positions as int64 pieces of at most ``_BITMAP_CHUNK`` positions' worth, in
+        order."""
+        for lo, _, part, _ in self.stretches(_BITMAP_CHUNK):
+            hit = np.flatnonzero(np.unpackbits(part).view(np.bool_))
+            yield torch.from_numpy(np.add(hit, lo, out=hit))
+
+
+def checked_bitmap(data: torch.Tensor, count: int, numel: int) -> Bitmap:
+    """``data`` as a :class:`Bitmap` of ``count`` positions of ``numel``, validated in full
+    (DecodeError: its length, padding bits or number of set bits) before any is read."""
+    _check_bitmap_frame(data, numel)
+    cpu = data.cpu()
+    held = set_bits(cpu.numpy())
+    if held != count:
+        raise DecodeError(f"index bitmap holds {held} positions, header says {count}")
+    return Bitmap(cpu, numel, count)
+
+
 def bitmap_pieces(data: torch.Tensor, count: int, numel: int) -> Iterator[torch.Tensor]:
     """:func:`bitmap_decode`'s positions, a chunk at a time (numpy): validated in full before
     this returns (DecodeError), then produced as int64 pieces of at most ``_BITMAP_CHUNK``
     positions' worth, in order. A caller that applies each piece as it comes never holds the
     positions of the whole bitmap (8 bytes per kept entry) nor fails half-way through."""
-    nbytes = _check_bitmap_frame(data, numel)
-    d = data.cpu().numpy()
-    held = _set_bits(d)
-    if held != count:
-        raise DecodeError(f"index bitmap holds {held} positions, header says {count}")
-
-    def pieces() -> Iterator[torch.Tensor]:
-        step = _BITMAP_CHUNK // 8
-        for lo in range(0, nbytes, step):
-            hit = np.flatnonzero(np.unpackbits(d[lo : lo + step]).view(np.bool_))
-            if hit.size:
-                yield torch.from_numpy(np.add(hit, lo * 8, out=hit))
-
-    return pieces()
+    return checked_bitmap(data, count, numel).pieces()

@@ -9,18 +9,22 @@ imports none of them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import math
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
-from gossipgrad.compression import wire
+from gossipgrad.compression import native, wire
+from gossipgrad.compression.bitpack import Bitmap
 from gossipgrad.compression.difference import subtract_into
 from gossipgrad.compression.errors import DecodeError
 from gossipgrad.compression.finite import all_finite
 
 if TYPE_CHECKING:
     from gossipgrad.compression.base import Codec, Quantizer
+    from gossipgrad.compression.selection import Selection
 
 __all__ = [
     "CHUNK",
@@ -52,7 +56,7 @@ class Encoded:
     codec: Codec
     dtype: torch.dtype
     count: int
-    idx: torch.Tensor | None  # None for a dense codec
+    idx: torch.Tensor | Bitmap | None  # the kept positions; None for a dense codec
     values: torch.Tensor
     scales: torch.Tensor | None
 
@@ -82,7 +86,13 @@ class Encoded:
                 total += float(torch.dot(d, d))
             return total**0.5
         total = float(torch.dot(flat, flat)) if squares is None else squares
-        if self.idx is not None and self.idx.numel():
+        if isinstance(self.idx, Bitmap):
+            parts = _bitmap_stretches(q, self.idx, self.values, self.scales, self.dtype)
+            for lo, hi, bits, vals in parts:
+                kept = _bitmap_gather(bits, flat[lo:hi], vals.numel())
+                left = kept - vals.to(flat.dtype)
+                total += float(torch.dot(left, left)) - float(torch.dot(kept, kept))
+        elif self.idx is not None and self.idx.numel():
             kept = torch.index_select(flat, 0, self.idx)
             vals = _dequantize_chunked(q, self.values, self.scales, self.count, self.dtype)
             left = kept - vals.to(flat.dtype)
@@ -120,14 +130,43 @@ def encode_parts(codec: Codec, t: torch.Tensor, seed: int | None) -> tuple[bytes
     flat = _flat(t)
     if not all_finite(flat):
         raise ValueError(_NON_FINITE)
+    sp, _ = codec.stages()
+    kept = None if sp is None else sp.select_parts(flat, seed)
+    return _encode_selected(codec, t, flat, kept, seed)
+
+
+def encode_accumulated(
+    codec: Codec, e: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seed: int | None
+) -> tuple[bytes, Encoded] | None:
+    """``e += a − b``, then ``encode_parts(e)``, fused (see :meth:`.Codec.encode_accumulated`);
+    None where the codec's sparsifier has no fused pass for these tensors."""
+    sp, _ = codec.stages()
+    if sp is None or not (e.shape == a.shape == b.shape and e.is_contiguous()):
+        return None
+    if not (a.is_contiguous() and b.is_contiguous()):
+        return None
+    seed = _checked_seed(seed)
+    kept = sp.select_accumulating(e.view(-1), a.view(-1), b.view(-1), seed)
+    return None if kept is None else _encode_selected(codec, e, e.view(-1), kept, seed)
+
+
+def _encode_selected(
+    codec: Codec, t: torch.Tensor, flat: torch.Tensor, kept: Selection | None, seed: int
+) -> tuple[bytes, Encoded]:
+    """The envelope of ``t`` (``flat``: its entries, contiguous), ``kept`` of them selected
+    (None: a dense codec, all)."""
     sp, q = codec.stages()
     index_bits, idx_bytes, idx = 0, None, None
-    if sp is None:
+    if sp is None or kept is None:
         count, vals = flat.numel(), flat
     else:
-        kept = sp.select_parts(flat, seed)
-        idx, count = kept.idx, kept.idx.numel()
-        vals = torch.index_select(flat, 0, idx) if kept.values is None else kept.values
+        count = kept.count
+        if kept.idx is None:  # the fused selection: its bitmap holds the positions
+            assert kept.bitmap is not None
+            idx = Bitmap(kept.bitmap, flat.numel(), count)
+        else:
+            idx = kept.idx
+        vals = torch.index_select(flat, 0, kept.idx) if kept.values is None else kept.values
         if sp.sends_indices:
             index_bits, idx_bytes = sp.encode_selection(kept, flat.numel())
     values, scales = _quantize_chunked(q, vals, seed)
@@ -182,6 +221,21 @@ def encode_difference(
             sent.add_to_(b)
         return data, sent, left
     seed = _checked_seed(seed)
+    fused = q.fused_difference(a, b, fold)
+    if fused is not None:
+        values, scales, left = fused
+        data = wire.build_envelope(
+            shape=tuple(a.shape),
+            dtype=a.dtype,
+            spec=codec.spec,
+            seed=seed,
+            count=a.numel(),
+            index_bits=0,
+            indices=None,
+            values=values,
+            scales=scales,
+        )
+        return data, Encoded(codec, a.dtype, a.numel(), None, values, scales), left
     fa, fb = _flat(a), _flat(b)
     n, dtype = fa.numel(), a.dtype
     d_buf = torch.empty(min(CHUNK, n), dtype=dtype, device=fa.device)
@@ -290,10 +344,45 @@ def _apply(
     )
     if sp is None:
         _apply_dense(q, (values, scales), target, alpha=alpha, dtype=dtype)
+    elif isinstance(idx, Bitmap) and native.usable(target):
+        for lo, hi, bits, vals in _bitmap_stretches(q, idx, values, scales, dtype):
+            native.bitmap_add(bits, vals.to(target.dtype), target[lo:hi], alpha)
+    elif isinstance(idx, Bitmap):
+        _index_add_chunked(q, idx.pieces(), values, scales, count, dtype, target, alpha)
     elif idx is not None:
         _index_add_chunked(q, idx, values, scales, count, dtype, target, alpha)
     if not out.is_contiguous():
         out.add_(target.view(out.shape))
+
+
+def _bitmap_stretches(
+    q: Quantizer,
+    bitmap: Bitmap,
+    values: torch.Tensor,
+    scales: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> Iterator[tuple[int, int, np.ndarray, torch.Tensor]]:
+    """``(lo, hi, bits, vals)`` for each ``CHUNK`` positions [lo, hi) of ``bitmap`` holding
+    any: their bytes of the bitmap and the dequantized values of their set bits, in order.
+    A stretch's values begin anywhere: they are dequantized from the block and byte before
+    them (``align``), and those before are dropped."""
+    align = math.lcm(8, q.block or 1)
+    done = 0  # values of the stretches before
+    for lo, hi, bits, held in bitmap.stretches(CHUNK):
+        if done + held > bitmap.count:  # validated first: only a bug gets here
+            raise DecodeError(f"more positions than the {bitmap.count} values")
+        start = done - done % align
+        v, s = _chunk_inputs(q, values, scales, start, done + held, dtype)
+        yield lo, hi, bits, q.dequantize(v, s, done + held - start, dtype)[done - start :]
+        done += held
+
+
+def _bitmap_gather(bits: np.ndarray, src: torch.Tensor, held: int) -> torch.Tensor:
+    """``src``'s values at the ``held`` set bits of its stretch of a bitmap, in order."""
+    if native.usable(src):
+        return native.bitmap_gather(bits, src, held)
+    hit = np.flatnonzero(np.unpackbits(bits)[: src.numel()])
+    return torch.index_select(src, 0, torch.from_numpy(hit))
 
 
 def _index_add_chunked(
@@ -352,9 +441,10 @@ def _read(codec: Codec, env: wire.Envelope, dev: torch.device) -> tuple:
 
 def _indices(
     sp, env: wire.Envelope, raw, dev: torch.device, pieces: bool = False
-) -> torch.Tensor | Iterable[torch.Tensor]:
+) -> torch.Tensor | Iterable[torch.Tensor] | Bitmap:
     """The kept entries' indices: decoded from the index section, or drawn from the seed;
-    with ``pieces``, possibly as consecutive pieces (``Sparsifier.decode_index_pieces``)."""
+    with ``pieces``, possibly as consecutive pieces or a validated bitmap
+    (``Sparsifier.decode_index_pieces``)."""
     if raw is not None:
         decode = sp.decode_index_pieces if pieces else sp.decode_indices
         return decode(wire.bytes_to_tensor(raw, dev), env.index_bits, env.count, env.numel)
@@ -401,6 +491,8 @@ def _apply_dense(
     values, scales = parts
     n = flat.numel()
     dtype = flat.dtype if dtype is None else dtype
+    if alpha is not None and q.fused_add(values, scales, dtype, flat, alpha):
+        return
     for lo in range(0, n, CHUNK):
         hi = min(n, lo + CHUNK)
         v, s = _chunk_inputs(q, values, scales, lo, hi, dtype)

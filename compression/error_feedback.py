@@ -105,6 +105,13 @@ class ErrorFeedback:
                 f"{tuple(a.shape)} {a.dtype} on {a.device}"
             )
         e = self._residual_like(name, a)
+        try:  # one fused pass where the codec has one (a dense top-k of float32 on CPU)
+            fused = self.codec.encode_accumulated(e, a, b, seed)
+        except ValueError as exc:
+            raise ValueError(f"{name!r}: the difference has NaN or infinite values") from exc
+        if fused is not None:
+            self._keep(name, e, fused[1], None)
+            return fused
         fa, fb, fe = a.reshape(-1), b.reshape(-1), e.view(-1)
         scratch = torch.empty(min(CHUNK, fe.numel()), dtype=a.dtype, device=a.device)
         # ||e + (a − b)||², read off each slice while it is in cache, where the kept norm
@@ -153,10 +160,14 @@ class ErrorFeedback:
         entries once they are more than a few percent)."""
         data, sent = self.codec.encode_parts(e, seed)
         norm = sent.residual_norm(e, squares) if squares is not None else None
+        self._keep(name, e, sent, norm)
+        return data, sent
+
+    def _keep(self, name: str, e: torch.Tensor, sent: Encoded, norm: float | None) -> None:
+        """Take what was sent out of ``e`` and keep it as the residual of ``name``."""
         sent.add_to_(e, alpha=-1.0)  # = decode_add_(data, e, alpha=-1), indices not decoded
         self._residuals[name] = e
         self._norms[name] = norm
-        return data, sent
 
     def residual(self, name: str) -> torch.Tensor:
         """The current residual of ``name`` (KeyError if never compressed)."""

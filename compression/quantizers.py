@@ -11,6 +11,7 @@ from typing import ClassVar
 
 import numpy as np
 import torch
+from gossipgrad.compression import native
 from gossipgrad.compression.base import Identity, Quantizer
 from gossipgrad.compression.bitpack import (
     numpy_path,
@@ -420,6 +421,31 @@ class Sign(Quantizer):
         if numpy_path(v32):  # the same bytes as pack_bits, without torch's comparison
             return torch.from_numpy(np.packbits(v32.numpy() >= 0)), scale
         return pack_bits(v32 >= 0), scale
+
+    def fused_difference(
+        self, a: torch.Tensor, b: torch.Tensor, fold: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, float] | None:
+        """A float32 tensor against a float16 copy (diloco's anchors): one fused pass of
+        compression/kernels.c where it is built (its own scales' summation order)."""
+        if not (native.usable(a) and native.usable(b, dtype=torch.float16)):
+            return None
+        return native.sign_encode(a.reshape(-1), b.view(-1), self.block, fold)
+
+    def fused_add(
+        self,
+        values: torch.Tensor,
+        scales: torch.Tensor | None,
+        dtype: torch.dtype,
+        target: torch.Tensor,
+        alpha: float,
+    ) -> bool:
+        """A float32 payload into a float16 copy at alpha 1 (a CHOCO mirror's update)."""
+        if alpha != 1.0 or dtype != torch.float32 or scales is None:
+            return False
+        if not native.usable(target, dtype=torch.float16):
+            return False
+        native.sign_add(values, scales, self.block, target)
+        return True
 
     def dequantize(
         self, values: torch.Tensor, scales: torch.Tensor | None, count: int, dtype: torch.dtype

@@ -35,15 +35,18 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from gossipgrad.compression import native
 from gossipgrad.compression.bitpack import bitmap_pays, numpy_path
 
 __all__ = [
     "Selection",
     "approx_topk",
+    "approx_topk_accumulating",
     "approx_topk_indices",
     "block_topk_indices",
     "exact_topk_indices",
@@ -84,14 +87,22 @@ def _aimed_threshold(flat: torch.Tensor, k: int, seed: int) -> float | None:
     """Magnitude threshold expected to keep four standard deviations fewer than ``k``
     entries, from a stratified sample; None where the sample would be too large (a sparse
     selection)."""
-    n = flat.numel()
+    return _aimed_threshold_of(lambda at: torch.index_select(flat, 0, at), flat, k, seed)
+
+
+def _aimed_threshold_of(
+    read: Callable[[torch.Tensor], torch.Tensor], like: torch.Tensor, k: int, seed: int
+) -> float | None:
+    """:func:`_aimed_threshold` of the vector whose entries at positions ``at`` are
+    ``read(at)`` (of ``like``'s size and device)."""
+    n = like.numel()
     s = math.ceil(AIMED_HITS * n / k)
     if s > min(AIMED_SAMPLE, n // 8):
         return None
     stride = n // s
     jitter = np.random.default_rng(seed).integers(0, stride, s)
     positions = torch.from_numpy(np.arange(s, dtype=np.int64) * stride + jitter)
-    sample = torch.index_select(flat, 0, positions.to(flat.device)).abs().float()
+    sample = read(positions.to(like.device)).abs().float()
     hits = k * s / n
     rank = max(1, math.ceil(hits - 4.0 * math.sqrt(hits)))
     return float(torch.kthvalue(sample, s - rank + 1).values)
@@ -113,12 +124,29 @@ def _sample_threshold(flat: torch.Tensor, k: int, seed: int, margin_scale: float
     return float(torch.kthvalue(sample, s - rank + 1).values)
 
 
+def _candidates_native(flat: torch.Tensor, threshold: float, k: int) -> Selection | None:
+    """The entries with ``|x| >= threshold`` as their bitmap and values, in one pass of the
+    fused kernel (no indices: the bitmap is their positions); None on an overshoot of ``k``,
+    which numpy's pass then takes (its candidates can be trimmed)."""
+    bits = np.empty((flat.numel() + 7) // 8, dtype=np.uint8)
+    values = np.empty(k + 8, dtype=np.float32)  # 8: a vector store's overrun
+    held = native.select(flat.numpy(), threshold, bits, values)
+    if held < 0:
+        return None
+    return Selection(None, torch.from_numpy(values[:held]), torch.from_numpy(bits))
+
+
 def _candidates_numpy(
     flat: torch.Tensor, threshold: float, k: int, gather: bool, bitmap: bool
 ) -> Selection:
     """The indices of ``|x| >= threshold`` (written into an array of ``k``, grown only on
     an overshoot, which the caller trims); with ``gather`` their values, with ``bitmap``
-    their bitmap, each read while its chunk is in cache."""
+    their bitmap, each read while its chunk is in cache. A float32 tensor whose values and
+    bitmap are wanted takes the fused kernel where it is built (the same bits, no indices)."""
+    if gather and bitmap and native.usable(flat):
+        found = _candidates_native(flat, threshold, k)
+        if found is not None:
+            return found
     x = flat.numpy()
     bufs = getattr(_scratch, "bufs", None)
     if bufs is None or bufs[0].dtype != x.dtype:
@@ -167,6 +195,7 @@ def _candidates_torch(flat: torch.Tensor, threshold: float) -> torch.Tensor:
 def _trim_selection(flat: torch.Tensor, found: Selection, k: int, numpy_pass: bool) -> Selection:
     """``found`` cut to its k largest magnitudes (``_trim``), the values it gathered kept
     for the kept ones."""
+    assert found.idx is not None  # the fused kernel never overshoots: it gives way instead
     if found.idx.numel() <= k:
         return Selection(found.idx)
     if not numpy_pass or found.values is None:
@@ -206,11 +235,21 @@ def _trim(flat: torch.Tensor, cand: torch.Tensor, k: int, numpy_pass: bool) -> t
 class Selection:
     """The kept entries of a 1-D tensor: their sorted int64 indices and, where the selection
     pass gathered them (else None), their values and the positions' bitmap (MSB first, as
-    :func:`.bitpack.bitmap_encode` writes it)."""
+    :func:`.bitpack.bitmap_encode` writes it). The fused kernel gives values and bitmap
+    only (``idx`` None: the bitmap holds the positions)."""
 
-    idx: torch.Tensor
+    idx: torch.Tensor | None
     values: torch.Tensor | None = None
     bitmap: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.idx is None and (self.values is None or self.bitmap is None):
+            raise ValueError("a selection without indices needs its values and bitmap")
+
+    @property
+    def count(self) -> int:
+        """How many entries are kept."""
+        return self.idx.numel() if self.idx is not None else self.values.numel()  # type: ignore[union-attr]
 
 
 def approx_topk_indices(
@@ -222,7 +261,7 @@ def approx_topk_indices(
     offset; ``use_numpy`` forces (True) or forbids (False) the numpy streaming pass, which is
     the default for CPU tensors.
     """
-    return approx_topk(flat, k, seed=seed, use_numpy=use_numpy).idx
+    return approx_topk(flat, k, seed=seed, use_numpy=use_numpy).idx  # type: ignore[return-value]
 
 
 def approx_topk(
@@ -254,11 +293,48 @@ def approx_topk(
             found = _candidates_numpy(flat, threshold, k, gather, gather and bitmap_pays(k, n))
         else:
             found = Selection(_candidates_torch(flat, threshold))
-        if found.idx.numel() > k:
+        if found.count > k:
             return _trim_selection(flat, found, k, numpy_pass)
-        if found.idx.numel() >= math.ceil((1.0 - TOLERANCE) * k):
+        if found.count >= math.ceil((1.0 - TOLERANCE) * k):
             return found
     return Selection(exact_topk_indices(flat, k))
+
+
+def approx_topk_accumulating(
+    e: torch.Tensor, a: torch.Tensor, b: torch.Tensor, k: int, *, seed: int = 0
+) -> Selection | None:
+    """``e += a − b`` (1-D), then :func:`approx_topk` of ``e`` with ``gather``: in one pass
+    of the fused kernel where it applies (float32 on CPU, a dense selection whose threshold
+    is aimed: the same sample, read off ``e + (a − b)`` before the pass, so the same
+    selection); None where it does not, ``e`` untouched. Past an overshoot or a shortfall
+    ``e`` is the sum and :func:`approx_topk` takes it from there.
+
+    Raises:
+        ValueError: a non-finite sum (the entries already added are taken out again, up to
+            float rounding).
+    """
+    n = e.numel()
+    if n <= EXACT_BELOW or not 0 < k < n or not bitmap_pays(k, n) or not native.usable(e, a, b):
+        return None
+
+    def sums(at: torch.Tensor) -> torch.Tensor:  # e + (a − b) there, rounded as the pass does
+        return torch.index_select(e, 0, at) + (
+            torch.index_select(a, 0, at) - torch.index_select(b, 0, at)
+        )
+
+    threshold = _aimed_threshold_of(sums, e, k, seed)
+    if threshold is None or threshold <= 0.0:
+        return None
+    bits = np.empty((n + 7) // 8, dtype=np.uint8)
+    values = np.empty(k + 8, dtype=np.float32)  # 8: a vector store's overrun
+    held, bad = native.accumulate_select(e, a, b, threshold, bits, values)
+    if bad:
+        done = 8 * (bad - 1)
+        e[:done].sub_(a[:done]).add_(b[:done])
+        raise ValueError("cannot encode a tensor with NaN or infinite values")
+    if held >= math.ceil((1.0 - TOLERANCE) * k):
+        return Selection(None, torch.from_numpy(values[:held]), torch.from_numpy(bits))
+    return approx_topk(e, k, seed=seed, gather=True)
 
 
 def block_topk_indices(

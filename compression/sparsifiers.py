@@ -13,6 +13,7 @@ from gossipgrad.compression.registry import register
 from gossipgrad.compression.selection import (
     Selection,
     approx_topk,
+    approx_topk_accumulating,
     block_topk_indices,
     exact_topk_indices,
 )
@@ -75,6 +76,13 @@ class TopK(Sparsifier):
 
     def select_parts(self, flat: torch.Tensor, seed: int) -> Selection:
         return self._selection(flat, seed, gather=True)
+
+    def select_accumulating(
+        self, e: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seed: int
+    ) -> Selection | None:
+        if self.exact:
+            return None
+        return approx_topk_accumulating(e, a, b, self.k_for(e.numel()), seed=seed)
 
     def _selection(self, flat: torch.Tensor, seed: int, gather: bool) -> Selection:
         k = self.k_for(flat.numel())

@@ -52,7 +52,9 @@ install_torch() {
 install_torch "$venv/bin/python"
 
 stamp="$venv/.gossipgrad-installed"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+# Again when the build changes: pyproject.toml, or setup.py and the C kernels it compiles.
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
+  || [ compression/kernels.c -nt "$stamp" ]; then
   log "installing gossipgrad (editable) with test extras"
   "${pip[@]}" -e ".[test]"
   touch "$stamp"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from gossipgrad.compression import native
 from support import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -36,7 +38,9 @@ COMMANDS = {
 
 
 #: What the copy the wheel is built from leaves out (environments, caches, build output).
-NOT_SOURCES = (".git", ".venv*", "build", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis")
+NOT_SOURCES = (
+    ".git", ".venv*", "build", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis", "*.so",
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +65,8 @@ def test_the_wheel_carries_what_a_site_needs_and_no_benchmarks(wheel: Path) -> N
         assert path in names, path
     code = [n for n in names if n.endswith(".py")]
     assert not [n for n in code if any(bad in n for bad in MUST_NOT)]
+    if platform.machine() == "x86_64":  # compression/kernels.c, built with the wheel
+        assert [n for n in names if n.startswith("gossipgrad/compression/_kernels")]
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert {line.split("=")[0].strip() for line in text.splitlines() if "=" in line} >= COMMANDS
@@ -100,6 +106,14 @@ def test_the_installed_observability_command_writes_prometheus_and_grafana(
             cwd=site, env=env, check=True, timeout=60, capture_output=True,
         )  # fmt: skip
 
+    kernels = "import sys, gossipgrad.compression.native as n; print(n.__file__, n.status())"
+    shown = subprocess.run(
+        [sys.executable, "-S", "-c", kernels],
+        cwd=site, env=env, check=True, timeout=60, capture_output=True, text=True,
+    ).stdout.split()  # fmt: skip
+    assert shown[0].startswith(str(target))
+    if native.available():  # where this checkout's build runs them, the wheel's does too
+        assert shown[1] == "avx2"
     run("prometheus", "--status", str(status.parent), "--out", "prometheus.yml", "--file-sd")
     assert "file_sd_configs" in (site / "prometheus.yml").read_text()
     targets = json.loads((site / "gossipgrad-targets.json").read_text())

@@ -8,7 +8,8 @@ Jaggi 2022): one neighbour moves x by at most γ·w·clip per round, whatever it
 Every function here walks the model-sized vectors one slice of ``CHUNK`` elements at a time,
 with scratch of that size: a round allocates nothing model-sized, and the consensus-distance
 metric comes from the same slices the step reads anyway, while they are in cache, instead of
-from a pass of its own.
+from a pass of its own. Where compression/kernels.c is built, the step is one pass of it
+(eight entries at a time, every copy read once: 1.2 copies of the model against about 4).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from gossipgrad.compression import native
 from gossipgrad.compression.difference import subtract_into
 
 #: Elements per slice (256 KiB of fp32): a slice and its scratch stay in a core's cache while
@@ -67,6 +69,22 @@ def clip_scale(mirror: torch.Tensor, public: torch.Tensor, max_norm: float) -> f
     return max_norm / norm if norm > max_norm else 1.0
 
 
+def _fused_consensus(
+    x: torch.Tensor, weighted: list[tuple[Pair, float]], gamma: float
+) -> float | None:
+    """The step in one pass of compression/kernels.c where it is built and applies (float32
+    ``x``, every neighbour's copies against one public copy, all of one dtype); None else."""
+    public = weighted[0][0].public
+    if any(p.public is not public for p, _ in weighted):
+        return None
+    mirrors = [p.mirror for p, _ in weighted]
+    if not (native.usable(x) and all(m.dtype == public.dtype for m in mirrors)):
+        return None
+    if not native.usable(public, *mirrors, dtype=public.dtype):
+        return None
+    return native.consensus(x, public, mirrors, [w for _, w in weighted], gamma)
+
+
 def consensus_step(
     x: torch.Tensor, pairs: Iterable[Pair], gamma: float, clip: float = 0.0
 ) -> float:
@@ -86,6 +104,9 @@ def consensus_step(
     weighted = [(p, p.weight * s) for p, s in zip(live, scales, strict=True) if s > 0]
     if not weighted:
         return 0.0
+    fused = _fused_consensus(x, weighted, gamma)
+    if fused is not None:
+        return fused
     pull, diff = _scratch(x), _scratch(x)
     dist2 = 0.0
     for lo, hi in _slices(x.numel()):

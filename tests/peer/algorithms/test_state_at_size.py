@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from gossipgrad.compression import from_spec
+from gossipgrad.compression import from_spec, native
 from gossipgrad.compression.difference import subtract_into
 from gossipgrad.peer import flat
 from gossipgrad.peer.algorithms import mixing
@@ -220,3 +220,43 @@ def test_the_clip_of_a_float16_pull_is_measured_in_float32() -> None:
     public = torch.zeros(100_000, dtype=torch.float16)
     expected = 10.0 / float((mirror.float() - public.float()).norm())
     assert mixing.clip_scale(mirror, public, 10.0) == pytest.approx(expected, rel=1e-3)
+
+
+@pytest.mark.skipif(not native.available(), reason=native.status())
+@settings(max_examples=40, deadline=None)
+@given(
+    numel=st.integers(1, 3000),
+    neighbours=st.integers(1, 4),
+    copies=st.sampled_from([torch.float16, torch.float32]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_fused_consensus_step_is_the_sliced_one(
+    numel: int, neighbours: int, copies: torch.dtype, seed: int
+) -> None:
+    """compression/kernels.c's step (float32 x, every neighbour's copy against one public
+    copy, float16 or float32 copies) moves x as the slices do and measures the same pull,
+    within rounding: its differences of float16 copies are taken in float32 (torch's in
+    float16: exact where the copies are within a factor 2 of each other, as close copies
+    are), its weighted sums in another order."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=gen)
+    public = torch.randn(numel, generator=gen).to(copies)
+    ps = [
+        Pair(
+            (public.float() + 0.01 * torch.randn(numel, generator=gen)).to(copies),
+            public,
+            float(torch.rand(1, generator=gen)) + 0.1,
+        )
+        for _ in range(neighbours)
+    ]
+    fused = x.clone()
+    distance = consensus_step(fused, ps, 0.5)
+    lib, native._lib = native._lib, None
+    try:
+        sliced = x.clone()
+        sliced_distance = consensus_step(sliced, ps, 0.5)
+    finally:
+        native._lib = lib
+    torch.testing.assert_close(fused, sliced, rtol=1e-6, atol=1e-5)
+    assert distance == pytest.approx(sliced_distance, rel=1e-3)
+    assert not torch.equal(fused, x)  # it moved

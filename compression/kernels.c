@@ -1,0 +1,477 @@
+/* Fused passes over a dense top-k selection's positions bitmap (compression/native.py).
+ *
+ * A top-k selection that keeps 1/8 or more of the entries codes its positions as a bitmap
+ * (MSB first: bit 7 of byte i is position 8 i). numpy builds and reads it in several passes
+ * (abs, compare, nonzero, packbits, take; unpackbits, nonzero, index_add_), about four
+ * copies of the tensor each way at 100M entries. Each kernel here is one pass of eight
+ * entries at a time: a compare gives an eight-bit mask, and a table indexed by the mask
+ * gives the permutation that packs the kept values together (selection, gather) or spreads
+ * them back to their positions (add): the table-driven left-packing of SIMD filtering
+ * code, written here for our bitmap layout.
+ *
+ * The results are the bits numpy gives: the same compare (|x| >= t in float32), the same
+ * kept values in the same order, and t + v * alpha rounded twice as index_add_ does (built
+ * with -ffp-contract=off, so no fused multiply-add). Only x86-64 with AVX2 has the fast
+ * path (gg_fast() says whether this CPU has it); elsewhere the callers keep numpy's.
+ */
+#include <stdint.h>
+
+int gg_kernels_version(void) { return 1; }
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+static int32_t pack_perm[256][8];   /* mask (lane l = bit l) -> lanes of the kept, packed */
+static int32_t spread_perm[256][8]; /* mask -> for lane l, the packed value it takes */
+static int32_t lane_mask[256][8];   /* mask -> all ones in the lanes it keeps */
+static uint8_t reversed[256];       /* bit order LSB first <-> MSB first */
+
+static void build_tables(void) {
+    for (int m = 0; m < 256; m++) {
+        int packed = 0;
+        for (int l = 0; l < 8; l++) {
+            pack_perm[m][l] = 0;
+        }
+        for (int l = 0; l < 8; l++) {
+            int kept = (m >> l) & 1;
+            spread_perm[m][l] = packed;
+            lane_mask[m][l] = kept ? -1 : 0;
+            if (kept) {
+                pack_perm[m][packed++] = l;
+            }
+        }
+        int r = 0;
+        for (int b = 0; b < 8; b++) {
+            if (m & (1 << b)) {
+                r |= 1 << (7 - b);
+            }
+        }
+        reversed[m] = (uint8_t)r;
+    }
+}
+
+/* Whether this CPU runs the kernels (AVX2, and F16C for float16 copies); builds the tables
+ * on the first call. The caller calls it once, before any kernel, from one thread. */
+int gg_fast(void) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("f16c")) {
+        return 0;
+    }
+    build_tables();
+    return 1;
+}
+
+/* The entries of x[0..n) with |x| >= threshold: their bitmap (ceil(n / 8) bytes, the last
+ * zero-padded) and their values, packed in order. values has room for `room` kept values
+ * plus 8 (a vector store may write past the last). Returns how many were kept, or -1 when
+ * more than `room` were (the bitmap and values are then incomplete). */
+__attribute__((target("avx2"))) int64_t gg_select_f32(const float *x, int64_t n, float threshold,
+                                                      uint8_t *bits, float *values, int64_t room) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 t = _mm256_set1_ps(threshold);
+    int64_t kept = 0;
+    int64_t full = n / 8;
+    for (int64_t i = 0; i < full; i++) {
+        __m256 v = _mm256_loadu_ps(x + 8 * i);
+        int m = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(v, magnitude), t, _CMP_GE_OQ));
+        int count = __builtin_popcount(m);
+        if (kept + count > room) {
+            return -1;
+        }
+        bits[i] = reversed[m];
+        __m256i perm = _mm256_loadu_si256((const __m256i *)pack_perm[m]);
+        _mm256_storeu_ps(values + kept, _mm256_permutevar8x32_ps(v, perm));
+        kept += count;
+    }
+    if (n % 8) {
+        int byte = 0;
+        for (int64_t p = 8 * full; p < n; p++) {
+            float a = x[p] < 0 ? -x[p] : x[p];
+            if (a >= threshold) {
+                if (kept + 1 > room) {
+                    return -1;
+                }
+                byte |= 0x80 >> (p - 8 * full);
+                values[kept++] = x[p];
+            }
+        }
+        bits[full] = (uint8_t)byte;
+    }
+    return kept;
+}
+
+/* target[p] = target[p] + values[j] * alpha for the j-th set bit p of the bitmap of n
+ * positions, for the first `count` set bits (the caller has counted them: exactly count).
+ * Returns the values used. */
+__attribute__((target("avx2"))) int64_t gg_bitmap_add_f32(const uint8_t *bits, int64_t n,
+                                                          const float *values, int64_t count,
+                                                          float *target, float alpha) {
+    const __m256 a = _mm256_set1_ps(alpha);
+    int64_t used = 0;
+    int64_t full = n / 8;
+    for (int64_t i = 0; i < full; i++) {
+        int m = reversed[bits[i]];
+        int c = __builtin_popcount(m);
+        if (used + c > count) {
+            return -1;
+        }
+        if (used + 8 <= count) {
+            __m256 v = _mm256_loadu_ps(values + used);
+            __m256 spread = _mm256_permutevar8x32_ps(
+                v, _mm256_loadu_si256((const __m256i *)spread_perm[m]));
+            __m256 keep = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)lane_mask[m]));
+            __m256 old = _mm256_loadu_ps(target + 8 * i);
+            __m256 sum = _mm256_add_ps(old, _mm256_mul_ps(spread, a));
+            _mm256_storeu_ps(target + 8 * i, _mm256_blendv_ps(old, sum, keep));
+        } else {
+            int64_t j = used;
+            for (int l = 0; l < 8; l++) {
+                if ((m >> l) & 1) {
+                    target[8 * i + l] = target[8 * i + l] + values[j++] * alpha;
+                }
+            }
+        }
+        used += c;
+    }
+    for (int64_t p = 8 * full; p < n; p++) {
+        if (bits[full] & (0x80 >> (p - 8 * full))) {
+            if (used + 1 > count) {
+                return -1;
+            }
+            target[p] = target[p] + values[used++] * alpha;
+        }
+    }
+    return used;
+}
+
+/* out[j] = src[p] for the j-th set bit p of the bitmap of n positions; out has room for
+ * `count` values (the bitmap's set bits, counted by the caller). Returns the values
+ * written, or -1 where the bitmap holds more than count. */
+__attribute__((target("avx2"))) int64_t gg_bitmap_gather_f32(const uint8_t *bits, int64_t n,
+                                                             const float *src, float *out,
+                                                             int64_t count) {
+    int64_t got = 0;
+    int64_t full = n / 8;
+    for (int64_t i = 0; i < full; i++) {
+        int m = reversed[bits[i]];
+        int c = __builtin_popcount(m);
+        if (got + c > count) {
+            return -1;
+        }
+        if (got + 8 <= count) {
+            __m256 v = _mm256_loadu_ps(src + 8 * i);
+            __m256i perm = _mm256_loadu_si256((const __m256i *)pack_perm[m]);
+            _mm256_storeu_ps(out + got, _mm256_permutevar8x32_ps(v, perm));
+        } else {
+            int64_t j = got;
+            for (int l = 0; l < 8; l++) {
+                if ((m >> l) & 1) {
+                    out[j++] = src[8 * i + l];
+                }
+            }
+        }
+        got += c;
+    }
+    for (int64_t p = 8 * full; p < n; p++) {
+        if (bits[full] & (0x80 >> (p - 8 * full))) {
+            if (got + 1 > count) {
+                return -1;
+            }
+            out[got++] = src[p];
+        }
+    }
+    return got;
+}
+
+/* The sign codec of a difference against a float16 copy, folded into the copy (CHOCO's
+ * x-hat += q for diloco's anchors, compression/engine.py encode_difference): per block of
+ * `block` entries (a power of two, 8 or more; the last may be shorter) d = a - b in float32,
+ * scale = mean |d|, a sign bit per entry (d >= 0, MSB first) into `bits`, the scale into
+ * `scales`; with `fold`, b = half(b + half(+-scale)) as the decoder adds it (float32 add,
+ * one rounding to float16). left2[0] gets ||d - (+-scale)||^2 (what error feedback keeps).
+ * Returns 0, or the index + 1 of the first block holding a non-finite difference (blocks
+ * before it are folded already). */
+__attribute__((target("avx2,f16c"))) int64_t gg_sign_encode_f16(const float *a, uint16_t *b,
+                                                                int64_t n, int64_t block,
+                                                                uint8_t *bits, float *scales,
+                                                                int fold, double *left2) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 zero = _mm256_setzero_ps();
+    double total = 0.0;
+    int64_t nblocks = (n + block - 1) / block;
+    for (int64_t k = 0; k < nblocks; k++) {
+        int64_t lo = k * block, m = n - lo < block ? n - lo : block;
+        int64_t full = m / 8;
+        const float *ak = a + lo;
+        uint16_t *bk = b + lo;
+        /* First read of the block (it stays in cache for the second): the scale. */
+        __m256 sum = zero, bad = zero;
+        for (int64_t i = 0; i < full; i++) {
+            __m256 x = _mm256_sub_ps(_mm256_loadu_ps(ak + 8 * i),
+                                     _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bk + 8 * i))));
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(x, x), zero, _CMP_NEQ_UQ));
+            sum = _mm256_add_ps(sum, _mm256_and_ps(x, magnitude));
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, sum);
+        float s = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+                  ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+        int nonfinite = _mm256_movemask_ps(bad) != 0;
+        for (int64_t p = 8 * full; p < m; p++) {
+            float x = ak[p] - _cvtsh_ss(bk[p]);
+            nonfinite |= !(x - x == 0.0f);
+            s += x < 0 ? -x : x;
+        }
+        if (nonfinite) {
+            left2[0] = total;
+            return k + 1;
+        }
+        float scale = s / (float)m;
+        scales[k] = scale;
+        float step = _cvtsh_ss(_cvtss_sh(scale, _MM_FROUND_TO_NEAREST_INT));
+        const __m256 up = _mm256_set1_ps(step), sc = _mm256_set1_ps(scale);
+        __m256 kept = zero;
+        /* Second: the signs, what stays of d, and the fold. */
+        for (int64_t i = 0; i < full; i++) {
+            __m128i *at = (__m128i *)(bk + 8 * i);
+            __m256 old = _mm256_cvtph_ps(_mm_loadu_si128(at));
+            __m256 x = _mm256_sub_ps(_mm256_loadu_ps(ak + 8 * i), old);
+            __m256 positive = _mm256_cmp_ps(x, zero, _CMP_GE_OQ);
+            bits[(lo >> 3) + i] = reversed[_mm256_movemask_ps(positive)];
+            __m256 left = _mm256_sub_ps(x, _mm256_blendv_ps(_mm256_sub_ps(zero, sc), sc, positive));
+            kept = _mm256_add_ps(kept, _mm256_mul_ps(left, left));
+            if (fold) {
+                __m256 add = _mm256_blendv_ps(_mm256_sub_ps(zero, up), up, positive);
+                _mm_storeu_si128(at, _mm256_cvtps_ph(_mm256_add_ps(old, add),
+                                                     _MM_FROUND_TO_NEAREST_INT));
+            }
+        }
+        _mm256_storeu_ps(lanes, kept);
+        double k2 = 0.0;
+        for (int l = 0; l < 8; l++) {
+            k2 += lanes[l];
+        }
+        if (m % 8) {
+            int byte = 0;
+            for (int64_t p = 8 * full; p < m; p++) {
+                float old = _cvtsh_ss(bk[p]);
+                float x = ak[p] - old;
+                int positive = x >= 0.0f;
+                byte |= positive << (7 - (p - 8 * full));
+                float left = x - (positive ? scale : -scale);
+                k2 += (double)left * left;
+                if (fold) {
+                    bk[p] = _cvtss_sh(old + (positive ? step : -step), _MM_FROUND_TO_NEAREST_INT);
+                }
+            }
+            bits[(lo >> 3) + full] = (uint8_t)byte;
+        }
+        total += k2;
+    }
+    left2[0] = total;
+    return 0;
+}
+
+/* target = half(target + half(+-scale)) per entry of a sign payload (its bits MSB first, a
+ * float32 scale per block): the sign codec's decode_add_ into a float16 copy at alpha 1. */
+__attribute__((target("avx2,f16c"))) void gg_sign_add_f16(const uint8_t *bits,
+                                                          const float *scales, int64_t n,
+                                                          int64_t block, uint16_t *target) {
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    int64_t full = n / 8;
+    __m256 up = zero;
+    int64_t current = -1;
+    for (int64_t i = 0; i < full; i++) {
+        int64_t k = (8 * i) / block;
+        if (k != current) {
+            current = k;
+            up = _mm256_set1_ps(_cvtsh_ss(_cvtss_sh(scales[k], _MM_FROUND_TO_NEAREST_INT)));
+        }
+        __m256i set = _mm256_and_si256(_mm256_set1_epi32(reversed[bits[i]]), lane_bit);
+        __m256 positive = _mm256_castsi256_ps(_mm256_cmpeq_epi32(set, lane_bit));
+        __m256 add = _mm256_blendv_ps(_mm256_sub_ps(zero, up), up, positive);
+        __m128i *at = (__m128i *)(target + 8 * i);
+        __m256 old = _mm256_cvtph_ps(_mm_loadu_si128(at));
+        _mm_storeu_si128(at, _mm256_cvtps_ph(_mm256_add_ps(old, add), _MM_FROUND_TO_NEAREST_INT));
+    }
+    for (int64_t p = 8 * full; p < n; p++) {
+        float step = _cvtsh_ss(_cvtss_sh(scales[p / block], _MM_FROUND_TO_NEAREST_INT));
+        int positive = (bits[p >> 3] >> (7 - (p & 7))) & 1;
+        target[p] = _cvtss_sh(_cvtsh_ss(target[p]) + (positive ? step : -step),
+                              _MM_FROUND_TO_NEAREST_INT);
+    }
+}
+
+/* Error feedback's accumulation and a dense top-k's selection in one pass: e = e + (a - b)
+ * (a - b rounded first, as torch's sub then add_), then gg_select_f32's bitmap and kept
+ * values of e (|e| >= threshold). Every entry of e is accumulated even when more than `room`
+ * are kept (then *kept = -1, and the bitmap and values are incomplete). Returns 0, or the
+ * index + 1 of the first group of eight holding a non-finite sum (nothing from that group
+ * on is written; the groups before it are accumulated). */
+__attribute__((target("avx2"))) int64_t gg_accumulate_select_f32(float *e, const float *a,
+                                                                 const float *b, int64_t n,
+                                                                 float threshold, uint8_t *bits,
+                                                                 float *values, int64_t room,
+                                                                 int64_t *kept) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 t = _mm256_set1_ps(threshold), zero = _mm256_setzero_ps();
+    int64_t held = 0, full = n / 8;
+    for (int64_t i = 0; i < full; i++) {
+        __m256 x = _mm256_add_ps(_mm256_loadu_ps(e + 8 * i),
+                                 _mm256_sub_ps(_mm256_loadu_ps(a + 8 * i),
+                                               _mm256_loadu_ps(b + 8 * i)));
+        if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_sub_ps(x, x), zero, _CMP_NEQ_UQ))) {
+            *kept = held;
+            return i + 1;
+        }
+        _mm256_storeu_ps(e + 8 * i, x);
+        if (held < 0) {
+            continue;
+        }
+        int m = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(x, magnitude), t, _CMP_GE_OQ));
+        int count = __builtin_popcount(m);
+        if (held + count > room) {
+            held = -1;
+            continue;
+        }
+        bits[i] = reversed[m];
+        __m256i perm = _mm256_loadu_si256((const __m256i *)pack_perm[m]);
+        _mm256_storeu_ps(values + held, _mm256_permutevar8x32_ps(x, perm));
+        held += count;
+    }
+    if (n % 8) {
+        int byte = 0;
+        for (int64_t p = 8 * full; p < n; p++) {
+            float x = e[p] + (a[p] - b[p]);
+            if (!(x - x == 0.0f)) {
+                *kept = held;
+                return full + 1;
+            }
+        }
+        for (int64_t p = 8 * full; p < n; p++) {
+            float x = e[p] + (a[p] - b[p]);
+            e[p] = x;
+            if (held >= 0 && (x < 0 ? -x : x) >= threshold) {
+                if (held + 1 > room) {
+                    held = -1;
+                    continue;
+                }
+                byte |= 0x80 >> (p - 8 * full);
+                values[held++] = x;
+            }
+        }
+        if (held >= 0) {
+            bits[full] = (uint8_t)byte;
+        }
+    }
+    *kept = held;
+    return 0;
+}
+
+/* Eight (or one) entries of a copy as float32: float16 where `half`, else float32. */
+__attribute__((target("avx2,f16c"))) static inline __m256 load_copy(const void *c, int64_t i,
+                                                                    int half) {
+    if (half) {
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)c + i)));
+    }
+    return _mm256_loadu_ps((const float *)c + i);
+}
+
+__attribute__((target("avx2,f16c"))) static inline float copy_at(const void *c, int64_t i,
+                                                                  int half) {
+    return half ? _cvtsh_ss(((const uint16_t *)c)[i]) : ((const float *)c)[i];
+}
+
+/* CHOCO's consensus step over copies of one dtype (float16 where `half`, else float32):
+ * x += gamma * sum_j w_j (m_j - p), each difference taken in float32 before it is weighted
+ * (peer/algorithms/mixing.py consensus_step). Returns ||sum_j w_j (m_j - p)||^2. */
+__attribute__((target("avx2,f16c"))) double gg_consensus_f32(float *x, const void *public_,
+                                                             const void *const *mirrors,
+                                                             const float *weights, int64_t count,
+                                                             int64_t n, float gamma, int half) {
+    const __m256 g = _mm256_set1_ps(gamma);
+    double total = 0.0;
+    int64_t full = n / 8;
+    for (int64_t lo = 0; lo < full; lo += 512) {
+        int64_t hi = lo + 512 < full ? lo + 512 : full;
+        __m256 dist = _mm256_setzero_ps();
+        for (int64_t i = lo; i < hi; i++) {
+            __m256 p = load_copy(public_, 8 * i, half);
+            __m256 d = _mm256_mul_ps(_mm256_sub_ps(load_copy(mirrors[0], 8 * i, half), p),
+                                     _mm256_set1_ps(weights[0]));
+            for (int64_t j = 1; j < count; j++) {
+                __m256 e = _mm256_sub_ps(load_copy(mirrors[j], 8 * i, half), p);
+                d = _mm256_add_ps(d, _mm256_mul_ps(e, _mm256_set1_ps(weights[j])));
+            }
+            dist = _mm256_add_ps(dist, _mm256_mul_ps(d, d));
+            _mm256_storeu_ps(x + 8 * i, _mm256_add_ps(_mm256_loadu_ps(x + 8 * i),
+                                                      _mm256_mul_ps(d, g)));
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, dist);
+        for (int l = 0; l < 8; l++) {
+            total += lanes[l];
+        }
+    }
+    for (int64_t i = 8 * full; i < n; i++) {
+        float p = copy_at(public_, i, half);
+        float d = 0.0f;
+        for (int64_t j = 0; j < count; j++) {
+            d += (copy_at(mirrors[j], i, half) - p) * weights[j];
+        }
+        total += (double)d * d;
+        x[i] = x[i] + d * gamma;
+    }
+    return total;
+}
+
+#else /* no AVX2 build: numpy's passes serve */
+
+int gg_fast(void) { return 0; }
+
+int64_t gg_select_f32(const float *x, int64_t n, float threshold, uint8_t *bits, float *values,
+                      int64_t room) {
+    (void)x, (void)n, (void)threshold, (void)bits, (void)values, (void)room;
+    return -1;
+}
+
+int64_t gg_bitmap_add_f32(const uint8_t *bits, int64_t n, const float *values, int64_t count,
+                          float *target, float alpha) {
+    (void)bits, (void)n, (void)values, (void)count, (void)target, (void)alpha;
+    return -1;
+}
+
+int64_t gg_bitmap_gather_f32(const uint8_t *bits, int64_t n, const float *src, float *out,
+                             int64_t count) {
+    (void)bits, (void)n, (void)src, (void)out, (void)count;
+    return -1;
+}
+
+int64_t gg_sign_encode_f16(const float *a, uint16_t *b, int64_t n, int64_t block,
+                           uint8_t *bits, float *scales, int fold, double *left2) {
+    (void)a, (void)b, (void)n, (void)block, (void)bits, (void)scales, (void)fold, (void)left2;
+    return -1;
+}
+
+void gg_sign_add_f16(const uint8_t *bits, const float *scales, int64_t n, int64_t block,
+                     uint16_t *target) {
+    (void)bits, (void)scales, (void)n, (void)block, (void)target;
+}
+
+int64_t gg_accumulate_select_f32(float *e, const float *a, const float *b, int64_t n,
+                                 float threshold, uint8_t *bits, float *values, int64_t room,
+                                 int64_t *kept) {
+    (void)e, (void)a, (void)b, (void)n, (void)threshold, (void)bits, (void)values, (void)room;
+    *kept = -1;
+    return -1;
+}
+
+double gg_consensus_f32(float *x, const void *public_, const void *const *mirrors,
+                        const float *weights, int64_t count, int64_t n, float gamma, int half) {
+    (void)x, (void)public_, (void)mirrors, (void)weights, (void)count, (void)n, (void)gamma;
+    (void)half;
+    return -1.0;
+}
+
+#endif

@@ -1,0 +1,248 @@
+"""The fused kernels of ``kernels.c``, loaded with ctypes where they were built.
+
+A top-k selection keeping 1/8 or more of a tensor (diloco's top-20 % pseudo-gradients) codes
+its positions as a bitmap. numpy selects and applies one in several passes each; the
+kernels take one (at 100M entries: the selection 0.8 copies of the tensor against 4.0, an
+add into a tensor 0.9 against 3.5; ``scripts/bench_round.py``). The sign codec of a
+difference against a float16 copy, with the copy's x̂ += q folded in (diloco's anchors), and
+its decode into a float16 copy are one pass each too. They give numpy's bits where a peer
+without them must agree (the selection, every add into a tensor); an encoder's scales are
+its own (a sum in another order), and its fold adds what its bytes decode to. Callers use
+them only where they apply (the dtypes below, contiguous, on CPU) and keep numpy's path
+otherwise.
+
+The library is built with the package (an optional extension: a wheel or install without a
+C compiler has none) and used on x86-64 CPUs with AVX2. ``GOSSIPGRAD_NATIVE_KERNELS=0`` turns
+it off (benchmarks compare both paths that way).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import logging
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = [
+    "accumulate_select",
+    "available",
+    "bitmap_add",
+    "bitmap_gather",
+    "consensus",
+    "select",
+    "sign_add",
+    "sign_encode",
+    "status",
+    "usable",
+]
+
+log = logging.getLogger(__name__)
+
+#: Set to "0" to keep numpy's passes even where the kernels are built.
+ENV = "GOSSIPGRAD_NATIVE_KERNELS"
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_status: str | None = None
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = {
+    "gg_select_f32": ([_ptr, _i64, _f32, _ptr, _ptr, _i64], _i64),
+    "gg_accumulate_select_f32": ([_ptr, _ptr, _ptr, _i64, _f32, _ptr, _ptr, _i64, _ptr], _i64),
+    "gg_bitmap_add_f32": ([_ptr, _i64, _ptr, _i64, _ptr, _f32], _i64),
+    "gg_bitmap_gather_f32": ([_ptr, _i64, _ptr, _ptr, _i64], _i64),
+    "gg_sign_encode_f16": ([_ptr, _ptr, _i64, _i64, _ptr, _ptr, ctypes.c_int, _ptr], _i64),
+    "gg_sign_add_f16": ([_ptr, _ptr, _i64, _i64, _ptr], None),
+    "gg_consensus_f32": (
+        [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, ctypes.c_int],
+        ctypes.c_double,
+    ),
+}
+
+
+def _library_path() -> Path | None:
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"_kernels{suffix}"
+        if path.is_file():
+            return path
+    return None
+
+
+def _load() -> None:
+    global _lib, _status
+    if os.environ.get(ENV, "1") == "0":
+        _status = f"off ({ENV}=0)"
+        return
+    path = _library_path()
+    if path is None:
+        _status = "not built (no C compiler at install): numpy passes"
+        return
+    try:
+        lib = ctypes.CDLL(str(path))
+        for name, (args, result) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, result
+        if not lib.gg_fast():
+            _status = "built, but this CPU has no AVX2 and F16C: numpy passes"
+            return
+    except (OSError, AttributeError) as exc:
+        _status = f"not loadable ({exc}): numpy passes"
+        return
+    _lib, _status = lib, "avx2"
+
+
+def status() -> str:
+    """What the bitmap passes run on: ``avx2``, or why numpy's serve (loads on first call)."""
+    with _lock:
+        if _status is None:
+            _load()
+            log.info("fused kernels: %s", _status)
+        return _status  # type: ignore[return-value]
+
+
+def available() -> bool:
+    """Whether the kernels are loaded and this CPU runs them."""
+    status()
+    return _lib is not None
+
+
+def usable(*tensors: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the kernels apply to these tensors: loaded, of ``dtype``, contiguous, on CPU."""
+    return available() and all(
+        t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() for t in tensors
+    )
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(what)
+
+
+def select(x: np.ndarray, threshold: float, bits: np.ndarray, values: np.ndarray) -> int:
+    """The entries of float32 ``x`` with ``|x| >= threshold``: their bitmap into ``bits``
+    (``ceil(x.size / 8)`` bytes) and their values, packed in order, into ``values``. Returns
+    how many were kept, or -1 where they would not fit in ``values.size - 8`` (the last 8
+    take a vector store's overrun)."""
+    _need(x.dtype == np.float32 and x.flags.c_contiguous, "x must be contiguous float32")
+    _need(bits.dtype == np.uint8 and bits.size >= (x.size + 7) // 8, "bits too short")
+    _need(values.dtype == np.float32 and values.size >= 8, "values too short")
+    assert _lib is not None
+    return int(
+        _lib.gg_select_f32(
+            x.ctypes.data, x.size, threshold, bits.ctypes.data, values.ctypes.data, values.size - 8
+        )
+    )
+
+
+def accumulate_select(
+    e: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    threshold: float,
+    bits: np.ndarray,
+    values: np.ndarray,
+) -> tuple[int, int]:
+    """``e += a − b`` (float32, contiguous, one size) and :func:`select` of the sum, in one
+    pass: (kept, bad). ``kept`` is -1 where more than ``values.size - 8`` would be kept (``e``
+    is then accumulated all the same); ``bad`` is 0, or 1 + the index of the first group of
+    eight entries whose sum is not finite (``e`` accumulated before that group only)."""
+    _need(usable(e, a, b) and e.numel() == a.numel() == b.numel(), "e, a, b: one float32 size")
+    _need(bits.dtype == np.uint8 and bits.size >= (e.numel() + 7) // 8, "bits too short")
+    _need(values.dtype == np.float32 and values.size >= 8, "values too short")
+    assert _lib is not None
+    kept = ctypes.c_int64()
+    bad = _lib.gg_accumulate_select_f32(
+        e.data_ptr(), a.data_ptr(), b.data_ptr(), e.numel(), threshold, bits.ctypes.data,
+        values.ctypes.data, values.size - 8, ctypes.byref(kept),
+    )  # fmt: skip
+    return kept.value, int(bad)
+
+
+def bitmap_add(bits: np.ndarray, values: torch.Tensor, target: torch.Tensor, alpha: float) -> None:
+    """``target[p] += values[j] * alpha`` for the j-th set bit p of the bitmap ``bits`` over
+    ``target``'s positions; ``values`` holds exactly one value per set bit (ValueError
+    otherwise, before anything is added only where the caller counted them)."""
+    n, count = target.numel(), values.numel()
+    _need(bits.dtype == np.uint8 and bits.size >= (n + 7) // 8, "bits too short")
+    _need(usable(values, target), "values and target must be contiguous float32 on CPU")
+    assert _lib is not None
+    used = _lib.gg_bitmap_add_f32(
+        bits.ctypes.data, n, values.data_ptr(), count, target.data_ptr(), alpha
+    )
+    _need(used == count, f"the bitmap holds other than {count} positions")
+
+
+def bitmap_gather(bits: np.ndarray, src: torch.Tensor, count: int) -> torch.Tensor:
+    """``src``'s values at the set bits of ``bits`` (exactly ``count`` of them: ValueError
+    otherwise), packed in order into a new float32 tensor."""
+    n = src.numel()
+    _need(bits.dtype == np.uint8 and bits.size >= (n + 7) // 8, "bits too short")
+    _need(usable(src), "src must be contiguous float32 on CPU")
+    assert _lib is not None
+    out = torch.empty(count, dtype=torch.float32)
+    got = _lib.gg_bitmap_gather_f32(bits.ctypes.data, n, src.data_ptr(), out.data_ptr(), count)
+    _need(got == count, f"the bitmap holds other than {count} positions")
+    return out
+
+
+def sign_encode(
+    a: torch.Tensor, b: torch.Tensor, block: int, fold: bool
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The sign codec of ``a − b`` (``a`` float32, ``b`` a float16 copy of its shape), a
+    ``block`` at a time: its sign bits (MSB first), its float32 scales (the blocks' mean
+    magnitudes) and ||(a − b) − decoded||; with ``fold``, ``b += decoded`` as a float16
+    ``decode_add_`` would. ValueError on a non-finite difference (the blocks before it are
+    folded already)."""
+    _need(usable(a) and usable(b, dtype=torch.float16), "a float32, b float16, both contiguous")
+    _need(a.numel() == b.numel() and block >= 8 and block & (block - 1) == 0, "bad shape/block")
+    assert _lib is not None
+    n = a.numel()
+    bits = torch.empty((n + 7) // 8, dtype=torch.uint8)
+    scales = torch.empty((n + block - 1) // block, dtype=torch.float32)
+    left2 = ctypes.c_double()
+    bad = _lib.gg_sign_encode_f16(
+        a.data_ptr(), b.data_ptr(), n, block, bits.data_ptr(), scales.data_ptr(), int(fold),
+        ctypes.byref(left2),
+    )  # fmt: skip
+    if bad:
+        raise ValueError("cannot encode a tensor with NaN or infinite values")
+    return bits, scales, max(left2.value, 0.0) ** 0.5
+
+
+def sign_add(bits: torch.Tensor, scales: torch.Tensor, block: int, target: torch.Tensor) -> None:
+    """``target += decode(bits, scales)`` for a float16 ``target``: each value ±scale rounded
+    to float16, added in float32 and rounded once, as torch's add of the decoded tensor."""
+    n = target.numel()
+    _need(usable(target, dtype=torch.float16), "target must be contiguous float16 on CPU")
+    _need(bits.numel() >= (n + 7) // 8 and bits.is_contiguous(), "bits too short")
+    _need(scales.numel() >= (n + block - 1) // block and usable(scales), "scales too short")
+    assert _lib is not None
+    _lib.gg_sign_add_f16(bits.data_ptr(), scales.data_ptr(), n, block, target.data_ptr())
+
+
+def consensus(
+    x: torch.Tensor, public: torch.Tensor, mirrors: list[torch.Tensor], weights: list[float],
+    gamma: float,
+) -> float:  # fmt: skip
+    """CHOCO's consensus step ``x += γ Σ_j w_j (mirror_j − public)`` in one pass (float32
+    ``x``; copies all float16 or all float32), each difference taken in float32 before it is
+    weighted; returns ||Σ_j w_j (mirror_j − public)||."""
+    dtype = public.dtype
+    _need(usable(x) and dtype in (torch.float16, torch.float32), "x float32, copies float")
+    _need(usable(public, *mirrors, dtype=dtype), "copies of one dtype, contiguous, on CPU")
+    _need(len(mirrors) == len(weights) > 0, "one weight per mirror")
+    _need(all(t.numel() == x.numel() for t in (public, *mirrors)), "copies of x's size")
+    assert _lib is not None
+    pointers = (ctypes.c_void_p * len(mirrors))(*(m.data_ptr() for m in mirrors))
+    w = (ctypes.c_float * len(weights))(*weights)
+    half = int(dtype == torch.float16)
+    dist2 = _lib.gg_consensus_f32(
+        x.data_ptr(), public.data_ptr(), pointers, w, len(mirrors), x.numel(), gamma, half
+    )
+    return max(dist2, 0.0) ** 0.5

@@ -1,0 +1,257 @@
+"""The fused bitmap kernels (compression/kernels.c through compression/native.py) give
+numpy's bits: the same selection, the same adds, the same bytes on the wire, so peers with
+and without them agree."""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gossipgrad.compression import ErrorFeedback, native, wire
+from gossipgrad.compression.bitpack import BITMAP_INDEX_BITS, Bitmap
+from gossipgrad.compression.selection import _candidates_numpy, approx_topk
+from gossipgrad.compression.spec import from_spec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.timeout(120)
+SETTINGS = settings(max_examples=60, deadline=None, derandomize=True)
+
+
+def _cpu_has_avx2() -> bool:
+    flags = Path("/proc/cpuinfo")
+    return flags.is_file() and " avx2" in flags.read_text()
+
+
+needs_kernels = pytest.mark.skipif(not native.available(), reason=native.status())
+
+
+@contextlib.contextmanager
+def without_kernels() -> Iterator[None]:
+    """numpy's passes within, as on a peer without the kernels."""
+    lib = native._lib
+    native._lib = None
+    try:
+        yield
+    finally:
+        native._lib = lib
+
+
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or not _cpu_has_avx2(), reason="the kernels need x86-64 AVX2"
+)
+def test_the_kernels_are_built_and_loaded_where_the_cpu_runs_them() -> None:
+    """An install on x86-64 with AVX2 (CI's) has them: a build that lost its compiler step
+    would otherwise go on silently at numpy's speed."""
+    assert native.status() == "avx2"
+
+
+@needs_kernels
+@given(
+    n=st.integers(1, 3000),
+    ratio=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**16),
+)
+@SETTINGS
+def test_the_selection_kernel_gives_numpys_bitmap_and_values(
+    n: int, ratio: float, seed: int
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g)
+    x[torch.rand(n, generator=g) < 0.1] = 0.0  # zeros and ties at the threshold
+    threshold = float(x.abs().quantile(1.0 - ratio)) if n else 0.0
+    k = n + 1
+    bits = np.empty((n + 7) // 8, dtype=np.uint8)
+    values = np.empty(k + 8, dtype=np.float32)
+    held = native.select(x.numpy(), threshold, bits, values)
+    mask = x.abs().numpy() >= np.float32(threshold)
+    assert held == int(mask.sum())
+    assert np.array_equal(bits, np.packbits(mask))
+    assert np.array_equal(values[:held], x.numpy()[mask])
+
+
+@needs_kernels
+def test_the_selection_kernel_gives_way_on_an_overshoot() -> None:
+    x = np.arange(1, 101, dtype=np.float32)
+    bits, values = np.empty(13, dtype=np.uint8), np.empty(10 + 8, dtype=np.float32)
+    assert native.select(x, 50.0, bits, values) == -1  # 51 kept, room for 10
+    assert native.select(x, 91.0, bits, values) == 10
+
+
+@needs_kernels
+@given(n=st.integers(1, 3000), density=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
+@SETTINGS
+def test_the_add_kernel_is_index_add_bit_for_bit(n: int, density: float, seed: int) -> None:
+    """t + v * alpha rounded twice, as index_add_ does; the other positions untouched, -0.0
+    included (an add of 0 would make it +0.0)."""
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randn(n, generator=g) * 1e3
+    target[::7] = -0.0
+    mask = torch.rand(n, generator=g) < density
+    values = torch.randn(int(mask.sum()), generator=g)
+    bits = np.packbits(mask.numpy())
+    alpha = float(torch.randn(1, generator=g))
+    want = target.clone().index_add_(0, torch.nonzero(mask).reshape(-1), values, alpha=alpha)
+    native.bitmap_add(bits, values, target, alpha)
+    assert torch.equal(target.view(torch.int32), want.view(torch.int32))
+    gathered = native.bitmap_gather(bits, want, values.numel())
+    assert torch.equal(gathered, want[mask])
+
+
+@needs_kernels
+def test_a_bitmap_holding_other_than_its_count_is_refused() -> None:
+    mask = np.zeros(40, dtype=np.bool_)
+    mask[[1, 9, 30]] = True
+    bits, target = np.packbits(mask), torch.zeros(40)
+    with pytest.raises(ValueError, match="positions"):
+        native.bitmap_add(bits, torch.ones(2), target, 1.0)
+    with pytest.raises(ValueError, match="positions"):
+        native.bitmap_gather(bits, target, 4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("spec", ["topk:0.2+int2", "topk:0.3+int4:block=128", "topk:0.25+fp16"])
+def test_a_message_encoded_and_applied_with_the_kernels_is_numpys_bit_for_bit(spec: str) -> None:
+    """Encode with error feedback, decode into a tensor and apply what the encoder built,
+    with and without the kernels, over chunks the positions and the values cross at
+    different places: the same bytes, the same residual, the same target."""
+    n = 3 * (1 << 20) + 13
+    g = torch.Generator().manual_seed(5)
+    anchor, theta = torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+    def run() -> tuple[bytes, torch.Tensor, torch.Tensor, float]:
+        feedback = ErrorFeedback(from_spec(spec))
+        data, built = feedback.compress_difference_parts("v", anchor, theta, seed=3)
+        target = theta.clone()
+        feedback.codec.decode_add_(data, target, alpha=-0.5)
+        assert built is not None
+        built.add_to_(target, alpha=0.25)
+        return data, feedback.residual("v"), target, built.residual_norm(anchor - theta)
+
+    fused = run()
+    env = wire.parse_envelope(fused[0], spec, n)
+    assert env.index_bits == BITMAP_INDEX_BITS
+    with without_kernels():
+        plain = run()
+    assert fused[0] == plain[0]
+    assert torch.equal(fused[1], plain[1]) and torch.equal(fused[2], plain[2])
+    assert fused[3] == pytest.approx(plain[3], rel=1e-5)
+
+
+@needs_kernels
+def test_the_fused_selection_holds_no_indices_and_numpys_does() -> None:
+    """The kernel's selection is its bitmap and values (the positions: 1 bit each where an
+    index array takes 64); numpy's pass keeps its indices."""
+    n = 1 << 22  # the threshold is aimed below k from 4M entries on at top-20 %
+    x = torch.randn(n, generator=torch.Generator().manual_seed(9))
+    fused = approx_topk(x, n // 5, seed=1, gather=True)
+    assert fused.idx is None and fused.bitmap is not None and fused.values is not None
+    threshold = float(fused.values.abs().min())
+    plain = _candidates_numpy(x, threshold, n // 5, gather=True, bitmap=False)
+    assert plain.idx is not None and plain.count == fused.count
+    positions = torch.cat(list(Bitmap(fused.bitmap, n, fused.count).pieces()))
+    assert torch.equal(positions, plain.idx)
+
+
+@without_kernels()
+def test_without_the_kernels_a_bitmap_is_applied_by_numpys_pieces() -> None:
+    n = (1 << 20) + 5
+    codec = from_spec("topk:0.2+int2")
+    x = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    data = codec.encode(x, seed=1)
+    assert wire.parse_envelope(data, codec.spec, n).index_bits == BITMAP_INDEX_BITS
+    target = torch.zeros(n)
+    codec.decode_add_(data, target)
+    assert torch.equal(target, codec.decode(data))
+    half = torch.zeros(n, dtype=torch.float16)  # a float16 target never takes the kernels
+    codec.decode_add_(data, half, cast=True)
+    assert torch.equal(half, codec.decode(data).half())
+
+
+@needs_kernels
+@given(
+    n=st.integers(1, 2000),
+    block=st.sampled_from([8, 64, 256]),
+    seed=st.integers(0, 2**16),
+    spread=st.sampled_from([1e-3, 1.0, 3e4]),
+)
+@SETTINGS
+def test_the_fused_sign_encode_folds_what_a_peer_without_kernels_decodes(
+    n: int, block: int, seed: int, spread: float
+) -> None:
+    """A float32 anchor against its float16 copy (diloco's anchors): the kernel's signs are
+    numpy's, its scales the blocks' mean magnitudes (their own summation order), and the
+    copy it folds equals the old copy plus its bytes decoded -- by the kernel, and by numpy's
+    passes on a peer without it -- bit for bit, float16 overflow to infinity included."""
+    g = torch.Generator().manual_seed(seed)
+    codec = from_spec(f"sign:block={block}" if block != 256 else "sign")
+    copy = (torch.randn(n, generator=g) * spread).clamp(-65000, 65000).half()
+    anchor = copy.float() + torch.randn(n, generator=g) * spread * 0.1
+    anchor[::5] = copy[::5].float()  # zero differences: the sign of 0 is +
+    folded = copy.clone()
+    data, _, left = codec.encode_difference(anchor, folded, 1, fold=True)
+    mirror = copy.clone()
+    codec.decode_add_(data, mirror, cast=True)
+    assert torch.equal(mirror.view(torch.int16), folded.view(torch.int16))
+    decoded = codec.decode(data)
+    assert left == pytest.approx(float((anchor - copy.float() - decoded).norm()), rel=1e-4)
+    with without_kernels():
+        plain_data, _, _ = codec.encode_difference(anchor, copy.clone(), 1, fold=True)
+    env, plain_env = (
+        wire.parse_envelope(data, codec.spec, n),
+        wire.parse_envelope(plain_data, codec.spec, n),
+    )
+
+    def section(e: wire.Envelope, name: str) -> bytes:
+        return bytes(wire.read_section(e, name, limit=4 * n))
+
+    assert section(env, "values") == section(plain_env, "values")
+    scales = np.frombuffer(section(env, "scales"), np.float32)
+    plain_scales = np.frombuffer(section(plain_env, "scales"), np.float32)
+    assert np.allclose(scales, plain_scales, rtol=1e-5, atol=0)
+    mirror = copy.clone()
+    with without_kernels():
+        codec.decode_add_(data, mirror, cast=True)  # numpy's decode of the kernel's bytes
+    assert torch.equal(mirror.view(torch.int16), folded.view(torch.int16))
+
+
+@needs_kernels
+def test_a_non_finite_difference_is_refused_by_the_fused_sign_encode() -> None:
+    codec = from_spec("sign")
+    anchor, copy = torch.zeros(4096), torch.zeros(4096, dtype=torch.float16)
+    anchor[3000] = float("inf")
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        codec.encode_difference(anchor, copy, 1, fold=True)
+    assert not copy[2048:].any()  # the blocks from the bad one on are left alone
+
+
+@needs_kernels
+def test_error_feedback_accumulates_and_selects_in_one_pass_as_numpy_does() -> None:
+    """``compress_difference`` with a dense top-k of float32 on CPU adds a − b into the
+    residual and selects in one fused pass (no indices held): the bytes and the residual of
+    numpy's passes, over three rounds; a non-finite difference is refused and the residual
+    restored."""
+    n = 3 * (1 << 20) + 5
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    fused, plain = (
+        ErrorFeedback(from_spec("topk:0.2+int2")),
+        ErrorFeedback(from_spec("topk:0.2+int2")),
+    )
+    for seed in (1, 2, 3):
+        data, sent = fused.compress_difference_parts("v", a, b, seed)
+        assert sent is not None and isinstance(sent.idx, Bitmap)
+        with without_kernels():
+            assert plain.compress_difference("v", a, b, seed) == data
+        assert torch.equal(fused.residual("v"), plain.residual("v"))
+        a.add_(torch.randn(n, generator=g), alpha=0.1)
+    before = fused.residual("v").clone()
+    a[n // 2] = float("nan")
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        fused.compress_difference("v", a, b, 4)
+    torch.testing.assert_close(fused.residual("v"), before)
