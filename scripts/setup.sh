@@ -51,6 +51,13 @@ install_torch() {
 }
 install_torch "$venv/bin/python"
 
+# compression/kernels.c builds where a C compiler is (the install goes on without one, at
+# numpy's speed); the test suite checks that it was built, so --test brings one as root.
+if [ "$want_test" = 1 ] && ! command -v cc >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  log "installing a C compiler (gcc) for compression/kernels.c"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc >/dev/null
+fi
+
 stamp="$venv/.gossipgrad-installed"
 # Again when the build changes: pyproject.toml, or setup.py and the C kernels it compiles.
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
