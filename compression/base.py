@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
 import torch
@@ -172,6 +172,18 @@ class Codec(abc.ABC):
             DecodeError: for anything but a bad index coding, as ``decode``.
         """
         return engine.inspect(self, data, max_numel)
+
+    @torch.no_grad()
+    def add_all_(
+        self, terms: Sequence[tuple[bytes | Encoded, float]], out: torch.Tensor
+    ) -> list[tuple[int, DecodeError]]:
+        """``out += Σ_k alpha_k decode(c_k)`` for the ``(c_k, alpha_k)`` given, in their order
+        (a payload may be what an encoder built: :class:`Encoded`): the bits of
+        ``decode_add_`` (or ``add_to_``) of each in turn. Messages whose positions are
+        bitmaps are added in one pass over ``out`` where the fused kernels run. A payload that
+        does not decode is left out, the others added; returns each one's (index,
+        DecodeError)."""
+        return engine.add_all(self, terms, out)
 
     @torch.no_grad()
     def decode_add_(

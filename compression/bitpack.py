@@ -378,15 +378,18 @@ class Bitmap:
     numel: int
     count: int
 
-    def stretches(self, size: int) -> Iterator[tuple[int, int, np.ndarray, int]]:
-        """``(lo, hi, bytes, set)`` for each ``size`` positions [lo, hi) holding a set bit:
-        their bytes of the bitmap and how many of them are set (``size``: a multiple of 8)."""
+    def stretches(
+        self, size: int, every: bool = False
+    ) -> Iterator[tuple[int, int, np.ndarray, int]]:
+        """``(lo, hi, bytes, set)`` for each ``size`` positions [lo, hi) holding a set bit
+        (``every``: for each, set or not): their bytes of the bitmap and how many of them are
+        set (``size``: a multiple of 8)."""
         d = self.data.numpy()
         for lo in range(0, self.numel, size):
             hi = min(self.numel, lo + size)
             part = d[lo // 8 : (hi + 7) // 8]
             held = set_bits(part)
-            if held:
+            if held or every:
                 yield lo, hi, part, held
 
     def pieces(self) -> Iterator[torch.Tensor]:

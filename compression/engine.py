@@ -10,14 +10,14 @@ imports none of them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from gossipgrad.compression import native, wire
-from gossipgrad.compression.bitpack import Bitmap
+from gossipgrad.compression.bitpack import BITMAP_INDEX_BITS, Bitmap, bitmap_pays
 from gossipgrad.compression.difference import subtract_into
 from gossipgrad.compression.errors import DecodeError
 from gossipgrad.compression.finite import all_finite
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CHUNK",
     "Encoded",
+    "add_all",
     "decode",
     "decode_add",
     "encode",
@@ -323,6 +324,71 @@ def decode_add(
     return out
 
 
+def add_all(
+    codec: Codec, terms: Sequence[tuple[bytes | Encoded, float]], out: torch.Tensor
+) -> list[tuple[int, DecodeError]]:
+    """``out += Σ_k alpha_k decode(c_k)`` in the order given (see :meth:`.Codec.add_all_`);
+    returns the (index, error) of each payload left out because it did not decode."""
+    fused = _add_all_fused(codec, terms, out)
+    if fused is not None:
+        return fused
+    failed = []
+    for i, (payload, alpha) in enumerate(terms):
+        if isinstance(payload, Encoded):
+            payload.add_to_(out, alpha=alpha)
+            continue
+        try:
+            decode_add(codec, payload, out, alpha=alpha)
+        except DecodeError as err:
+            failed.append((i, err))
+    return failed
+
+
+def _add_all_fused(
+    codec: Codec, terms: Sequence[tuple[bytes | Encoded, float]], out: torch.Tensor
+) -> list[tuple[int, DecodeError]] | None:
+    """:func:`add_all` in one pass over ``out`` where every term is a bitmap-coded message and
+    ``out`` takes the kernels (the bits of adding them one after another); None, with
+    nothing added, otherwise."""
+    sp, q = codec.stages()
+    n = out.numel()
+    if sp is None or not sp.sends_indices or not 1 < len(terms) <= native.MAX_TERMS:
+        return None
+    if not (bitmap_pays(sp.count_range(n)[1], n) and native.usable(out)):
+        return None
+    parts, failed = [], []
+    for i, (payload, alpha) in enumerate(terms):
+        if isinstance(payload, Encoded):
+            if not isinstance(payload.idx, Bitmap):
+                return None
+            parts.append((payload.idx, payload.values, payload.scales, payload.dtype, alpha))
+            continue
+        try:
+            env = wire.parse_envelope(payload, codec.spec, max(n, 1))
+            if env.shape != tuple(out.shape) or env.dtype != out.dtype:
+                raise DecodeError(f"payload {list(env.shape)} {env.dtype} does not fit the target")
+            if env.index_bits != BITMAP_INDEX_BITS:
+                return None
+            values, scales, raw = _sections(codec, env, out.device)
+            idx = _indices(sp, env, raw, out.device, pieces=True)
+        except DecodeError as err:
+            failed.append((i, err))
+            continue
+        if not isinstance(idx, Bitmap):
+            return None
+        parts.append((idx, values, scales, env.dtype, alpha))
+    if not parts:
+        return failed
+    flat = out.view(-1)
+    streams = [_bitmap_stretches(q, b, v, s, d, every=True) for b, v, s, d, _ in parts]
+    alphas = [alpha for *_, alpha in parts]
+    for stretch in zip(*streams, strict=True):
+        lo, hi = stretch[0][0], stretch[0][1]
+        pieces = [(bits, vals.to(torch.float32)) for _, _, bits, vals in stretch]
+        native.bitmap_add_many(pieces, alphas, flat[lo:hi])
+    return failed
+
+
 def _apply(
     codec: Codec,
     idx: torch.Tensor | Iterable[torch.Tensor] | None,
@@ -361,14 +427,15 @@ def _bitmap_stretches(
     values: torch.Tensor,
     scales: torch.Tensor | None,
     dtype: torch.dtype,
+    every: bool = False,
 ) -> Iterator[tuple[int, int, np.ndarray, torch.Tensor]]:
     """``(lo, hi, bits, vals)`` for each ``CHUNK`` positions [lo, hi) of ``bitmap`` holding
-    any: their bytes of the bitmap and the dequantized values of their set bits, in order.
-    A stretch's values begin anywhere: they are dequantized from the block and byte before
-    them (``align``), and those before are dropped."""
+    any (``every``: each of them): their bytes of the bitmap and the dequantized values of
+    their set bits, in order. A stretch's values begin anywhere: they are dequantized from
+    the block and byte before them (``align``), and those before are dropped."""
     align = math.lcm(8, q.block or 1)
     done = 0  # values of the stretches before
-    for lo, hi, bits, held in bitmap.stretches(CHUNK):
+    for lo, hi, bits, held in bitmap.stretches(CHUNK, every):
         if done + held > bitmap.count:  # validated first: only a bug gets here
             raise DecodeError(f"more positions than the {bitmap.count} values")
         start = done - done % align

@@ -303,6 +303,68 @@ __attribute__((target("avx2,f16c"))) void gg_sign_add_f16(const uint8_t *bits,
     }
 }
 
+/* gg_bitmap_add_f32 of several bitmaps over the same n positions, in one pass: for each
+ * group of eight positions the terms are added in their order (term 0 first), so each entry
+ * gets the bits that adding the terms one after another gives. counts[j]: term j's values
+ * (its set bits, counted by the caller). Returns 0, or -1 where a bitmap holds more. */
+__attribute__((target("avx2"))) int64_t gg_bitmap_add_many_f32(int64_t terms,
+                                                               const uint8_t *const *bits,
+                                                               const float *const *values,
+                                                               const int64_t *counts,
+                                                               const float *alphas, int64_t n,
+                                                               float *target) {
+    int64_t used[64];
+    if (terms > 64) {
+        return -1;
+    }
+    for (int64_t j = 0; j < terms; j++) {
+        used[j] = 0;
+    }
+    int64_t full = n / 8;
+    for (int64_t i = 0; i < full; i++) {
+        __m256 t = _mm256_loadu_ps(target + 8 * i);
+        for (int64_t j = 0; j < terms; j++) {
+            int m = reversed[bits[j][i]];
+            int c = __builtin_popcount(m);
+            if (used[j] + c > counts[j]) {
+                return -1;
+            }
+            if (used[j] + 8 <= counts[j]) {
+                __m256 spread = _mm256_permutevar8x32_ps(
+                    _mm256_loadu_ps(values[j] + used[j]),
+                    _mm256_loadu_si256((const __m256i *)spread_perm[m]));
+                __m256 keep =
+                    _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)lane_mask[m]));
+                __m256 sum = _mm256_add_ps(t, _mm256_mul_ps(spread, _mm256_set1_ps(alphas[j])));
+                t = _mm256_blendv_ps(t, sum, keep);
+            } else if (c) {
+                float lanes[8];
+                _mm256_storeu_ps(lanes, t);
+                int64_t k = used[j];
+                for (int l = 0; l < 8; l++) {
+                    if ((m >> l) & 1) {
+                        lanes[l] = lanes[l] + values[j][k++] * alphas[j];
+                    }
+                }
+                t = _mm256_loadu_ps(lanes);
+            }
+            used[j] += c;
+        }
+        _mm256_storeu_ps(target + 8 * i, t);
+    }
+    for (int64_t p = 8 * full; p < n; p++) {
+        for (int64_t j = 0; j < terms; j++) {
+            if (bits[j][full] & (0x80 >> (p - 8 * full))) {
+                if (used[j] + 1 > counts[j]) {
+                    return -1;
+                }
+                target[p] = target[p] + values[j][used[j]++] * alphas[j];
+            }
+        }
+    }
+    return 0;
+}
+
 /* Error feedback's accumulation and a dense top-k's selection in one pass: e = e + (a - b)
  * (a - b rounded first, as torch's sub then add_), then gg_select_f32's bitmap and kept
  * values of e (|e| >= threshold). Every entry of e is accumulated even when more than `room`
@@ -457,6 +519,13 @@ int64_t gg_sign_encode_f16(const float *a, uint16_t *b, int64_t n, int64_t block
 void gg_sign_add_f16(const uint8_t *bits, const float *scales, int64_t n, int64_t block,
                      uint16_t *target) {
     (void)bits, (void)scales, (void)n, (void)block, (void)target;
+}
+
+int64_t gg_bitmap_add_many_f32(int64_t terms, const uint8_t *const *bits,
+                               const float *const *values, const int64_t *counts,
+                               const float *alphas, int64_t n, float *target) {
+    (void)terms, (void)bits, (void)values, (void)counts, (void)alphas, (void)n, (void)target;
+    return -1;
 }
 
 int64_t gg_accumulate_select_f32(float *e, const float *a, const float *b, int64_t n,

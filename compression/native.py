@@ -32,6 +32,7 @@ __all__ = [
     "accumulate_select",
     "available",
     "bitmap_add",
+    "bitmap_add_many",
     "bitmap_gather",
     "consensus",
     "select",
@@ -56,6 +57,7 @@ _SIGNATURES = {
     "gg_accumulate_select_f32": ([_ptr, _ptr, _ptr, _i64, _f32, _ptr, _ptr, _i64, _ptr], _i64),
     "gg_bitmap_add_f32": ([_ptr, _i64, _ptr, _i64, _ptr, _f32], _i64),
     "gg_bitmap_gather_f32": ([_ptr, _i64, _ptr, _ptr, _i64], _i64),
+    "gg_bitmap_add_many_f32": ([_i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr], _i64),
     "gg_sign_encode_f16": ([_ptr, _ptr, _i64, _i64, _ptr, _ptr, ctypes.c_int, _ptr], _i64),
     "gg_sign_add_f16": ([_ptr, _ptr, _i64, _i64, _ptr], None),
     "gg_consensus_f32": (
@@ -176,6 +178,29 @@ def bitmap_add(bits: np.ndarray, values: torch.Tensor, target: torch.Tensor, alp
         bits.ctypes.data, n, values.data_ptr(), count, target.data_ptr(), alpha
     )
     _need(used == count, f"the bitmap holds other than {count} positions")
+
+
+#: Most terms ``bitmap_add_many`` takes in one pass (kernels.c's bound).
+MAX_TERMS = 64
+
+
+def bitmap_add_many(
+    parts: list[tuple[np.ndarray, torch.Tensor]], alphas: list[float], target: torch.Tensor
+) -> None:
+    """:func:`bitmap_add` of each ``(bits, values)`` in turn, with its alpha, in one pass over
+    ``target``: the bits of the adds one after another (ValueError where a bitmap holds
+    other than its values; the target may then be part-added)."""
+    n, terms = target.numel(), len(parts)
+    _need(0 < terms == len(alphas) <= MAX_TERMS, f"1..{MAX_TERMS} terms, one alpha each")
+    _need(usable(target, *(v for _, v in parts)), "target and values contiguous float32")
+    _need(all(b.dtype == np.uint8 and b.size >= (n + 7) // 8 for b, _ in parts), "bits short")
+    assert _lib is not None
+    bits = (ctypes.c_void_p * terms)(*(b.ctypes.data for b, _ in parts))
+    values = (ctypes.c_void_p * terms)(*(v.data_ptr() for _, v in parts))
+    counts = (ctypes.c_int64 * terms)(*(v.numel() for _, v in parts))
+    weights = (ctypes.c_float * terms)(*alphas)
+    bad = _lib.gg_bitmap_add_many_f32(terms, bits, values, counts, weights, n, target.data_ptr())
+    _need(bad == 0, "a bitmap holds more positions than its values")
 
 
 def bitmap_gather(bits: np.ndarray, src: torch.Tensor, count: int) -> torch.Tensor:

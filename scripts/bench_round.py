@@ -6,9 +6,9 @@ pseudo-gradient's codec with error feedback, sign anchors over float16 copies), 
 timed against a ``copy_`` of the model measured in the same run:
 
 1. the pseudo-gradient a − θ compressed with error feedback (``ErrorFeedback.compress_difference``);
-2. its own message added into the anchor as the encoder built it, and each neighbour's
-   decoded into it (``decode_add_``; our own message stands in for theirs: the same size
-   and layout);
+2. the average into the anchor: its own message as the encoder built it and each
+   neighbour's decoded (``Codec.add_all_``, as ``Average.add_to_``; our own message stands in
+   for theirs: the same size and layout);
 3. the anchors' CHOCO round: a − x̂ encoded with x̂ += q folded in (``encode_difference``),
    each neighbour's update decoded into its mirror, the consensus step and the copies'
    checksums;
@@ -88,18 +88,13 @@ def main() -> None:
             lambda: feedback.compress_difference("v", anchor, theta, next(seeds)),
         ),
         (
-            f"{args.codec} own message into the anchor",
+            f"{args.codec} average into the anchor (own + {args.neighbours})",
             1,
-            lambda: (
-                feedback.codec.decode_add_(message, anchor, alpha=-weight)
-                if built is None
-                else built.add_to_(anchor, alpha=-weight)
+            lambda: feedback.codec.add_all_(
+                [(message if built is None else built, -weight)]
+                + [(message, -weight)] * args.neighbours,
+                anchor,
             ),
-        ),
-        (
-            f"{args.codec} decode into the anchor",
-            args.neighbours,
-            lambda: feedback.codec.decode_add_(message, anchor, alpha=-weight),
         ),
         (
             f"{args.anchor_codec} encode, x̂ += q",

@@ -81,16 +81,9 @@ class Average:
         """``out += alpha · Σ_k w_k decode(c_k)`` in place; returns ``out``. A message whose
         indices do not decode (they are checked here, not on arrival) is left out, as a lost
         one would be, and logged."""
-        for payload, w in self.terms:
-            if not w:
-                continue
-            if isinstance(payload, Encoded):
-                payload.add_to_(out, alpha=alpha * w)
-                continue
-            try:
-                self.codec.decode_add_(payload, out, alpha=alpha * w)
-            except DecodeError as err:
-                log.warning("a vector of the average did not decode, left out: %s", err)
+        live = [(payload, alpha * w) for payload, w in self.terms if w]
+        for _, err in self.codec.add_all_(live, out):
+            log.warning("a vector of the average did not decode, left out: %s", err)
         return out
 
 

@@ -258,3 +258,42 @@ def test_error_feedback_accumulates_and_selects_in_one_pass_as_numpy_does() -> N
     with pytest.raises(ValueError, match="NaN or infinite"):
         fused.compress_difference("v", a, b, 4)
     torch.testing.assert_close(fused.residual("v"), before)
+
+
+@needs_kernels
+def test_an_average_of_bitmap_messages_is_added_in_one_pass_as_one_after_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``add_all_`` of an encoder's own message (as built) and others' bytes, a corrupt one
+    among them: the corrupt one is left out and named, the rest added in one pass with the
+    bits of adding them one after another (numpy's passes, one ``decode_add_`` each)."""
+    n = 3 * (1 << 20) + 13
+    g = torch.Generator().manual_seed(8)
+    feedback = ErrorFeedback(from_spec("topk:0.2+int2"))
+    a, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    _, built = feedback.compress_difference_parts("v", a, b, 1)
+    others = [feedback.codec.encode(torch.randn(n, generator=g), seed=s) for s in (2, 3)]
+    corrupt = bytearray(others[0])
+    corrupt[len(corrupt) // 2] ^= 0xFF
+    assert built is not None
+    terms = [(built, -0.25), (others[0], -0.25), (bytes(corrupt), 0.5), (others[1], -0.25)]
+    target = torch.randn(n, generator=g)
+    expected = target.clone()
+    with without_kernels():
+        built.add_to_(expected, alpha=-0.25)
+        for payload in others:
+            feedback.codec.decode_add_(payload, expected, alpha=-0.25)
+    passes = []
+    one_pass = native.bitmap_add_many
+    monkeypatch.setattr(
+        native,
+        "bitmap_add_many",
+        lambda parts, *rest: passes.append(len(parts)) or one_pass(parts, *rest),
+    )
+    failed = feedback.codec.add_all_(terms, target)
+    assert [i for i, _ in failed] == [2]
+    assert set(passes) == {3}  # every stretch: the three good terms at once
+    assert torch.equal(target.view(torch.int32), expected.view(torch.int32))
+    with without_kernels():
+        again = torch.randn(n, generator=torch.Generator().manual_seed(8))
+        assert [i for i, _ in feedback.codec.add_all_(terms, again)] == [2]
