@@ -15,15 +15,17 @@ from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
 import torch
-from gossipgrad.compression import engine
+from gossipgrad.compression import engine, native
 from gossipgrad.compression.bitpack import (
     BITMAP_INDEX_BITS,
     MAX_RICE_BITS,
     Bitmap,
+    RiceStream,
     bitmap_decode,
     bitmap_encode,
     bitmap_pays,
     checked_bitmap,
+    checked_rice,
     numpy_path,
     rice_bits_for,
     rice_decode,
@@ -244,8 +246,14 @@ class Sparsifier(Codec):
         where a bitmap is the layout (the same bytes)."""
         if kept.bitmap is not None and bitmap_pays(kept.count, numel):
             return BITMAP_INDEX_BITS, kept.bitmap
-        assert kept.idx is not None  # a selection without indices is a bitmap that pays
-        return self.encode_indices(kept.idx, numel)
+        if kept.idx is not None:
+            return self.encode_indices(kept.idx, numel)
+        assert kept.bitmap is not None  # the fused selection: Rice codes from its bitmap
+        bits = rice_bits_for(kept.count, numel)
+        coded = native.rice_encode_bitmap(kept.bitmap.numpy(), numel, kept.count, bits)
+        if coded is None:
+            raise RuntimeError(f"a selection's bitmap does not hold its {kept.count} positions")
+        return bits, torch.from_numpy(coded)
 
     def count_range(self, numel: int) -> tuple[int, int]:
         """Smallest and largest number of kept entries a payload may declare for ``numel``."""
@@ -290,12 +298,14 @@ class Sparsifier(Codec):
 
     def decode_index_pieces(
         self, raw: torch.Tensor, index_bits: int, count: int, numel: int
-    ) -> Iterable[torch.Tensor] | Bitmap:
+    ) -> Iterable[torch.Tensor] | Bitmap | RiceStream:
         """:meth:`decode_indices` as consecutive pieces, validated in full before it returns:
-        a bitmap on CPU as itself (read a stretch at a time, no array of every position),
-        else one piece."""
+        a bitmap on CPU as itself (read a stretch at a time, no array of every position), a
+        Rice stream on CPU as itself where the fused kernels run, else one piece."""
         if index_bits == BITMAP_INDEX_BITS and numpy_path(raw):
             return checked_bitmap(raw, count, numel)
+        if index_bits != BITMAP_INDEX_BITS and count and numpy_path(raw) and native.available():
+            return checked_rice(raw, index_bits, count, numel)
         return (self.decode_indices(raw, index_bits, count, numel),)
 
 

@@ -17,17 +17,20 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from gossipgrad.compression import native
 from gossipgrad.compression.errors import DecodeError
 
 __all__ = [
     "BITMAP_INDEX_BITS",
     "MAX_RICE_BITS",
     "Bitmap",
+    "RiceStream",
     "bitmap_decode",
     "bitmap_encode",
     "bitmap_pays",
     "bitmap_pieces",
     "checked_bitmap",
+    "checked_rice",
     "pack_bits",
     "pack_uint",
     "rice_bits_for",
@@ -398,6 +401,60 @@ class Bitmap:
         for lo, _, part, _ in self.stretches(_BITMAP_CHUNK):
             hit = np.flatnonzero(np.unpackbits(part).view(np.bool_))
             yield torch.from_numpy(np.add(hit, lo, out=hit))
+
+
+@dataclass(frozen=True)
+class RiceStream:
+    """``count`` positions of ``numel``, Rice coded (:func:`rice_encode`'s layout) and
+    validated as :func:`rice_decode` validates them, held as the stream: its unary ``head``
+    and its ``rem``-ainders, each with ``native.PAD`` zero bytes past its end, for the fused
+    kernel that adds through them without an array of positions."""
+
+    head: np.ndarray
+    rem: np.ndarray
+    bits: int
+    count: int
+    numel: int
+
+    def indices(self) -> torch.Tensor:
+        """The positions as int64 (numpy's decode)."""
+        head, rem = self.head[: -native.PAD], self.rem[: -native.PAD]
+        data = torch.from_numpy(np.concatenate([head, rem]))
+        return rice_decode(data, self.bits, self.count, self.numel)
+
+
+def checked_rice(data: torch.Tensor, bits: int, count: int, numel: int) -> RiceStream:
+    """``data`` as a :class:`RiceStream`, validated in full (DecodeError) with the fused
+    kernels' sum of the remainders: the terminators' count, no byte past the last one, zero
+    padding, and the last position (from the last terminator and the remainders' sum) below
+    ``numel`` -- so every position is, the gaps being non-negative."""
+    if not 0 <= bits <= MAX_RICE_BITS:
+        raise DecodeError(f"index_bits {bits} outside 0..{MAX_RICE_BITS}")
+    d = data.cpu().numpy()
+    rem_bytes = (count * bits + 7) // 8
+    head_bytes = d.size - rem_bytes
+    if count == 0 or head_bytes <= 0:
+        raise DecodeError("index section too short for its remainders")
+    head, rem = d[:head_bytes], d[head_bytes:]
+    if set_bits(head) != count:
+        raise DecodeError(f"index stream holds {set_bits(head)} gaps, header says {count}")
+    last = int(head[-1])
+    if not last:
+        raise DecodeError("index stream has trailing bytes after its last gap")
+    last_one = 8 * (head_bytes - 1) + 7 - (last & -last).bit_length() + 1
+    if (
+        rem_bytes
+        and bits
+        and (count * bits) % 8
+        and int(rem[-1]) & ((1 << (8 - count * bits % 8)) - 1)
+    ):
+        raise DecodeError("non-zero padding bits in the index remainders")
+    pad = np.zeros(native.PAD, dtype=np.uint8)
+    head, rem = np.concatenate([head, pad]), np.concatenate([rem, pad])
+    final = ((last_one - (count - 1)) << bits) + native.field_sum(rem, bits, count) + count - 1
+    if final >= numel:
+        raise DecodeError(f"index {final} out of range for {numel} elements")
+    return RiceStream(head, rem, bits, count, numel)
 
 
 def checked_bitmap(data: torch.Tensor, count: int, numel: int) -> Bitmap:

@@ -9,6 +9,7 @@ imports none of them.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from gossipgrad.compression import native, wire
-from gossipgrad.compression.bitpack import BITMAP_INDEX_BITS, Bitmap, bitmap_pays
+from gossipgrad.compression.bitpack import BITMAP_INDEX_BITS, Bitmap, RiceStream, bitmap_pays
 from gossipgrad.compression.difference import subtract_into
 from gossipgrad.compression.errors import DecodeError
 from gossipgrad.compression.finite import all_finite
@@ -391,7 +392,7 @@ def _add_all_fused(
 
 def _apply(
     codec: Codec,
-    idx: torch.Tensor | Iterable[torch.Tensor] | None,
+    idx: torch.Tensor | Iterable[torch.Tensor] | Bitmap | RiceStream | None,
     values: torch.Tensor,
     scales: torch.Tensor | None,
     count: int,
@@ -415,6 +416,15 @@ def _apply(
             native.bitmap_add(bits, vals.to(target.dtype), target[lo:hi], alpha)
     elif isinstance(idx, Bitmap):
         _index_add_chunked(q, idx.pieces(), values, scales, count, dtype, target, alpha)
+    elif isinstance(idx, RiceStream) and native.usable(target):
+        state = (ctypes.c_int64 * 3)(0, 0, -1)  # head bit, remainder bit, last position
+        for lo in range(0, count, CHUNK):
+            hi = min(count, lo + CHUNK)
+            v, s = _chunk_inputs(q, values, scales, lo, hi, dtype)
+            vals = q.dequantize(v, s, hi - lo, dtype).to(target.dtype)
+            native.rice_add(idx.head, idx.rem, idx.bits, vals, alpha, target, state)
+    elif isinstance(idx, RiceStream):
+        _index_add_chunked(q, idx.indices(), values, scales, count, dtype, target, alpha)
     elif idx is not None:
         _index_add_chunked(q, idx, values, scales, count, dtype, target, alpha)
     if not out.is_contiguous():
@@ -508,7 +518,7 @@ def _read(codec: Codec, env: wire.Envelope, dev: torch.device) -> tuple:
 
 def _indices(
     sp, env: wire.Envelope, raw, dev: torch.device, pieces: bool = False
-) -> torch.Tensor | Iterable[torch.Tensor] | Bitmap:
+) -> torch.Tensor | Iterable[torch.Tensor] | Bitmap | RiceStream:
     """The kept entries' indices: decoded from the index section, or drawn from the seed;
     with ``pieces``, possibly as consecutive pieces or a validated bitmap
     (``Sparsifier.decode_index_pieces``)."""

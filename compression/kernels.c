@@ -15,8 +15,109 @@
  * path (gg_fast() says whether this CPU has it); elsewhere the callers keep numpy's.
  */
 #include <stdint.h>
+#include <string.h>
 
 int gg_kernels_version(void) { return 1; }
+
+/* The 64 bits of a big-endian (MSB first) bit stream from bit `at` on; the buffer has 8
+ * readable bytes past its end. */
+static inline uint64_t bits_at(const uint8_t *buf, int64_t at) {
+    const uint8_t *p = buf + (at >> 3);
+    uint64_t w;
+    memcpy(&w, p, 8);
+    w = __builtin_bswap64(w);
+    int shift = (int)(at & 7);
+    return shift ? (w << shift) | (uint64_t)(p[8] >> (8 - shift)) : w;
+}
+
+/* A sparse top-k's positions, held as a bitmap of n positions, Rice coded in bitpack.py's
+ * layout (rice_encode): gaps idx_i - idx_{i-1} - 1; their quotients (gap >> rbits) in unary
+ * (zeros, then a one) into `head`, which must be zeroed and hold head_room bytes; their
+ * remainders, rbits wide, back to back into `rem`. Returns the head's bytes, or -1 where the
+ * head would not fit or the bitmap holds other than `count` positions. */
+int64_t gg_rice_encode_bitmap(const uint8_t *bits, int64_t n, int64_t count, int rbits,
+                              uint8_t *head, int64_t head_room, uint8_t *rem) {
+    const uint64_t mask = rbits ? ((uint64_t)1 << rbits) - 1 : 0;
+    int64_t prev = -1, at = 0, held = 0, out = 0;
+    uint64_t acc = 0;
+    int pending = 0;
+    int64_t nbytes = (n + 7) / 8;
+    for (int64_t i = 0; i < nbytes; i += 8) {
+        uint64_t w = 0;
+        int64_t take = nbytes - i < 8 ? nbytes - i : 8;
+        for (int64_t k = 0; k < 8; k++) {
+            w = (w << 8) | (k < take ? bits[i + k] : 0);
+        }
+        while (w) {
+            int lead = __builtin_clzll(w);
+            w &= ~((uint64_t)1 << (63 - lead));
+            int64_t pos = 8 * i + lead;
+            uint64_t gap = (uint64_t)(pos - prev - 1);
+            prev = pos;
+            at += (int64_t)(gap >> rbits);
+            if ((at >> 3) >= head_room || ++held > count) {
+                return -1;
+            }
+            head[at >> 3] |= (uint8_t)(0x80 >> (at & 7));
+            at++;
+            if (rbits) {
+                acc = (acc << rbits) | (gap & mask);
+                pending += rbits;
+                while (pending >= 8) {
+                    rem[out++] = (uint8_t)(acc >> (pending - 8));
+                    pending -= 8;
+                }
+            }
+        }
+    }
+    if (pending) {
+        rem[out++] = (uint8_t)(acc << (8 - pending));
+    }
+    return held == count ? (at + 7) / 8 : -1;
+}
+
+/* The sum of `count` fields, rbits wide, packed back to back (a Rice stream's remainders:
+ * with the head's last terminator it gives the last position before anything is added). */
+int64_t gg_field_sum(const uint8_t *rem, int rbits, int64_t count) {
+    if (!rbits) {
+        return 0;
+    }
+    const uint64_t mask = ((uint64_t)1 << rbits) - 1;
+    int64_t total = 0;
+    for (int64_t j = 0; j < count; j++) {
+        total += (int64_t)((bits_at(rem, j * rbits) >> (64 - rbits)) & mask);
+    }
+    return total;
+}
+
+/* target[idx_j] = target[idx_j] + values[j] * alpha for the next m positions of a Rice
+ * stream (bitpack.py's layout), validated by the caller; head and rem have 8 readable bytes
+ * past their ends. state: the head's bit, the remainders' bit and the last position, carried
+ * from one call to the next (start: 0, 0, -1). */
+void gg_rice_add_f32(const uint8_t *head, const uint8_t *rem, int rbits, int64_t m,
+                     const float *values, float alpha, float *target, int64_t *state) {
+    int64_t at = state[0], r_at = state[1], prev = state[2];
+    const uint64_t mask = rbits ? ((uint64_t)1 << rbits) - 1 : 0;
+    for (int64_t j = 0; j < m; j++) {
+        uint64_t w = bits_at(head, at);
+        int64_t zeros = 0;
+        while (!w) {
+            zeros += 64;
+            w = bits_at(head, at + zeros);
+        }
+        zeros += __builtin_clzll(w);
+        at += zeros + 1;
+        uint64_t r = 0;
+        if (rbits) {
+            r = (bits_at(rem, r_at) >> (64 - rbits)) & mask;
+            r_at += rbits;
+        }
+        int64_t pos = prev + 1 + (zeros << rbits) + (int64_t)r;
+        target[pos] = target[pos] + values[j] * alpha;
+        prev = pos;
+    }
+    state[0] = at, state[1] = r_at, state[2] = prev;
+}
 
 #if defined(__x86_64__)
 #include <immintrin.h>

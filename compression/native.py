@@ -35,6 +35,9 @@ __all__ = [
     "bitmap_add_many",
     "bitmap_gather",
     "consensus",
+    "field_sum",
+    "rice_add",
+    "rice_encode_bitmap",
     "select",
     "sign_add",
     "sign_encode",
@@ -58,6 +61,9 @@ _SIGNATURES = {
     "gg_bitmap_add_f32": ([_ptr, _i64, _ptr, _i64, _ptr, _f32], _i64),
     "gg_bitmap_gather_f32": ([_ptr, _i64, _ptr, _ptr, _i64], _i64),
     "gg_bitmap_add_many_f32": ([_i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr], _i64),
+    "gg_rice_encode_bitmap": ([_ptr, _i64, _i64, ctypes.c_int, _ptr, _i64, _ptr], _i64),
+    "gg_field_sum": ([_ptr, ctypes.c_int, _i64], _i64),
+    "gg_rice_add_f32": ([_ptr, _ptr, ctypes.c_int, _i64, _ptr, _f32, _ptr, _ptr], None),
     "gg_sign_encode_f16": ([_ptr, _ptr, _i64, _i64, _ptr, _ptr, ctypes.c_int, _ptr], _i64),
     "gg_sign_add_f16": ([_ptr, _ptr, _i64, _i64, _ptr], None),
     "gg_consensus_f32": (
@@ -271,3 +277,53 @@ def consensus(
         x.data_ptr(), public.data_ptr(), pointers, w, len(mirrors), x.numel(), gamma, half
     )
     return max(dist2, 0.0) ** 0.5
+
+
+#: Readable bytes a Rice stream's head and remainders need past their ends (64-bit reads).
+PAD = 9
+
+
+def rice_encode_bitmap(bits: np.ndarray, n: int, count: int, rbits: int) -> np.ndarray | None:
+    """The ``count`` set positions of the bitmap ``bits`` (over ``n`` positions) Rice coded
+    with parameter ``rbits`` in bitpack.rice_encode's layout (the same bytes); None where the
+    bitmap holds other than ``count``."""
+    _need(bits.dtype == np.uint8 and bits.size >= (n + 7) // 8, "bits too short")
+    _need(0 <= rbits <= 40 and count >= 0, "bad Rice parameter or count")
+    assert _lib is not None
+    head = np.zeros(count + (n >> rbits) // 8 + 2, dtype=np.uint8)
+    rem = np.empty((count * rbits + 7) // 8 + 1, dtype=np.uint8)
+    used = _lib.gg_rice_encode_bitmap(
+        bits.ctypes.data, n, count, rbits, head.ctypes.data, head.size, rem.ctypes.data
+    )
+    if used < 0:
+        return None
+    return np.concatenate([head[:used], rem[: (count * rbits + 7) // 8]])
+
+
+def field_sum(padded: np.ndarray, rbits: int, count: int) -> int:
+    """The sum of ``count`` fields ``rbits`` wide packed in ``padded`` (PAD bytes past the
+    fields)."""
+    _need(padded.dtype == np.uint8 and padded.size >= (count * rbits + 7) // 8 + PAD, "short")
+    assert _lib is not None
+    return int(_lib.gg_field_sum(padded.ctypes.data, rbits, count))
+
+
+def rice_add(
+    head: np.ndarray,
+    rem: np.ndarray,
+    rbits: int,
+    values: torch.Tensor,
+    alpha: float,
+    target: torch.Tensor,
+    state: ctypes.Array,
+) -> None:
+    """``target[idx_j] += values[j] * alpha`` for the next ``values.numel()`` positions of a
+    validated Rice stream (``head``, ``rem``: each with PAD bytes past its end); ``state``
+    (three int64: 0, 0, -1 to start) carries the stream's place from one call to the next.
+    The caller has checked the positions (all below ``target.numel()``) and their count."""
+    _need(usable(values, target), "values and target must be contiguous float32 on CPU")
+    assert _lib is not None
+    _lib.gg_rice_add_f32(
+        head.ctypes.data, rem.ctypes.data, rbits, values.numel(), values.data_ptr(), alpha,
+        target.data_ptr(), state,
+    )  # fmt: skip

@@ -137,13 +137,14 @@ def _candidates_native(flat: torch.Tensor, threshold: float, k: int) -> Selectio
 
 
 def _candidates_numpy(
-    flat: torch.Tensor, threshold: float, k: int, gather: bool, bitmap: bool
+    flat: torch.Tensor, threshold: float, k: int, gather: bool, bitmap: bool, aimed: bool = False
 ) -> Selection:
     """The indices of ``|x| >= threshold`` (written into an array of ``k``, grown only on
     an overshoot, which the caller trims); with ``gather`` their values, with ``bitmap``
-    their bitmap, each read while its chunk is in cache. A float32 tensor whose values and
-    bitmap are wanted takes the fused kernel where it is built (the same bits, no indices)."""
-    if gather and bitmap and native.usable(flat):
+    their bitmap, each read while its chunk is in cache. A float32 tensor whose values are
+    wanted at a threshold ``aimed`` below k takes the fused kernel where it is built (the
+    same kept set and values; their bitmap for positions, no indices)."""
+    if gather and aimed and native.usable(flat):
         found = _candidates_native(flat, threshold, k)
         if found is not None:
             return found
@@ -281,6 +282,7 @@ def approx_topk(
     numpy_pass = numpy_path(flat) if use_numpy is None else use_numpy
     for attempt, margin_scale in enumerate((1.0, 3.0)):
         threshold = _aimed_threshold(flat, k, seed) if attempt == 0 else None
+        aimed = threshold is not None
         if threshold is None:
             threshold = _sample_threshold(flat, k, seed, margin_scale)
         if threshold is None:
@@ -290,7 +292,8 @@ def approx_topk(
             cand = torch.nonzero(flat).reshape(-1)
             return _trim_selection(flat, Selection(cand), k, numpy_pass)
         if numpy_pass:
-            found = _candidates_numpy(flat, threshold, k, gather, gather and bitmap_pays(k, n))
+            bitmap = gather and bitmap_pays(k, n)
+            found = _candidates_numpy(flat, threshold, k, gather, bitmap, aimed)
         else:
             found = Selection(_candidates_torch(flat, threshold))
         if found.count > k:
@@ -304,9 +307,9 @@ def approx_topk_accumulating(
     e: torch.Tensor, a: torch.Tensor, b: torch.Tensor, k: int, *, seed: int = 0
 ) -> Selection | None:
     """``e += a − b`` (1-D), then :func:`approx_topk` of ``e`` with ``gather``: in one pass
-    of the fused kernel where it applies (float32 on CPU, a dense selection whose threshold
-    is aimed: the same sample, read off ``e + (a − b)`` before the pass, so the same
-    selection); None where it does not, ``e`` untouched. Past an overshoot or a shortfall
+    of the fused kernel where it applies (float32 on CPU, a selection of 1/32 or more whose
+    threshold is aimed: the same sample, read off ``e + (a − b)`` before the pass, so the
+    same selection); None where it does not, ``e`` untouched. Past an overshoot or a shortfall
     ``e`` is the sum and :func:`approx_topk` takes it from there.
 
     Raises:
@@ -314,7 +317,7 @@ def approx_topk_accumulating(
             float rounding).
     """
     n = e.numel()
-    if n <= EXACT_BELOW or not 0 < k < n or not bitmap_pays(k, n) or not native.usable(e, a, b):
+    if n <= EXACT_BELOW or not 0 < k < n or not native.usable(e, a, b):
         return None
 
     def sums(at: torch.Tensor) -> torch.Tensor:  # e + (a − b) there, rounded as the pass does

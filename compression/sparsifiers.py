@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -185,6 +186,12 @@ class ChunkTopK(Sparsifier):
             raise DecodeError(f"offset {int(rest[-1])} out of range for a block of {tail}")
         base = torch.arange(full, device=off.device)[:, None] * b
         return torch.cat([(head + base).view(-1), rest + full * b])
+
+    def decode_index_pieces(
+        self, raw: torch.Tensor, index_bits: int, count: int, numel: int
+    ) -> Iterable[torch.Tensor]:
+        """Fixed-width offsets, not Rice codes or a bitmap: decoded whole, one piece."""
+        return (self.decode_indices(raw, index_bits, count, numel),)
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

@@ -5,6 +5,7 @@ and without them agree."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import platform
 import shutil
 from collections.abc import Iterator
@@ -13,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gossipgrad.compression import ErrorFeedback, native, wire
-from gossipgrad.compression.bitpack import BITMAP_INDEX_BITS, Bitmap
+from gossipgrad.compression import DecodeError, ErrorFeedback, native, wire
+from gossipgrad.compression.bitpack import BITMAP_INDEX_BITS, Bitmap, checked_rice, rice_encode
 from gossipgrad.compression.selection import _candidates_numpy, approx_topk
 from gossipgrad.compression.spec import from_spec
 from hypothesis import given, settings
@@ -118,7 +119,9 @@ def test_a_bitmap_holding_other_than_its_count_is_refused() -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("spec", ["topk:0.2+int2", "topk:0.3+int4:block=128", "topk:0.25+fp16"])
+@pytest.mark.parametrize(
+    "spec", ["topk:0.2+int2", "topk:0.3+int4:block=128", "topk:0.25+fp16", "topk:0.1+int2"]
+)
 def test_a_message_encoded_and_applied_with_the_kernels_is_numpys_bit_for_bit(spec: str) -> None:
     """Encode with error feedback, decode into a tensor and apply what the encoder built,
     with and without the kernels, over chunks the positions and the values cross at
@@ -138,7 +141,7 @@ def test_a_message_encoded_and_applied_with_the_kernels_is_numpys_bit_for_bit(sp
 
     fused = run()
     env = wire.parse_envelope(fused[0], spec, n)
-    assert env.index_bits == BITMAP_INDEX_BITS
+    assert (env.index_bits == BITMAP_INDEX_BITS) is (spec != "topk:0.1+int2")  # else Rice
     with without_kernels():
         plain = run()
     assert fused[0] == plain[0]
@@ -297,3 +300,73 @@ def test_an_average_of_bitmap_messages_is_added_in_one_pass_as_one_after_another
     with without_kernels():
         again = torch.randn(n, generator=torch.Generator().manual_seed(8))
         assert [i for i, _ in feedback.codec.add_all_(terms, again)] == [2]
+
+
+@needs_kernels
+@given(numel=st.integers(1, 5000), data=st.data())
+@SETTINGS
+def test_rice_coding_a_bitmaps_positions_gives_numpys_bytes(
+    numel: int, data: st.DataObject
+) -> None:
+    idx = sorted(data.draw(st.sets(st.integers(0, numel - 1), min_size=1, max_size=600)))
+    bits = data.draw(st.integers(0, 12))
+    mask = np.zeros(numel, dtype=np.bool_)
+    mask[idx] = True
+    coded = native.rice_encode_bitmap(np.packbits(mask), numel, len(idx), bits)
+    want = rice_encode(torch.tensor(idx, dtype=torch.int64), bits).numpy()
+    assert coded is not None and np.array_equal(coded, want)
+    stream = checked_rice(torch.from_numpy(coded), bits, len(idx), numel)
+    assert stream.indices().tolist() == idx
+    target = torch.randn(numel)
+    values = torch.randn(len(idx))
+    want_target = target.clone().index_add_(0, torch.tensor(idx), values, alpha=0.7)
+    state = (ctypes.c_int64 * 3)(0, 0, -1)
+    half = len(idx) // 2  # in two calls: the stream's place carries over
+    native.rice_add(stream.head, stream.rem, bits, values[:half], 0.7, target, state)
+    native.rice_add(stream.head, stream.rem, bits, values[half:], 0.7, target, state)
+    assert torch.equal(target, want_target)
+
+
+@needs_kernels
+def test_a_rice_stream_is_refused_as_numpy_refuses_it_before_anything_is_added() -> None:
+    idx = torch.tensor([3, 9, 10, 500], dtype=torch.int64)
+    enc = rice_encode(idx, 4)
+    with pytest.raises(DecodeError, match="out of range"):
+        checked_rice(enc, 4, 4, 500)
+    with pytest.raises(DecodeError, match="gaps"):
+        checked_rice(enc, 4, 3, 1000)
+    with pytest.raises(DecodeError, match="trailing"):
+        padded = torch.cat([enc[:-2], torch.zeros(1, dtype=torch.uint8), enc[-2:]])
+        checked_rice(padded, 4, 4, 1000)
+    with pytest.raises(DecodeError):
+        checked_rice(enc[:1], 4, 4, 1000)
+    with pytest.raises(DecodeError, match="index_bits"):
+        checked_rice(enc, 99, 4, 1000)
+    odd = rice_encode(idx, 3)  # 12 bits of remainders: 4 of padding
+    with pytest.raises(DecodeError, match="padding"):
+        checked_rice(
+            odd | torch.tensor([0] * (odd.numel() - 1) + [1], dtype=torch.uint8), 3, 4, 999
+        )
+    # A whole message whose last positions lie past its tensor's end: refused before
+    # anything is added.
+    n = 1 << 20
+    codec = from_spec("topk:0.1+int2")
+    wider = torch.cat(
+        [torch.randn(n, generator=torch.Generator().manual_seed(3)), torch.full((8,), 100.0)]
+    )
+    env = wire.parse_envelope(codec.encode(wider, seed=1), codec.spec, n + 8)
+    assert env.index_bits != BITMAP_INDEX_BITS
+
+    def section(name: str) -> torch.Tensor:
+        return wire.bytes_to_tensor(wire.read_section(env, name, limit=4 * n), torch.device("cpu"))
+
+    forged = wire.build_envelope(
+        shape=(n,), dtype=torch.float32, spec=codec.spec, seed=env.seed, count=env.count,
+        index_bits=env.index_bits, indices=section("indices"), values=section("values"),
+        scales=section("scales").view(torch.float32),
+    )  # fmt: skip
+    target = torch.randn(n)
+    before = target.clone()
+    with pytest.raises(DecodeError, match="out of range"):
+        codec.decode_add_(forged, target)
+    assert torch.equal(target, before)
