@@ -436,18 +436,15 @@ def checked_rice(data: torch.Tensor, bits: int, count: int, numel: int) -> RiceS
     if count == 0 or head_bytes <= 0:
         raise DecodeError("index section too short for its remainders")
     head, rem = d[:head_bytes], d[head_bytes:]
-    if set_bits(head) != count:
-        raise DecodeError(f"index stream holds {set_bits(head)} gaps, header says {count}")
+    held = set_bits(head)
+    if held != count:
+        raise DecodeError(f"index stream holds {held} gaps, header says {count}")
     last = int(head[-1])
     if not last:
         raise DecodeError("index stream has trailing bytes after its last gap")
-    last_one = 8 * (head_bytes - 1) + 7 - (last & -last).bit_length() + 1
-    if (
-        rem_bytes
-        and bits
-        and (count * bits) % 8
-        and int(rem[-1]) & ((1 << (8 - count * bits % 8)) - 1)
-    ):
+    last_one = 8 * head_bytes - (last & -last).bit_length()  # the last terminator's bit
+    pad_bits = (-count * bits) % 8
+    if pad_bits and int(rem[-1]) & ((1 << pad_bits) - 1):
         raise DecodeError("non-zero padding bits in the index remainders")
     pad = np.zeros(native.PAD, dtype=np.uint8)
     head, rem = np.concatenate([head, pad]), np.concatenate([rem, pad])

@@ -226,18 +226,7 @@ def encode_difference(
     fused = q.fused_difference(a, b, fold)
     if fused is not None:
         values, scales, left = fused
-        data = wire.build_envelope(
-            shape=tuple(a.shape),
-            dtype=a.dtype,
-            spec=codec.spec,
-            seed=seed,
-            count=a.numel(),
-            index_bits=0,
-            indices=None,
-            values=values,
-            scales=scales,
-        )
-        return data, Encoded(codec, a.dtype, a.numel(), None, values, scales), left
+        return *_dense_envelope(codec, a, seed, values, scales), left
     fa, fb = _flat(a), _flat(b)
     n, dtype = fa.numel(), a.dtype
     d_buf = torch.empty(min(CHUNK, n), dtype=dtype, device=fa.device)
@@ -258,18 +247,25 @@ def encode_difference(
         kept2 += float(torch.dot(left, left))
 
     values, scales = _quantize_chunks(q, n, dtype, fa.device, seed, difference, measure)
+    return *_dense_envelope(codec, a, seed, values, scales), kept2**0.5
+
+
+def _dense_envelope(
+    codec: Codec, t: torch.Tensor, seed: int, values: torch.Tensor, scales: torch.Tensor | None
+) -> tuple[bytes, Encoded]:
+    """The envelope of a dense codec's quantized ``t``, and what it holds."""
     data = wire.build_envelope(
-        shape=tuple(a.shape),
-        dtype=dtype,
+        shape=tuple(t.shape),
+        dtype=t.dtype,
         spec=codec.spec,
         seed=seed,
-        count=n,
+        count=t.numel(),
         index_bits=0,
         indices=None,
         values=values,
         scales=scales,
     )
-    return data, Encoded(codec, dtype, n, None, values, scales), kept2**0.5
+    return data, Encoded(codec, t.dtype, t.numel(), None, values, scales)
 
 
 def decode(
@@ -311,11 +307,7 @@ def decode_add(
     codec: Codec, data: bytes, out: torch.Tensor, *, alpha: float, cast: bool = False
 ) -> torch.Tensor:
     """``out += alpha * decode(data)`` in place (see :meth:`.Codec.decode_add_`)."""
-    env = wire.parse_envelope(data, codec.spec, max(out.numel(), 1))
-    if env.shape != tuple(out.shape):
-        raise DecodeError(f"payload shape {list(env.shape)} != out shape {list(out.shape)}")
-    if env.dtype != out.dtype and not (cast and out.is_floating_point()):
-        raise DecodeError(f"payload dtype {env.dtype} != out dtype {out.dtype}")
+    env = _envelope_for(codec, data, out, cast)
     values, scales, raw = _sections(codec, env, out.device)
     sp, _ = codec.stages()
     idx = None
@@ -323,6 +315,17 @@ def decode_add(
         idx = _indices(sp, env, raw, out.device, pieces=True)
     _apply(codec, idx, values, scales, env.count, env.dtype, out, alpha)
     return out
+
+
+def _envelope_for(codec: Codec, data: bytes, out: torch.Tensor, cast: bool) -> wire.Envelope:
+    """``data``'s envelope, checked to add into ``out`` (its shape; its dtype, or with
+    ``cast`` any floating one)."""
+    env = wire.parse_envelope(data, codec.spec, max(out.numel(), 1))
+    if env.shape != tuple(out.shape):
+        raise DecodeError(f"payload shape {list(env.shape)} != out shape {list(out.shape)}")
+    if env.dtype != out.dtype and not (cast and out.is_floating_point()):
+        raise DecodeError(f"payload dtype {env.dtype} != out dtype {out.dtype}")
+    return env
 
 
 def add_all(
@@ -365,9 +368,7 @@ def _add_all_fused(
             parts.append((payload.idx, payload.values, payload.scales, payload.dtype, alpha))
             continue
         try:
-            env = wire.parse_envelope(payload, codec.spec, max(n, 1))
-            if env.shape != tuple(out.shape) or env.dtype != out.dtype:
-                raise DecodeError(f"payload {list(env.shape)} {env.dtype} does not fit the target")
+            env = _envelope_for(codec, payload, out, cast=False)
             if env.index_bits != BITMAP_INDEX_BITS:
                 return None
             values, scales, raw = _sections(codec, env, out.device)
@@ -448,6 +449,9 @@ def _bitmap_stretches(
     for lo, hi, bits, held in bitmap.stretches(CHUNK, every):
         if done + held > bitmap.count:  # validated first: only a bug gets here
             raise DecodeError(f"more positions than the {bitmap.count} values")
+        if not held:  # ``every``: a stretch without any
+            yield lo, hi, bits, torch.empty(0, dtype=dtype)
+            continue
         start = done - done % align
         v, s = _chunk_inputs(q, values, scales, start, done + held, dtype)
         yield lo, hi, bits, q.dequantize(v, s, done + held - start, dtype)[done - start :]

@@ -1,19 +1,21 @@
 """The fused kernels of ``kernels.c``, loaded with ctypes where they were built.
 
-A top-k selection keeping 1/8 or more of a tensor (diloco's top-20 % pseudo-gradients) codes
-its positions as a bitmap. numpy selects and applies one in several passes each; the
-kernels take one (at 100M entries: the selection 0.8 copies of the tensor against 4.0, an
-add into a tensor 0.9 against 3.5; ``scripts/bench_round.py``). The sign codec of a
-difference against a float16 copy, with the copy's x̂ += q folded in (diloco's anchors), and
-its decode into a float16 copy are one pass each too. They give numpy's bits where a peer
-without them must agree (the selection, every add into a tensor); an encoder's scales are
-its own (a sum in another order), and its fold adds what its bytes decode to. Callers use
-them only where they apply (the dtypes below, contiguous, on CPU) and keep numpy's path
-otherwise.
+numpy and torch make one pass over memory per operation; a codec's steps chain several (a
+top-k selection: abs, compare, nonzero, pack, gather). Each kernel is one pass: a top-k's
+selection, fused with error feedback's accumulation, giving its bitmap and values; a bitmap's
+positions Rice coded; adding one or several bitmap- or Rice-coded messages into a tensor;
+the sign codec against a float16 copy with the copy's x̂ += q folded in, and its decode; the
+consensus step. A diloco round's tensor work at 100M parameters: 15 copies of the model
+against 32 (``scripts/bench_round.py``; docs/compression.md, "Fused kernels").
+
+They give numpy's bits where a peer without them must agree (the selection, so the bytes;
+every add into a tensor); an encoder's scales are its own (a sum in another order) and its
+fold adds what its bytes decode to. Callers use them only where they apply (the dtypes
+below, contiguous, on CPU) and keep numpy's path otherwise.
 
 The library is built with the package (an optional extension: a wheel or install without a
-C compiler has none) and used on x86-64 CPUs with AVX2. ``GOSSIPGRAD_NATIVE_KERNELS=0`` turns
-it off (benchmarks compare both paths that way).
+C compiler has none) and used on x86-64 CPUs with AVX2 and F16C. ``GOSSIPGRAD_NATIVE_KERNELS=0``
+turns it off (benchmarks compare both paths that way).
 """
 
 from __future__ import annotations
