@@ -46,6 +46,13 @@ DIAL_BACK_TIMEOUT_S = 5.0
 SILENT_PORT_PROBE_S = 1.0
 #: Seconds a peer waits for the member's answer: the dial-back's deadline and a margin.
 CHECK_TIMEOUT_S = DIAL_BACK_TIMEOUT_S + 5.0
+#: Times a bootstrap peer is asked when the call ends without any answer (CANCELLED,
+#: UNAVAILABLE, DEADLINE_EXCEEDED, no reason token: a channel closed under the call, a
+#: member still starting), the n-th retry after n x CHECK_RETRY_S seconds. A check cut off
+#: so once, as a start-up race did in a netns run, was taken as "unknown" and the NAT'd site
+#: trained alone.
+CHECK_ATTEMPTS = 3
+CHECK_RETRY_S = 0.5
 #: Dial-backs one requester may have at once, then one per DIAL_BACK_EVERY_S seconds.
 DIAL_BACKS_BURST = 2
 DIAL_BACK_EVERY_S = 10.0
@@ -122,9 +129,11 @@ def check(
     address: str,
     introduce: Callable[[str], str],
     ask: Callable[[str, str], pb.ReachabilityReply],
+    pause: Callable[[float], None] = time.sleep,
 ) -> Reachability:
     """Ask the first bootstrap peer that answers to dial ``address`` back (twice if the
-    first dial-back timed out).
+    first dial-back timed out; up to :data:`CHECK_ATTEMPTS` times a peer whose call ended
+    without any answer).
 
     Args:
         bootstrap: addresses to try, in order.
@@ -133,19 +142,27 @@ def check(
             ``address`` from this peer's own word before it is asked; returns its id.
         ask: ``ask(bootstrap address, its id)``: the ``CheckReachability`` call to it
             (raises TransportError).
+        pause: sleeps between attempts at one peer.
     """
     if not bootstrap:
         return Reachability(UNKNOWN, address, "first_peer")
     cause, detail = "no_answer", ""
     targets = list(bootstrap)
+    asked = dict.fromkeys(targets, 0)
     timed_out: Reachability | None = None  # a first "no answer", asked again once
     while targets:
         target = targets.pop(0)
+        asked[target] += 1
         try:
             reply = ask(target, introduce(target))
         except TransportError as err:
             code = err.code()
-            if code == grpc.StatusCode.UNIMPLEMENTED:
+            if _no_answer(err) and asked[target] < CHECK_ATTEMPTS:
+                log.info("reachability check: %s did not answer (%s), asking again", target, err)
+                pause(CHECK_RETRY_S * asked[target])
+                targets.insert(0, target)
+                detail = f"{target}: {err}"
+            elif code == grpc.StatusCode.UNIMPLEMENTED:
                 cause, detail = "not_supported", f"{target} is an older version"
             elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 cause, detail = "busy", f"{target}: {err.detail}"
@@ -176,6 +193,17 @@ def check(
     if timed_out is not None:
         return timed_out
     return Reachability(UNKNOWN, address, cause, detail=detail)
+
+
+def _no_answer(err: TransportError) -> bool:
+    """The call ended without any answer from the member (no reason token): worth asking
+    again, where a refusal, a busy member or an older version is an answer."""
+    silent = (
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    )
+    return err.code() in silent and not err.reason
 
 
 class DialBack:
