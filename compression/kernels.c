@@ -1,23 +1,24 @@
-/* Fused passes over a dense top-k selection's positions bitmap (compression/native.py).
+/* Fused single passes for the codecs' hottest loops (loaded by compression/native.py).
  *
- * A top-k selection that keeps 1/8 or more of the entries codes its positions as a bitmap
- * (MSB first: bit 7 of byte i is position 8 i). numpy builds and reads it in several passes
- * (abs, compare, nonzero, packbits, take; unpackbits, nonzero, index_add_), about four
- * copies of the tensor each way at 100M entries. Each kernel here is one pass of eight
- * entries at a time: a compare gives an eight-bit mask, and a table indexed by the mask
- * gives the permutation that packs the kept values together (selection, gather) or spreads
- * them back to their positions (add): the table-driven left-packing of SIMD filtering
- * code, written here for our bitmap layout.
+ * numpy and torch make one pass over memory per operation, and a codec chains several: a
+ * top-k selection (abs, compare, nonzero, packbits, take), a message added through its
+ * positions (unpackbits or a Rice decode, nonzero, index_add_), the sign codec's difference,
+ * scale, pack and fold, the consensus step's differences and sums: at 100M entries some four
+ * copies of the tensor each. Each kernel here is one pass, eight entries at a time: a
+ * compare gives an eight-bit mask, and a table indexed by the mask gives the permutation that
+ * packs the kept values together (selection, gather) or spreads them back to their positions
+ * (add) -- the table-driven left-packing of SIMD filtering code, written for our layouts
+ * (positions as a bitmap, MSB first: bit 7 of byte i is position 8 i; or Rice coded as
+ * bitpack.py codes them).
  *
- * The results are the bits numpy gives: the same compare (|x| >= t in float32), the same
- * kept values in the same order, and t + v * alpha rounded twice as index_add_ does (built
- * with -ffp-contract=off, so no fused multiply-add). Only x86-64 with AVX2 has the fast
- * path (gg_fast() says whether this CPU has it); elsewhere the callers keep numpy's.
+ * Where peers must agree the results are numpy's bits: the same compare (|x| >= t in
+ * float32), the same kept values in the same order, t + v * alpha rounded twice as
+ * index_add_ does (built with -ffp-contract=off: no fused multiply-add), float16 sums taken
+ * in float32 and rounded once. The vector kernels need x86-64 with AVX2 and F16C (gg_fast()
+ * says whether this CPU has them); elsewhere the callers keep numpy's passes.
  */
 #include <stdint.h>
 #include <string.h>
-
-int gg_kernels_version(void) { return 1; }
 
 /* The 64 bits of a big-endian (MSB first) bit stream from bit `at` on; the buffer has 8
  * readable bytes past its end. */
