@@ -548,9 +548,11 @@ __attribute__((target("avx2,f16c"))) static inline float copy_at(const void *c, 
 }
 
 /* CHOCO's consensus step over copies of one dtype (float16 where `half`, else float32):
- * x += gamma * sum_j w_j (m_j - p), each difference taken in float32 before it is weighted
- * (peer/algorithms/mixing.py consensus_step). Returns ||sum_j w_j (m_j - p)||^2. */
-__attribute__((target("avx2,f16c"))) double gg_consensus_f32(float *x, const void *public_,
+ * x += gamma * sum_j w_j (m_j - p_j), each edge's difference of its mirror and its public
+ * copy taken in float32 before it is weighted (peer/algorithms/mixing.py consensus_step).
+ * Returns ||sum_j w_j (m_j - p_j)||^2. */
+__attribute__((target("avx2,f16c"))) double gg_consensus_f32(float *x,
+                                                             const void *const *publics,
                                                              const void *const *mirrors,
                                                              const float *weights, int64_t count,
                                                              int64_t n, float gamma, int half) {
@@ -561,11 +563,12 @@ __attribute__((target("avx2,f16c"))) double gg_consensus_f32(float *x, const voi
         int64_t hi = lo + 512 < full ? lo + 512 : full;
         __m256 dist = _mm256_setzero_ps();
         for (int64_t i = lo; i < hi; i++) {
-            __m256 p = load_copy(public_, 8 * i, half);
-            __m256 d = _mm256_mul_ps(_mm256_sub_ps(load_copy(mirrors[0], 8 * i, half), p),
+            __m256 d = _mm256_mul_ps(_mm256_sub_ps(load_copy(mirrors[0], 8 * i, half),
+                                                   load_copy(publics[0], 8 * i, half)),
                                      _mm256_set1_ps(weights[0]));
             for (int64_t j = 1; j < count; j++) {
-                __m256 e = _mm256_sub_ps(load_copy(mirrors[j], 8 * i, half), p);
+                __m256 e = _mm256_sub_ps(load_copy(mirrors[j], 8 * i, half),
+                                         load_copy(publics[j], 8 * i, half));
                 d = _mm256_add_ps(d, _mm256_mul_ps(e, _mm256_set1_ps(weights[j])));
             }
             dist = _mm256_add_ps(dist, _mm256_mul_ps(d, d));
@@ -579,10 +582,9 @@ __attribute__((target("avx2,f16c"))) double gg_consensus_f32(float *x, const voi
         }
     }
     for (int64_t i = 8 * full; i < n; i++) {
-        float p = copy_at(public_, i, half);
         float d = 0.0f;
         for (int64_t j = 0; j < count; j++) {
-            d += (copy_at(mirrors[j], i, half) - p) * weights[j];
+            d += (copy_at(mirrors[j], i, half) - copy_at(publics[j], i, half)) * weights[j];
         }
         total += (double)d * d;
         x[i] = x[i] + d * gamma;
@@ -638,9 +640,9 @@ int64_t gg_accumulate_select_f32(float *e, const float *a, const float *b, int64
     return -1;
 }
 
-double gg_consensus_f32(float *x, const void *public_, const void *const *mirrors,
+double gg_consensus_f32(float *x, const void *const *publics, const void *const *mirrors,
                         const float *weights, int64_t count, int64_t n, float gamma, int half) {
-    (void)x, (void)public_, (void)mirrors, (void)weights, (void)count, (void)n, (void)gamma;
+    (void)x, (void)publics, (void)mirrors, (void)weights, (void)count, (void)n, (void)gamma;
     (void)half;
     return -1.0;
 }

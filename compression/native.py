@@ -260,23 +260,28 @@ def sign_add(bits: torch.Tensor, scales: torch.Tensor, block: int, target: torch
 
 
 def consensus(
-    x: torch.Tensor, public: torch.Tensor, mirrors: list[torch.Tensor], weights: list[float],
+    x: torch.Tensor,
+    publics: list[torch.Tensor],
+    mirrors: list[torch.Tensor],
+    weights: list[float],
     gamma: float,
-) -> float:  # fmt: skip
-    """CHOCO's consensus step ``x += γ Σ_j w_j (mirror_j − public)`` in one pass (float32
-    ``x``; copies all float16 or all float32), each difference taken in float32 before it is
-    weighted; returns ||Σ_j w_j (mirror_j − public)||."""
-    dtype = public.dtype
+) -> float:
+    """CHOCO's consensus step ``x += γ Σ_j w_j (mirror_j − public_j)`` in one pass (float32
+    ``x``; every copy float16, or every one float32), each edge's difference taken in float32
+    before it is weighted; returns ||Σ_j w_j (mirror_j − public_j)||."""
+    dtype = mirrors[0].dtype if mirrors else torch.float32
     _need(usable(x) and dtype in (torch.float16, torch.float32), "x float32, copies float")
-    _need(usable(public, *mirrors, dtype=dtype), "copies of one dtype, contiguous, on CPU")
-    _need(len(mirrors) == len(weights) > 0, "one weight per mirror")
-    _need(all(t.numel() == x.numel() for t in (public, *mirrors)), "copies of x's size")
+    _need(usable(*publics, *mirrors, dtype=dtype), "copies of one dtype, contiguous, on CPU")
+    _need(0 < len(mirrors) == len(publics) == len(weights), "one public and weight per mirror")
+    _need(all(t.numel() == x.numel() for t in (*publics, *mirrors)), "copies of x's size")
     assert _lib is not None
-    pointers = (ctypes.c_void_p * len(mirrors))(*(m.data_ptr() for m in mirrors))
-    w = (ctypes.c_float * len(weights))(*weights)
+    count = len(mirrors)
+    public_at = (ctypes.c_void_p * count)(*(p.data_ptr() for p in publics))
+    mirror_at = (ctypes.c_void_p * count)(*(m.data_ptr() for m in mirrors))
+    w = (ctypes.c_float * count)(*weights)
     half = int(dtype == torch.float16)
     dist2 = _lib.gg_consensus_f32(
-        x.data_ptr(), public.data_ptr(), pointers, w, len(mirrors), x.numel(), gamma, half
+        x.data_ptr(), public_at, mirror_at, w, count, x.numel(), gamma, half
     )
     return max(dist2, 0.0) ** 0.5
 

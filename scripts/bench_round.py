@@ -73,14 +73,17 @@ def main() -> None:
     copy_s = copy_time(theta)
     feedback = ErrorFeedback(from_spec(args.codec))
     anchors_codec = from_spec(args.anchor_codec)
-    copies = [anchor.to(DTYPES[args.copy_dtype]) for _ in range(1 + args.neighbours)]
-    own, mirrors = copies[0], copies[1:]
+    copy_dtype = DTYPES[args.copy_dtype]
+    # Per edge, as the edges hold them: its public copy of our anchor, its mirror of theirs.
+    publics = [anchor.to(copy_dtype) for _ in range(args.neighbours)]
+    mirrors = [anchor.to(copy_dtype) for _ in range(args.neighbours)]
+    own = publics[0]
     seeds = iter(range(1, 1 << 30))
     feedback.compress_difference("v", anchor, theta, next(seeds))  # the residual exists
     message, built = feedback.compress_difference_parts("v", anchor, theta, next(seeds))
     weight = 1.0 / (1 + args.neighbours)
     update = anchors_codec.encode_difference(anchor, own.clone(), next(seeds))[0]
-    pairs = [Pair(mirror=m, public=own, weight=weight) for m in mirrors]
+    pairs = [Pair(mirror=m, public=p, weight=weight) for p, m in zip(publics, mirrors, strict=True)]
     steps: list[tuple[str, int, Callable[[], object]]] = [
         (
             f"{args.codec} encode, error feedback",
@@ -107,7 +110,7 @@ def main() -> None:
             lambda: anchors_codec.decode_add_(update, mirrors[0], cast=True),
         ),
         ("consensus step", 1, lambda: consensus_step(anchor, pairs, 0.5)),
-        ("checksum of a copy", len(copies), lambda: tensor_checksum(own)),
+        ("checksum of a copy", 1 + args.neighbours, lambda: tensor_checksum(own)),
         ("θ = a", 1, lambda: theta.copy_(anchor)),
     ]
     print(f"{n:,} parameters, copy_ {copy_s * 1e3:.1f} ms; copies of the model per step")

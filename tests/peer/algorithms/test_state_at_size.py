@@ -233,21 +233,21 @@ def test_the_clip_of_a_float16_pull_is_measured_in_float32() -> None:
 def test_the_fused_consensus_step_is_the_sliced_one(
     numel: int, neighbours: int, copies: torch.dtype, seed: int
 ) -> None:
-    """compression/kernels.c's step (float32 x, every neighbour's copy against one public
+    """compression/kernels.c's step (float32 x, each edge's mirror against its own public
     copy, float16 or float32 copies) moves x as the slices do and measures the same pull,
     within rounding: its differences of float16 copies are taken in float32 (torch's in
     float16: exact where the copies are within a factor 2 of each other, as close copies
     are), its weighted sums in another order."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(numel, generator=gen)
-    public = torch.randn(numel, generator=gen).to(copies)
+    publics = [torch.randn(numel, generator=gen).to(copies) for _ in range(neighbours)]
     ps = [
         Pair(
             (public.float() + 0.01 * torch.randn(numel, generator=gen)).to(copies),
             public,
             float(torch.rand(1, generator=gen)) + 0.1,
         )
-        for _ in range(neighbours)
+        for public in publics
     ]
     fused = x.clone()
     distance = consensus_step(fused, ps, 0.5)
