@@ -108,7 +108,8 @@ def _load() -> None:
 
 
 def status() -> str:
-    """What the bitmap passes run on: ``avx2``, or why numpy's serve (loads on first call)."""
+    """What the codecs' fused passes run on: ``avx2``, or why numpy's serve (loads the
+    library on the first call)."""
     with _lock:
         if _status is None:
             _load()
@@ -118,7 +119,8 @@ def status() -> str:
 
 def available() -> bool:
     """Whether the kernels are loaded and this CPU runs them."""
-    status()
+    if _status is None:  # once: every later call only reads what it found
+        status()
     return _lib is not None
 
 
