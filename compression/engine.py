@@ -419,10 +419,8 @@ def _apply(
         _index_add_chunked(q, idx.pieces(), values, scales, count, dtype, target, alpha)
     elif isinstance(idx, RiceStream) and native.usable(target):
         state = (ctypes.c_int64 * 3)(0, 0, -1)  # head bit, remainder bit, last position
-        for lo in range(0, count, CHUNK):
-            hi = min(count, lo + CHUNK)
-            v, s = _chunk_inputs(q, values, scales, lo, hi, dtype)
-            vals = q.dequantize(v, s, hi - lo, dtype).to(target.dtype)
+        for _, vals in _dequantized_chunks(q, values, scales, count, dtype):
+            vals = vals.to(target.dtype)
             native.rice_add(idx.head, idx.rem, idx.bits, vals, alpha, target, state)
     elif isinstance(idx, RiceStream):
         _index_add_chunked(q, idx.indices(), values, scales, count, dtype, target, alpha)
@@ -650,8 +648,16 @@ def _dequantize_chunked(
     if count <= CHUNK:
         return q.dequantize(values, scales, count, dtype)
     out = torch.empty(count, dtype=dtype, device=values.device)
+    for lo, chunk in _dequantized_chunks(q, values, scales, count, dtype):
+        out[lo : lo + chunk.numel()] = chunk
+    return out
+
+
+def _dequantized_chunks(
+    q: Quantizer, values: torch.Tensor, scales: torch.Tensor | None, count: int, dtype
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(lo, values lo.. of dtype)``: the ``count`` values dequantized ``CHUNK`` at a time."""
     for lo in range(0, count, CHUNK):
         hi = min(count, lo + CHUNK)
         v, s = _chunk_inputs(q, values, scales, lo, hi, dtype)
-        out[lo:hi] = q.dequantize(v, s, hi - lo, dtype)
-    return out
+        yield lo, q.dequantize(v, s, hi - lo, dtype)

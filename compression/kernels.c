@@ -163,27 +163,38 @@ int gg_fast(void) {
     return 1;
 }
 
+/* Eight entries v of a selection at threshold t: their byte of the bitmap into *bit, the
+ * kept ones packed at values + kept. Returns the new kept count, or -1 where it would pass
+ * `room` (values has 8 entries past room: the vector store's overrun). */
+__attribute__((target("avx2"))) static inline int64_t keep_eight(__m256 v, __m256 t, uint8_t *bit,
+                                                                 float *values, int64_t kept,
+                                                                 int64_t room) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    int m = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(v, magnitude), t, _CMP_GE_OQ));
+    int count = __builtin_popcount(m);
+    if (kept + count > room) {
+        return -1;
+    }
+    *bit = reversed[m];
+    __m256i perm = _mm256_loadu_si256((const __m256i *)pack_perm[m]);
+    _mm256_storeu_ps(values + kept, _mm256_permutevar8x32_ps(v, perm));
+    return kept + count;
+}
+
 /* The entries of x[0..n) with |x| >= threshold: their bitmap (ceil(n / 8) bytes, the last
  * zero-padded) and their values, packed in order. values has room for `room` kept values
  * plus 8 (a vector store may write past the last). Returns how many were kept, or -1 when
  * more than `room` were (the bitmap and values are then incomplete). */
 __attribute__((target("avx2"))) int64_t gg_select_f32(const float *x, int64_t n, float threshold,
                                                       uint8_t *bits, float *values, int64_t room) {
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256 t = _mm256_set1_ps(threshold);
     int64_t kept = 0;
     int64_t full = n / 8;
     for (int64_t i = 0; i < full; i++) {
-        __m256 v = _mm256_loadu_ps(x + 8 * i);
-        int m = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(v, magnitude), t, _CMP_GE_OQ));
-        int count = __builtin_popcount(m);
-        if (kept + count > room) {
+        kept = keep_eight(_mm256_loadu_ps(x + 8 * i), t, bits + i, values, kept, room);
+        if (kept < 0) {
             return -1;
         }
-        bits[i] = reversed[m];
-        __m256i perm = _mm256_loadu_si256((const __m256i *)pack_perm[m]);
-        _mm256_storeu_ps(values + kept, _mm256_permutevar8x32_ps(v, perm));
-        kept += count;
     }
     if (n % 8) {
         int byte = 0;
@@ -478,7 +489,6 @@ __attribute__((target("avx2"))) int64_t gg_accumulate_select_f32(float *e, const
                                                                  float threshold, uint8_t *bits,
                                                                  float *values, int64_t room,
                                                                  int64_t *kept) {
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256 t = _mm256_set1_ps(threshold), zero = _mm256_setzero_ps();
     int64_t held = 0, full = n / 8;
     for (int64_t i = 0; i < full; i++) {
@@ -490,19 +500,9 @@ __attribute__((target("avx2"))) int64_t gg_accumulate_select_f32(float *e, const
             return i + 1;
         }
         _mm256_storeu_ps(e + 8 * i, x);
-        if (held < 0) {
-            continue;
+        if (held >= 0) {
+            held = keep_eight(x, t, bits + i, values, held, room);
         }
-        int m = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(x, magnitude), t, _CMP_GE_OQ));
-        int count = __builtin_popcount(m);
-        if (held + count > room) {
-            held = -1;
-            continue;
-        }
-        bits[i] = reversed[m];
-        __m256i perm = _mm256_loadu_si256((const __m256i *)pack_perm[m]);
-        _mm256_storeu_ps(values + held, _mm256_permutevar8x32_ps(x, perm));
-        held += count;
     }
     if (n % 8) {
         int byte = 0;
