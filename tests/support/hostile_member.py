@@ -18,8 +18,10 @@ A third certificate, ``watcher``, watches: each round it heartbeats every honest
 dialled as that peer, times the answer, and checks that every honest peer's list holds every
 other honest peer alive, at the address and incarnation that peer gives itself. Rounds in
 which some honest peer does not answer as itself (or says it is leaving) are not checked.
-Writes a JSON report to ``--out``. With ``--watch-only`` the watcher alone runs (a baseline
-of the same swarm without the attack).
+Writes a JSON report to ``--out``. With ``--watch-only`` the watcher alone runs: a baseline
+of the same swarm without the attack, or, as another process with another watcher's
+certificate (``--watcher``), answers timed where the attack's own threads do not compete for
+the timing process.
 """
 
 from __future__ import annotations
@@ -172,6 +174,7 @@ def main() -> int:
         parser.add_argument(f"--{name}", required=True)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--watch-only", action="store_true", help="the watcher alone: no attack")
+    parser.add_argument("--watcher", default=WATCHER, help="the watching member's certificate")
     args = parser.parse_args()
     certs = Path(args.certs)
     # Every call below has a deadline; should the process outlive them all anyway, it prints
@@ -187,7 +190,7 @@ def main() -> int:
             certs / "ca.pem", certs / f"{pid}.pem", certs / f"{pid}.key"
         )
 
-    sec, staller, watcher = member(ME), member(STALLER), member(WATCHER)
+    sec, staller, watcher = member(ME), member(STALLER), member(args.watcher)
     opts = TransportOptions(retries=0)
     handler = Impersonator()
     server = GossipServer(handler, security=sec)
@@ -200,8 +203,12 @@ def main() -> int:
     progress = Progress(Path(args.out + ".progress"))
     watching: dict[str, PeerClient] = {}
     with PeerClient(args.bootstrap, opts, watcher) as boot:
-        reply = boot.heartbeat(heartbeat(args.swarm, WATCHER), timeout=CALL_S)
-    honest = {i.id: i.address for i in reply.known if i.id not in (ME, STALLER, WATCHER)}
+        reply = boot.heartbeat(heartbeat(args.swarm, args.watcher), timeout=CALL_S)
+    honest = {
+        i.id: i.address
+        for i in reply.known
+        if i.id not in (ME, STALLER) and not i.id.startswith(WATCHER)
+    }
     too_long = [
         pb.PeerInfo(id=f"many-{k}", address=server.address, incarnation=1)
         for k in range(MAX_KNOWN + 1)
@@ -230,7 +237,9 @@ def main() -> int:
                     stalled[pid] = Stalling(address, staller, pid, stop)
                 t0 = time.monotonic()
                 try:
-                    replies[pid] = watch.heartbeat(heartbeat(args.swarm, WATCHER), timeout=CALL_S)
+                    replies[pid] = watch.heartbeat(
+                        heartbeat(args.swarm, args.watcher), timeout=CALL_S
+                    )
                     report["latencies"].append(time.monotonic() - t0)
                 except grpc.RpcError as err:
                     name = f"observe {pid}: {err.code().name}"
