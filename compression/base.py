@@ -109,9 +109,11 @@ class Codec(abc.ABC):
     def encode_accumulated(
         self, e: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seed: int | None = None
     ) -> tuple[bytes, Encoded] | None:
-        """``e += a − b``, then ``encode_parts(e)``: the same bytes, in one fused pass where
-        the codec has one for these tensors (a dense top-k of float32 on CPU: error
-        feedback's residual accumulating a pseudo-gradient); None (``e`` untouched)
+        """Error feedback's step: ``e += a − b``, ``encode_parts(e)``, and what the bytes
+        decode to taken out of ``e`` (``Encoded.add_to_(e, alpha=-1)``): the same bytes and
+        residual, in one fused pass where the codec has one for these tensors (a dense top-k
+        of float32 on CPU: error feedback's residual accumulating a pseudo-gradient; with
+        int2 values, quantized and taken out in the same pass); None (``e`` untouched)
         otherwise. ValueError on a non-finite sum (``e`` restored up to float rounding)."""
         return engine.encode_accumulated(self, e, a, b, seed)
 
@@ -235,10 +237,17 @@ class Sparsifier(Codec):
         return Selection(self.select(flat, seed))
 
     def select_accumulating(
-        self, e: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seed: int
+        self,
+        e: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        seed: int,
+        int2_block: int | None = None,
     ) -> Selection | None:
         """``e += a − b`` (1-D) and :meth:`select_parts` of the sum in one fused pass, where
-        this sparsifier has one for these tensors; None (``e`` untouched) otherwise."""
+        this sparsifier has one for these tensors; None (``e`` untouched) otherwise. With
+        ``int2_block`` the pass may also quantize the kept values and take them out of ``e``
+        (``Selection.int2``: :func:`.selection.approx_topk_accumulating`)."""
         return None
 
     def encode_selection(self, kept: Selection, numel: int) -> tuple[int, torch.Tensor]:
@@ -383,6 +392,12 @@ class Quantizer(Codec):
         ``dtype``) in one fused pass, the same bits as the chunked add, where this quantizer
         has one for these tensors; False (nothing done) otherwise."""
         return False
+
+    def fused_selection_block(self) -> int | None:
+        """The block of kept values a fused top-k pass quantizes as this quantizer does,
+        taking them out of error feedback's residual as it goes
+        (:meth:`Sparsifier.select_accumulating`); None where it has no such pass."""
+        return None
 
 
 class Identity(Quantizer):

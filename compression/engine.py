@@ -140,16 +140,22 @@ def encode_parts(codec: Codec, t: torch.Tensor, seed: int | None) -> tuple[bytes
 def encode_accumulated(
     codec: Codec, e: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seed: int | None
 ) -> tuple[bytes, Encoded] | None:
-    """``e += a − b``, then ``encode_parts(e)``, fused (see :meth:`.Codec.encode_accumulated`);
-    None where the codec's sparsifier has no fused pass for these tensors."""
-    sp, _ = codec.stages()
+    """Error feedback's step fused (see :meth:`.Codec.encode_accumulated`): ``e`` ends as
+    the residual; None where the codec's sparsifier has no fused pass for these tensors."""
+    sp, q = codec.stages()
     if sp is None or not (e.shape == a.shape == b.shape and e.is_contiguous()):
         return None
     if not (a.is_contiguous() and b.is_contiguous()):
         return None
     seed = _checked_seed(seed)
-    kept = sp.select_accumulating(e.view(-1), a.view(-1), b.view(-1), seed)
-    return None if kept is None else _encode_selected(codec, e, e.view(-1), kept, seed)
+    block = q.fused_selection_block()
+    kept = sp.select_accumulating(e.view(-1), a.view(-1), b.view(-1), seed, int2_block=block)
+    if kept is None:
+        return None
+    data, sent = _encode_selected(codec, e, e.view(-1), kept, seed)
+    if kept.int2 is None:  # else the pass took the values out already
+        sent.add_to_(e, alpha=-1.0)
+    return data, sent
 
 
 def _encode_selected(
@@ -171,7 +177,10 @@ def _encode_selected(
         vals = torch.index_select(flat, 0, kept.idx) if kept.values is None else kept.values
         if sp.sends_indices:
             index_bits, idx_bytes = sp.encode_selection(kept, flat.numel())
-    values, scales = _quantize_chunked(q, vals, seed)
+    if kept is not None and kept.int2 is not None:  # the selection's pass quantized them
+        values, scales = kept.int2
+    else:
+        values, scales = _quantize_chunked(q, vals, seed)
     data = wire.build_envelope(
         shape=tuple(t.shape),
         dtype=t.dtype,

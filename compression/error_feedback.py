@@ -109,8 +109,8 @@ class ErrorFeedback:
             fused = self.codec.encode_accumulated(e, a, b, seed)
         except ValueError as exc:
             raise ValueError(f"{name!r}: the difference has NaN or infinite values") from exc
-        if fused is not None:
-            self._keep(name, e, fused[1], None)
+        if fused is not None:  # e is the residual already
+            self._store(name, e, None)
             return fused
         fa, fb, fe = a.reshape(-1), b.reshape(-1), e.view(-1)
         scratch = torch.empty(min(CHUNK, fe.numel()), dtype=a.dtype, device=a.device)
@@ -160,12 +160,12 @@ class ErrorFeedback:
         entries once they are more than a few percent)."""
         data, sent = self.codec.encode_parts(e, seed)
         norm = sent.residual_norm(e, squares) if squares is not None else None
-        self._keep(name, e, sent, norm)
+        sent.add_to_(e, alpha=-1.0)  # = decode_add_(data, e, alpha=-1), indices not decoded
+        self._store(name, e, norm)
         return data, sent
 
-    def _keep(self, name: str, e: torch.Tensor, sent: Encoded, norm: float | None) -> None:
-        """Take what was sent out of ``e`` and keep it as the residual of ``name``."""
-        sent.add_to_(e, alpha=-1.0)  # = decode_add_(data, e, alpha=-1), indices not decoded
+    def _store(self, name: str, e: torch.Tensor, norm: float | None) -> None:
+        """Keep ``e`` (what was sent taken out) as the residual of ``name``."""
         self._residuals[name] = e
         self._norms[name] = norm
 

@@ -120,6 +120,14 @@ void gg_rice_add_f32(const uint8_t *head, const uint8_t *rem, int rbits, int64_t
     state[0] = at, state[1] = r_at, state[2] = prev;
 }
 
+/* The set bits of each of the eight bytes of w (byte l of the result: bits[l]'s count) --
+ * with w read little-endian from bits, byte l is bits[l]. */
+static inline uint64_t byte_popcounts(uint64_t w) {
+    uint64_t ones = w - ((w >> 1) & 0x5555555555555555ULL);
+    ones = (ones & 0x3333333333333333ULL) + ((ones >> 2) & 0x3333333333333333ULL);
+    return (ones + (ones >> 4)) & 0x0f0f0f0f0f0f0f0fULL;
+}
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 
@@ -433,8 +441,43 @@ __attribute__((target("avx2"))) int64_t gg_bitmap_add_many_f32(int64_t terms,
     for (int64_t j = 0; j < terms; j++) {
         used[j] = 0;
     }
-    int64_t full = n / 8;
-    for (int64_t i = 0; i < full; i++) {
+    int64_t full = n / 8, i = 0;
+    /* Eight groups at a time while every term has eight values past them: each term's
+     * first value in each group from the prefix sums of its eight bytes' popcounts (a term's
+     * running count carried from group to group through memory made every group wait). */
+    uint64_t words[64], before[64];
+    int64_t totals[64];
+    for (; i + 8 <= full; i += 8) {
+        int ahead = 1;
+        for (int64_t j = 0; j < terms; j++) {
+            memcpy(&words[j], bits[j] + i, 8);
+            uint64_t sums = byte_popcounts(words[j]) * 0x0101010101010101ULL;
+            before[j] = sums << 8;
+            totals[j] = (int64_t)(sums >> 56);
+            ahead &= used[j] + totals[j] + 8 <= counts[j];
+        }
+        if (!ahead) {
+            break;
+        }
+        for (int l = 0; l < 8; l++) {
+            __m256 t = _mm256_loadu_ps(target + 8 * (i + l));
+            for (int64_t j = 0; j < terms; j++) {
+                int m = reversed[(words[j] >> (8 * l)) & 0xff];
+                const float *v = values[j] + used[j] + ((before[j] >> (8 * l)) & 0xff);
+                __m256 spread = _mm256_permutevar8x32_ps(
+                    _mm256_loadu_ps(v), _mm256_loadu_si256((const __m256i *)spread_perm[m]));
+                __m256 keep =
+                    _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)lane_mask[m]));
+                __m256 sum = _mm256_add_ps(t, _mm256_mul_ps(spread, _mm256_set1_ps(alphas[j])));
+                t = _mm256_blendv_ps(t, sum, keep);
+            }
+            _mm256_storeu_ps(target + 8 * (i + l), t);
+        }
+        for (int64_t j = 0; j < terms; j++) {
+            used[j] += totals[j];
+        }
+    }
+    for (; i < full; i++) {
         __m256 t = _mm256_loadu_ps(target + 8 * i);
         for (int64_t j = 0; j < terms; j++) {
             int m = reversed[bits[j][i]];
@@ -530,6 +573,201 @@ __attribute__((target("avx2"))) int64_t gg_accumulate_select_f32(float *e, const
         }
     }
     *kept = held;
+    return 0;
+}
+
+/* Groups of eight entries the int2 selection below scans before it quantizes and writes
+ * back what they kept (16 KB of e: the write-back finds it in cache). */
+#define QUANT_TILE 512
+/* Most values in a block of the fused int2 selection (its window of dequantized values). */
+#define QUANT_MAX_BLOCK 1024
+
+/* Int2 of m kept values v (compression/quantizers.py: round to nearest, qmax 1): the scale
+ * max|v| / 1 into *scale, v / scale rounded half to even and clamped to -1..1, packed as
+ * code = q + 2, four per byte, high bits first, into codes (m a multiple of 4 but for the
+ * last block, whose last byte is zero-padded), and the dequantized q * scale into deq. */
+__attribute__((target("avx2"))) static void quantize_int2(const float *v, int64_t m,
+                                                          uint8_t *codes, float *scale,
+                                                          float *deq) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 top = _mm256_setzero_ps();
+    int64_t full = m / 8;
+    for (int64_t i = 0; i < full; i++) {
+        top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(v + 8 * i), magnitude));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top);
+    float amax = 0.0f;
+    for (int l = 0; l < 8; l++) {
+        amax = lanes[l] > amax ? lanes[l] : amax;
+    }
+    for (int64_t j = 8 * full; j < m; j++) {
+        float x = v[j] < 0 ? -v[j] : v[j];
+        amax = x > amax ? x : amax;
+    }
+    float s = amax / 1.0f;
+    *scale = s;
+    const __m256 safe = _mm256_set1_ps(s > 0.0f ? s : 1.0f), sv = _mm256_set1_ps(s);
+    const __m256 one = _mm256_set1_ps(1.0f), minus_one = _mm256_set1_ps(-1.0f);
+    const __m256i two = _mm256_set1_epi32(2), shifts = _mm256_setr_epi32(6, 4, 2, 0, 6, 4, 2, 0);
+    for (int64_t i = 0; i < full; i++) {
+        __m256 y = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(v + 8 * i), safe),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m256i q = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(y, minus_one), one));
+        _mm256_storeu_ps(deq + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(q), sv));
+        __m256i fields = _mm256_sllv_epi32(_mm256_add_epi32(q, two), shifts);
+        __m256i pairs = _mm256_hadd_epi32(fields, fields);
+        __m256i quads = _mm256_hadd_epi32(pairs, pairs);
+        codes[2 * i] = (uint8_t)_mm256_extract_epi32(quads, 0);
+        codes[2 * i + 1] = (uint8_t)_mm256_extract_epi32(quads, 4);
+    }
+    float fs = s > 0.0f ? s : 1.0f;
+    for (int64_t j = 8 * full; j < m; j++) {
+        float y = __builtin_nearbyintf(v[j] / fs);
+        int q = y < -1.0f ? -1 : (y > 1.0f ? 1 : (int)y);
+        deq[j] = (float)q * s;
+        if ((j & 3) == 0) {
+            codes[j >> 2] = 0;
+        }
+        codes[j >> 2] |= (uint8_t)((q + 2) << (6 - 2 * (j & 3)));
+    }
+}
+
+/* gg_accumulate_select_f32 with the kept values also quantized to int2 in blocks of
+ * 2^block_log2 (at most QUANT_MAX_BLOCK; the last block shorter): their codes and scales,
+ * and error feedback's e = e + deq * -1 at their positions (what bitmap_add gives), written
+ * back a tile at a time while the tile is in cache -- so the encode's selection,
+ * quantization and the residual's update are one pass over e instead of three. values
+ * still gets the kept values (a fallback puts them back). out[0]: the kept count (-1: more
+ * than room, then only the accumulation goes on), out[1]: how many of them, the first in
+ * order, were written back (all when the pass ends with a selection). Returns as
+ * gg_accumulate_select_f32. */
+__attribute__((target("avx2"))) int64_t gg_accumulate_select_int2(
+    float *e, const float *a, const float *b, int64_t n, float threshold, uint8_t *bits,
+    float *values, int64_t room, uint8_t *codes, float *scales, int64_t block_log2,
+    int64_t *out) {
+    const __m256 t = _mm256_set1_ps(threshold), zero = _mm256_setzero_ps();
+    const __m256 minus_one = _mm256_set1_ps(-1.0f);
+    const int64_t block = (int64_t)1 << block_log2;
+    /* The dequantized values of kept ones not yet written back: value j at deq[j - low]. */
+    float deq[8 * QUANT_TILE + QUANT_MAX_BLOCK + 16];
+    int64_t held = 0, quantized = 0, written = 0, low = 0, next_group = 0, full = n / 8;
+    if (block > QUANT_MAX_BLOCK || block < 8) {
+        out[0] = -1, out[1] = 0;
+        return 0;
+    }
+    for (int64_t t0 = 0; t0 <= full; t0 += QUANT_TILE) {
+        int64_t t1 = t0 + QUANT_TILE < full ? t0 + QUANT_TILE : full;
+        for (int64_t i = t0; i < t1; i++) {
+            __m256 x = _mm256_add_ps(_mm256_loadu_ps(e + 8 * i),
+                                     _mm256_sub_ps(_mm256_loadu_ps(a + 8 * i),
+                                                   _mm256_loadu_ps(b + 8 * i)));
+            if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_sub_ps(x, x), zero, _CMP_NEQ_UQ))) {
+                out[0] = held, out[1] = written;
+                return i + 1;
+            }
+            _mm256_storeu_ps(e + 8 * i, x);
+            if (held >= 0) {
+                held = keep_eight(x, t, bits + i, values, held, room);
+            }
+        }
+        int last = t1 == full;
+        if (last && n % 8) { /* the tail: as gg_accumulate_select_f32 */
+            for (int64_t p = 8 * full; p < n; p++) {
+                float x = e[p] + (a[p] - b[p]);
+                if (!(x - x == 0.0f)) {
+                    out[0] = held, out[1] = written;
+                    return full + 1;
+                }
+            }
+            int byte = 0;
+            for (int64_t p = 8 * full; p < n; p++) {
+                float x = e[p] + (a[p] - b[p]);
+                e[p] = x;
+                if (held >= 0 && (x < 0 ? -x : x) >= threshold) {
+                    if (held + 1 > room) {
+                        held = -1;
+                        continue;
+                    }
+                    byte |= 0x80 >> (p - 8 * full);
+                    values[held++] = x;
+                }
+            }
+            if (held >= 0) {
+                bits[full] = (uint8_t)byte;
+            }
+        }
+        if (held < 0) {
+            if (last) {
+                break;
+            }
+            continue;
+        }
+        while (held - quantized >= block || (last && held > quantized)) {
+            int64_t m = held - quantized < block ? held - quantized : block;
+            quantize_int2(values + quantized, m, codes + (quantized >> 2),
+                          scales + (quantized >> block_log2), deq + (quantized - low));
+            quantized += m;
+        }
+        /* Write back through the groups scanned, as far as their values are quantized:
+         * eight groups at a time where all their values are (each group's first value from
+         * the prefix sums of the eight bytes' popcounts, so the groups do not wait on one
+         * another), then one at a time. */
+        while (next_group + 8 <= t1) {
+            uint64_t w;
+            memcpy(&w, bits + next_group, 8);
+            uint64_t sums = byte_popcounts(w) * 0x0101010101010101ULL; /* byte l: groups <= l */
+            uint64_t before = sums << 8;
+            int64_t total = (int64_t)(sums >> 56);
+            if (written + total > quantized) {
+                break;
+            }
+            for (int l = 0; l < 8; l++) {
+                int m = reversed[(w >> (8 * l)) & 0xff];
+                int64_t at = written + (int64_t)((before >> (8 * l)) & 0xff) - low;
+                __m256 spread = _mm256_permutevar8x32_ps(
+                    _mm256_loadu_ps(deq + at), _mm256_loadu_si256((const __m256i *)spread_perm[m]));
+                __m256 keep =
+                    _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)lane_mask[m]));
+                float *at_e = e + 8 * (next_group + l);
+                __m256 old = _mm256_loadu_ps(at_e);
+                __m256 sum = _mm256_add_ps(old, _mm256_mul_ps(spread, minus_one));
+                _mm256_storeu_ps(at_e, _mm256_blendv_ps(old, sum, keep));
+            }
+            written += total;
+            next_group += 8;
+        }
+        for (; next_group < t1; next_group++) {
+            int m = reversed[bits[next_group]];
+            int c = __builtin_popcount(m);
+            if (written + c > quantized) {
+                break;
+            }
+            if (c) {
+                __m256 spread = _mm256_permutevar8x32_ps(
+                    _mm256_loadu_ps(deq + (written - low)),
+                    _mm256_loadu_si256((const __m256i *)spread_perm[m]));
+                __m256 keep =
+                    _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)lane_mask[m]));
+                __m256 old = _mm256_loadu_ps(e + 8 * next_group);
+                __m256 sum = _mm256_add_ps(old, _mm256_mul_ps(spread, minus_one));
+                _mm256_storeu_ps(e + 8 * next_group, _mm256_blendv_ps(old, sum, keep));
+            }
+            written += c;
+        }
+        if (last) {
+            for (int64_t p = 8 * full; p < n; p++) {
+                if (bits[full] & (0x80 >> (p - 8 * full))) {
+                    e[p] = e[p] + deq[written - low] * -1.0f;
+                    written++;
+                }
+            }
+            break;
+        }
+        memmove(deq, deq + (written - low), (size_t)(quantized - written) * sizeof(float));
+        low = written;
+    }
+    out[0] = held, out[1] = written;
     return 0;
 }
 
@@ -637,6 +875,16 @@ int64_t gg_accumulate_select_f32(float *e, const float *a, const float *b, int64
                                  int64_t *kept) {
     (void)e, (void)a, (void)b, (void)n, (void)threshold, (void)bits, (void)values, (void)room;
     *kept = -1;
+    return -1;
+}
+
+int64_t gg_accumulate_select_int2(float *e, const float *a, const float *b, int64_t n,
+                                  float threshold, uint8_t *bits, float *values, int64_t room,
+                                  uint8_t *codes, float *scales, int64_t block_log2,
+                                  int64_t *out) {
+    (void)e, (void)a, (void)b, (void)n, (void)threshold, (void)bits, (void)values, (void)room;
+    (void)codes, (void)scales, (void)block_log2;
+    out[0] = -1, out[1] = 0;
     return -1;
 }
 

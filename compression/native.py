@@ -32,6 +32,7 @@ import torch
 
 __all__ = [
     "accumulate_select",
+    "accumulate_select_int2",
     "available",
     "bitmap_add",
     "bitmap_add_many",
@@ -60,6 +61,10 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     "gg_select_f32": ([_ptr, _i64, _f32, _ptr, _ptr, _i64], _i64),
     "gg_accumulate_select_f32": ([_ptr, _ptr, _ptr, _i64, _f32, _ptr, _ptr, _i64, _ptr], _i64),
+    "gg_accumulate_select_int2": (
+        [_ptr, _ptr, _ptr, _i64, _f32, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr],
+        _i64,
+    ),
     "gg_bitmap_add_f32": ([_ptr, _i64, _ptr, _i64, _ptr, _f32], _i64),
     "gg_bitmap_gather_f32": ([_ptr, _i64, _ptr, _ptr, _i64], _i64),
     "gg_bitmap_add_many_f32": ([_i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr], _i64),
@@ -174,6 +179,44 @@ def accumulate_select(
         values.ctypes.data, values.size - 8, ctypes.byref(kept),
     )  # fmt: skip
     return kept.value, int(bad)
+
+
+#: Most kept values per block :func:`accumulate_select_int2` quantizes (kernels.c's bound).
+MAX_INT2_BLOCK = 1024
+
+
+def accumulate_select_int2(
+    e: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    threshold: float,
+    bits: np.ndarray,
+    values: np.ndarray,
+    codes: np.ndarray,
+    scales: np.ndarray,
+    block: int,
+) -> tuple[int, int, int]:
+    """:func:`accumulate_select`, the kept values also quantized as ``Int2(block=block)``
+    quantizes them (round to nearest) into ``codes`` and ``scales``, and error feedback's
+    ``e -= dequantized`` at their positions, in the same pass: (kept, written, bad).
+    ``written``: how many kept values, the first in order, ``e`` holds the residual of
+    (all of them when ``kept >= 0`` and ``bad == 0``; a caller falling back puts
+    ``values[:written]`` back first)."""
+    _need(usable(e, a, b) and e.numel() == a.numel() == b.numel(), "e, a, b: one float32 size")
+    _need(8 <= block <= MAX_INT2_BLOCK and block & (block - 1) == 0, f"block {block}")
+    room = values.size - 8
+    _need(bits.dtype == np.uint8 and bits.size >= (e.numel() + 7) // 8, "bits too short")
+    _need(values.dtype == np.float32 and room >= 0, "values too short")
+    _need(codes.dtype == np.uint8 and codes.size >= (room + 3) // 4, "codes too short")
+    _need(scales.dtype == np.float32 and scales.size >= -(-room // block), "scales too short")
+    assert _lib is not None
+    out = (ctypes.c_int64 * 2)()
+    bad = _lib.gg_accumulate_select_int2(
+        e.data_ptr(), a.data_ptr(), b.data_ptr(), e.numel(), threshold, bits.ctypes.data,
+        values.ctypes.data, room, codes.ctypes.data, scales.ctypes.data,
+        block.bit_length() - 1, out,
+    )  # fmt: skip
+    return out[0], out[1], int(bad)
 
 
 def bitmap_add(bits: np.ndarray, values: torch.Tensor, target: torch.Tensor, alpha: float) -> None:

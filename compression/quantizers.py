@@ -276,6 +276,11 @@ class Int2(_BlockInt):
         codes = torch.stack([values >> 6, (values >> 4) & 3, (values >> 2) & 3, values & 3], 1)
         return codes.view(-1)[:count].to(torch.int8) - 2
 
+    def fused_selection_block(self) -> int | None:
+        if self.stochastic or self.block > native.MAX_INT2_BLOCK:
+            return None
+        return self.block
+
     def check(
         self, values: torch.Tensor, scales: torch.Tensor | None, count: int, dtype: torch.dtype
     ) -> None:

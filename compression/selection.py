@@ -242,6 +242,9 @@ class Selection:
     idx: torch.Tensor | None
     values: torch.Tensor | None = None
     bitmap: torch.Tensor | None = None
+    #: The kept values as int2 codes and scales, where the fused pass quantized them and
+    #: took what they send out of the residual it accumulated (``int2_block``, below).
+    int2: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.idx is None and (self.values is None or self.bitmap is None):
@@ -304,13 +307,24 @@ def approx_topk(
 
 
 def approx_topk_accumulating(
-    e: torch.Tensor, a: torch.Tensor, b: torch.Tensor, k: int, *, seed: int = 0
+    e: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    k: int,
+    *,
+    seed: int = 0,
+    int2_block: int | None = None,
 ) -> Selection | None:
     """``e += a − b`` (1-D), then :func:`approx_topk` of ``e`` with ``gather``: in one pass
     of the fused kernel where it applies (float32 on CPU, a selection of 1/32 or more whose
     threshold is aimed: the same sample, read off ``e + (a − b)`` before the pass, so the
     same selection); None where it does not, ``e`` untouched. Past an overshoot or a shortfall
     ``e`` is the sum and :func:`approx_topk` takes it from there.
+
+    ``int2_block``: the same pass also quantizes the kept values as ``Int2(block=...)`` does
+    (round to nearest; ``Selection.int2``) and takes their dequantized values out of ``e``
+    (error feedback's step, the bits of ``Encoded.add_to_(e, alpha=-1)``), a tile at a time
+    while it is in cache. A selection without ``int2`` leaves ``e`` the sum.
 
     Raises:
         ValueError: a non-finite sum (the entries already added are taken out again, up to
@@ -330,14 +344,43 @@ def approx_topk_accumulating(
         return None
     bits = np.empty((n + 7) // 8, dtype=np.uint8)
     values = np.empty(k + 8, dtype=np.float32)  # 8: a vector store's overrun
-    held, bad = native.accumulate_select(e, a, b, threshold, bits, values)
+    written, int2 = 0, None
+    if int2_block is None:
+        held, bad = native.accumulate_select(e, a, b, threshold, bits, values)
+    else:
+        codes = np.empty((k + 3) // 4, dtype=np.uint8)
+        scales = np.empty(-(-k // int2_block), dtype=np.float32)
+        held, written, bad = native.accumulate_select_int2(
+            e, a, b, threshold, bits, values, codes, scales, int2_block
+        )
+        int2 = (codes, scales)
     if bad:
+        _put_back(e, bits, values, written)
         done = 8 * (bad - 1)
         e[:done].sub_(a[:done]).add_(b[:done])
         raise ValueError("cannot encode a tensor with NaN or infinite values")
     if held >= math.ceil((1.0 - TOLERANCE) * k):
-        return Selection(None, torch.from_numpy(values[:held]), torch.from_numpy(bits))
+        if int2 is not None:
+            codes, scales = int2
+            int2 = (
+                torch.from_numpy(codes[: (held + 3) // 4]),
+                torch.from_numpy(scales[: -(-held // int2_block)]),  # type: ignore[operator]
+            )
+        return Selection(None, torch.from_numpy(values[:held]), torch.from_numpy(bits), int2)
+    _put_back(e, bits, values, written)
     return approx_topk(e, k, seed=seed, gather=True)
+
+
+def _put_back(e: torch.Tensor, bits: np.ndarray, values: np.ndarray, written: int) -> None:
+    """``e`` at the first ``written`` set bits of ``bits`` = ``values[:written]``: the sums
+    a fused int2 selection had replaced by what stays of them (its fallbacks)."""
+    flat, done, step = e.numpy(), 0, 1 << 17
+    for lo in range(0, bits.size, step):
+        if done >= written:
+            return
+        hit = np.flatnonzero(np.unpackbits(bits[lo : lo + step]))[: written - done]
+        flat[hit + 8 * lo] = values[done : done + hit.size]
+        done += hit.size
 
 
 def block_topk_indices(

@@ -79,11 +79,17 @@ class TopK(Sparsifier):
         return self._selection(flat, seed, gather=True)
 
     def select_accumulating(
-        self, e: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seed: int
+        self,
+        e: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        seed: int,
+        int2_block: int | None = None,
     ) -> Selection | None:
         if self.exact:
             return None
-        return approx_topk_accumulating(e, a, b, self.k_for(e.numel()), seed=seed)
+        k = self.k_for(e.numel())
+        return approx_topk_accumulating(e, a, b, k, seed=seed, int2_block=int2_block)
 
     def _selection(self, flat: torch.Tensor, seed: int, gather: bool) -> Selection:
         k = self.k_for(flat.numel())

@@ -16,7 +16,8 @@ import pytest
 import torch
 from gossipgrad.compression import DecodeError, ErrorFeedback, native, wire
 from gossipgrad.compression.bitpack import BITMAP_INDEX_BITS, Bitmap, checked_rice, rice_encode
-from gossipgrad.compression.selection import _candidates_numpy, approx_topk
+from gossipgrad.compression.quantizers import Int2
+from gossipgrad.compression.selection import _candidates_numpy, _put_back, approx_topk
 from gossipgrad.compression.spec import from_spec
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -105,6 +106,33 @@ def test_the_add_kernel_is_index_add_bit_for_bit(n: int, density: float, seed: i
     assert torch.equal(target.view(torch.int32), want.view(torch.int32))
     gathered = native.bitmap_gather(bits, want, values.numel())
     assert torch.equal(gathered, want[mask])
+
+
+@needs_kernels
+@given(
+    n=st.integers(1, 5000),
+    densities=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=4),
+    seed=st.integers(0, 2**16),
+)
+@SETTINGS
+def test_several_messages_added_in_one_pass_are_added_one_after_another(
+    n: int, densities: list[float], seed: int
+) -> None:
+    """bitmap_add_many: each entry gets the bits of the terms' adds in their order, eight
+    groups at a time and one at a time near the end of a term's values."""
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randn(n, generator=g) * 1e3
+    target[::5] = -0.0
+    parts, alphas = [], []
+    for density in densities:
+        mask = torch.rand(n, generator=g) < density
+        parts.append((np.packbits(mask.numpy()), torch.randn(int(mask.sum()), generator=g)))
+        alphas.append(float(torch.randn(1, generator=g)))
+    want = target.clone()
+    for (bits, values), alpha in zip(parts, alphas, strict=True):
+        native.bitmap_add(bits, values, want, alpha)
+    native.bitmap_add_many(parts, alphas, target)
+    assert torch.equal(target.view(torch.int32), want.view(torch.int32))
 
 
 @needs_kernels
@@ -261,6 +289,77 @@ def test_error_feedback_accumulates_and_selects_in_one_pass_as_numpy_does() -> N
     with pytest.raises(ValueError, match="NaN or infinite"):
         fused.compress_difference("v", a, b, 4)
     torch.testing.assert_close(fused.residual("v"), before)
+
+
+def _int2_step_by_numpy(
+    e: torch.Tensor, a: torch.Tensor, b: torch.Tensor, threshold: float, block: int
+) -> tuple[np.ndarray, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Error feedback's step by numpy's passes: e + (a - b), the kept ones' bitmap, their
+    Int2 codes and scales, and the sum with their dequantized values added at alpha -1."""
+    total = e + (a - b)
+    mask = total.abs() >= threshold
+    q = Int2(block=block)
+    codes, scales = q.quantize(total[mask], None)
+    held = int(mask.sum())
+    residual = total.clone()
+    if held:
+        deq = q.dequantize(codes, scales, held, torch.float32)
+        positions = torch.from_numpy(np.flatnonzero(mask.numpy()))
+        residual.index_add_(0, positions, deq, alpha=-1.0)
+    return np.packbits(mask.numpy()), codes, scales, residual
+
+
+@needs_kernels
+@given(
+    n=st.integers(1, 20_000),  # up to five tiles of 512 groups of eight
+    density=st.floats(0.01, 1.0),
+    block=st.sampled_from([8, 64, 1024]),
+    seed=st.integers(0, 2**16),
+)
+@SETTINGS
+def test_the_int2_selection_quantizes_and_takes_out_as_numpy_does(
+    n: int, density: float, block: int, seed: int
+) -> None:
+    """One pass: e += a - b, the kept values' bitmap, their Int2 codes and scales, and e less
+    what they decode to at their positions: numpy's bits for each, across tiles, blocks that
+    end anywhere and a tail shorter than eight."""
+    g = torch.Generator().manual_seed(seed)
+    e, a, b = (torch.randn(n, generator=g) for _ in range(3))
+    a[torch.rand(n, generator=g) < 0.05] = 0.0
+    threshold = max(float((e + (a - b)).abs().quantile(1.0 - density)), 1e-6)
+    bits_ref, codes_ref, scales_ref, residual = _int2_step_by_numpy(e, a, b, threshold, block)
+    bits = np.empty((n + 7) // 8, dtype=np.uint8)
+    values = np.empty(n + 8, dtype=np.float32)
+    codes = np.empty((n + 3) // 4, dtype=np.uint8)
+    scales = np.empty(-(-n // block), dtype=np.float32)
+    held, written, bad = native.accumulate_select_int2(
+        e, a, b, threshold, bits, values, codes, scales, block
+    )
+    assert bad == 0 and held == written == int(np.unpackbits(bits_ref).sum())
+    assert np.array_equal(bits, bits_ref)
+    assert np.array_equal(codes[: (held + 3) // 4], codes_ref.numpy())
+    assert np.array_equal(scales[: -(-held // block)], scales_ref.numpy())
+    assert torch.equal(e, residual)
+
+
+@needs_kernels
+def test_the_int2_selection_gives_way_on_an_overshoot_and_its_values_go_back() -> None:
+    """More kept than room: the rest is only accumulated; the values it had taken out are
+    told (``written``) and put back exactly, so a fallback selects from the sums."""
+    n, block = 50_000, 64
+    g = torch.Generator().manual_seed(3)
+    e, a, b = (torch.randn(n, generator=g) for _ in range(3))
+    total = e + (a - b)
+    bits = np.empty((n + 7) // 8, dtype=np.uint8)
+    values = np.empty(1000 + 8, dtype=np.float32)
+    codes, scales = np.empty(250, dtype=np.uint8), np.empty(16, dtype=np.float32)
+    held, written, bad = native.accumulate_select_int2(
+        e, a, b, 3.0, bits, values, codes, scales, block
+    )
+    assert (held, bad) == (-1, 0) and 0 < written <= 1000
+    assert not torch.equal(e, total)  # the first tiles' kept values were taken out
+    _put_back(e, bits, values, written)
+    assert torch.equal(e, total)
 
 
 @needs_kernels
