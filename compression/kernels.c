@@ -576,6 +576,60 @@ __attribute__((target("avx2"))) int64_t gg_accumulate_select_f32(float *e, const
     return 0;
 }
 
+/* The first int2 code 0 (never written: Int2.check refuses it) among count codes packed four
+ * a byte, high bits first, or -1. A field is non-zero iff its high or low bit is set: each
+ * byte's fields folded onto their low bits must be 0x55. */
+__attribute__((target("avx2"))) int64_t gg_int2_first_zero(const uint8_t *codes, int64_t count) {
+    int64_t whole = count / 4, i = 0;
+    const __m256i low_bits = _mm256_set1_epi8(0x55);
+    for (; i + 32 <= whole; i += 32) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(codes + i));
+        __m256i folded = _mm256_and_si256(_mm256_or_si256(v, _mm256_srli_epi16(v, 1)), low_bits);
+        if ((unsigned)_mm256_movemask_epi8(_mm256_cmpeq_epi8(folded, low_bits)) != 0xffffffffu) {
+            break;
+        }
+    }
+    for (; i < whole; i++) {
+        uint8_t f = (uint8_t)((codes[i] | (codes[i] >> 1)) & 0x55);
+        if (f != 0x55) {
+            for (int k = 0; k < 4; k++) {
+                if (!((f >> (6 - 2 * k)) & 1)) {
+                    return 4 * i + k;
+                }
+            }
+        }
+    }
+    for (int64_t j = 4 * whole; j < count; j++) {
+        if (!((codes[j >> 2] >> (6 - 2 * (j & 3))) & 3)) {
+            return j;
+        }
+    }
+    return -1;
+}
+
+/* out[j] = (code_j - 2) * scales[j >> block_log2] for count int2 codes (four a byte, high
+ * bits first; the block 8 or more, so eight values from a multiple of 8 share a scale), as
+ * Int2.dequantize gives them: the level times the scale, one rounding. */
+__attribute__((target("avx2"))) void gg_int2_dequantize(const uint8_t *codes, const float *scales,
+                                                        int64_t block_log2, int64_t count,
+                                                        float *out) {
+    const __m256i shifts = _mm256_setr_epi32(14, 12, 10, 8, 6, 4, 2, 0);
+    const __m256i three = _mm256_set1_epi32(3), two = _mm256_set1_epi32(2);
+    const uint8_t *c = codes;
+    int64_t j = 0;
+    for (; j + 8 <= count; j += 8) {
+        int word = (c[j >> 2] << 8) | c[(j >> 2) + 1];
+        __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), three);
+        __m256 level = _mm256_cvtepi32_ps(_mm256_sub_epi32(code, two));
+        __m256 scale = _mm256_set1_ps(scales[j >> block_log2]);
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(level, scale));
+    }
+    for (; j < count; j++) {
+        int code = (c[j >> 2] >> (6 - 2 * (j & 3))) & 3;
+        out[j] = (float)(code - 2) * scales[j >> block_log2];
+    }
+}
+
 /* Groups of eight entries the int2 selection below scans before it quantizes and writes
  * back what they kept (16 KB of e: the write-back finds it in cache). */
 #define QUANT_TILE 512
@@ -876,6 +930,16 @@ int64_t gg_accumulate_select_f32(float *e, const float *a, const float *b, int64
     (void)e, (void)a, (void)b, (void)n, (void)threshold, (void)bits, (void)values, (void)room;
     *kept = -1;
     return -1;
+}
+
+int64_t gg_int2_first_zero(const uint8_t *codes, int64_t count) {
+    (void)codes, (void)count;
+    return -2;
+}
+
+void gg_int2_dequantize(const uint8_t *codes, const float *scales, int64_t block_log2,
+                        int64_t count, float *out) {
+    (void)codes, (void)scales, (void)block_log2, (void)count, (void)out;
 }
 
 int64_t gg_accumulate_select_int2(float *e, const float *a, const float *b, int64_t n,

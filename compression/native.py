@@ -39,6 +39,8 @@ __all__ = [
     "bitmap_gather",
     "consensus",
     "field_sum",
+    "int2_dequantize",
+    "int2_first_zero",
     "rice_add",
     "rice_encode_bitmap",
     "select",
@@ -68,6 +70,8 @@ _SIGNATURES = {
     "gg_bitmap_add_f32": ([_ptr, _i64, _ptr, _i64, _ptr, _f32], _i64),
     "gg_bitmap_gather_f32": ([_ptr, _i64, _ptr, _ptr, _i64], _i64),
     "gg_bitmap_add_many_f32": ([_i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr], _i64),
+    "gg_int2_first_zero": ([_ptr, _i64], _i64),
+    "gg_int2_dequantize": ([_ptr, _ptr, _i64, _i64, _ptr], None),
     "gg_rice_encode_bitmap": ([_ptr, _i64, _i64, ctypes.c_int, _ptr, _i64, _ptr], _i64),
     "gg_field_sum": ([_ptr, ctypes.c_int, _i64], _i64),
     "gg_rice_add_f32": ([_ptr, _ptr, ctypes.c_int, _i64, _ptr, _f32, _ptr, _ptr], None),
@@ -179,6 +183,38 @@ def accumulate_select(
         values.ctypes.data, values.size - 8, ctypes.byref(kept),
     )  # fmt: skip
     return kept.value, int(bad)
+
+
+def _codes_of(codes: torch.Tensor, count: int) -> None:
+    _need(
+        codes.dtype == torch.uint8 and codes.device.type == "cpu" and codes.is_contiguous(),
+        "codes must be contiguous uint8 on CPU",
+    )
+    _need(codes.numel() >= (count + 3) // 4, "codes too short")
+
+
+def int2_first_zero(codes: torch.Tensor, count: int) -> int:
+    """The index of the first of ``count`` int2 codes (four a byte, high bits first) that
+    is 0, which ``Int2`` never writes; -1 where none is."""
+    _codes_of(codes, count)
+    assert _lib is not None
+    return int(_lib.gg_int2_first_zero(codes.data_ptr(), count))
+
+
+def int2_dequantize(
+    codes: torch.Tensor, scales: torch.Tensor, block: int, count: int
+) -> torch.Tensor:
+    """``count`` int2 codes dequantized as ``Int2.dequantize`` does (the level times its
+    block's scale, one rounding), into a new float32 tensor, in one pass."""
+    _codes_of(codes, count)
+    _need(block >= 8 and block & (block - 1) == 0, f"block {block}: a power of two, 8 or more")
+    _need(usable(scales) and scales.numel() >= -(-count // block), "scales too short")
+    out = torch.empty(count, dtype=torch.float32)
+    assert _lib is not None
+    _lib.gg_int2_dequantize(
+        codes.data_ptr(), scales.data_ptr(), block.bit_length() - 1, count, out.data_ptr()
+    )
+    return out
 
 
 #: Most kept values per block :func:`accumulate_select_int2` quantizes (kernels.c's bound).

@@ -281,10 +281,26 @@ class Int2(_BlockInt):
             return None
         return self.block
 
+    def dequantize(
+        self, values: torch.Tensor, scales: torch.Tensor | None, count: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        if (
+            scales is not None
+            and native.usable(scales)
+            and native.usable(values, dtype=torch.uint8)
+        ):
+            out = native.int2_dequantize(values, scales, self.block, count)  # one pass
+            return out if dtype == torch.float32 else out.to(dtype)
+        return super().dequantize(values, scales, count, dtype)
+
     def check(
         self, values: torch.Tensor, scales: torch.Tensor | None, count: int, dtype: torch.dtype
     ) -> None:
         super().check(values, scales, count, dtype)
+        if native.usable(values, dtype=torch.uint8):
+            if native.int2_first_zero(values, count) >= 0:
+                raise DecodeError("int2 code 0 in payload (never written)")
+            return
         # A field is non-zero iff (high bit | low bit) is set: fold each field onto its low bit.
         full = count // 4
         for lo in range(0, full, CHUNK):

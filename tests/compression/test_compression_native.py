@@ -343,6 +343,34 @@ def test_the_int2_selection_quantizes_and_takes_out_as_numpy_does(
 
 
 @needs_kernels
+@given(
+    count=st.integers(0, 3000),
+    block=st.sampled_from([8, 64, 256]),
+    zero_at=st.one_of(st.none(), st.integers(0, 2999)),
+    seed=st.integers(0, 2**16),
+)
+@SETTINGS
+def test_int2_codes_are_checked_and_dequantized_as_numpy_does(
+    count: int, block: int, zero_at: int | None, seed: int
+) -> None:
+    """The first code 0 (never written) is found wherever it is; codes dequantize to
+    numpy's level times scale, bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    q = Int2(block=block)
+    codes, scales = q.quantize(torch.randn(count, generator=g), None)
+    with without_kernels():
+        want = q.dequantize(codes, scales, count, torch.float32)
+    assert torch.equal(native.int2_dequantize(codes, scales, block, count), want)
+    assert native.int2_first_zero(codes, count) == -1
+    if zero_at is not None and zero_at < count:
+        broken = codes.clone()
+        broken[zero_at // 4] &= ~(3 << (6 - 2 * (zero_at % 4))) & 0xFF
+        assert native.int2_first_zero(broken, count) == zero_at
+        with pytest.raises(DecodeError, match="code 0"):
+            q.check(broken, scales, count, torch.float32)
+
+
+@needs_kernels
 def test_the_int2_selection_gives_way_on_an_overshoot_and_its_values_go_back() -> None:
     """More kept than room: the rest is only accumulated; the values it had taken out are
     told (``written``) and put back exactly, so a fallback selects from the sums."""
