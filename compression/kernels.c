@@ -825,6 +825,20 @@ __attribute__((target("avx2"))) int64_t gg_accumulate_select_int2(
     return 0;
 }
 
+/* x = x + (a - b), a - b rounded first (torch's sub into a buffer, then add_), in one pass:
+ * diloco's parameters moved by a' - theta_r after a round in the background. */
+__attribute__((target("avx2"))) void gg_add_difference_f32(float *x, const float *a,
+                                                           const float *b, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 d = _mm256_sub_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i));
+        _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), d));
+    }
+    for (; i < n; i++) {
+        x[i] = x[i] + (a[i] - b[i]);
+    }
+}
+
 /* Eight (or one) entries of a copy as float32: float16 where `half`, else float32. */
 __attribute__((target("avx2,f16c"))) static inline __m256 load_copy(const void *c, int64_t i,
                                                                     int half) {
@@ -950,6 +964,10 @@ int64_t gg_accumulate_select_int2(float *e, const float *a, const float *b, int6
     (void)codes, (void)scales, (void)block_log2;
     out[0] = -1, out[1] = 0;
     return -1;
+}
+
+void gg_add_difference_f32(float *x, const float *a, const float *b, int64_t n) {
+    (void)x, (void)a, (void)b, (void)n;
 }
 
 double gg_consensus_f32(float *x, const void *const *publics, const void *const *mirrors,

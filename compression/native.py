@@ -33,6 +33,7 @@ import torch
 __all__ = [
     "accumulate_select",
     "accumulate_select_int2",
+    "add_difference",
     "available",
     "bitmap_add",
     "bitmap_add_many",
@@ -77,6 +78,7 @@ _SIGNATURES = {
     "gg_rice_add_f32": ([_ptr, _ptr, ctypes.c_int, _i64, _ptr, _f32, _ptr, _ptr], None),
     "gg_sign_encode_f16": ([_ptr, _ptr, _i64, _i64, _ptr, _ptr, ctypes.c_int, _ptr], _i64),
     "gg_sign_add_f16": ([_ptr, _ptr, _i64, _i64, _ptr], None),
+    "gg_add_difference_f32": ([_ptr, _ptr, _ptr, _i64], None),
     "gg_consensus_f32": (
         [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, ctypes.c_int],
         ctypes.c_double,
@@ -338,6 +340,14 @@ def sign_add(bits: torch.Tensor, scales: torch.Tensor, block: int, target: torch
     _need(scales.numel() >= (n + block - 1) // block and usable(scales), "scales too short")
     assert _lib is not None
     _lib.gg_sign_add_f16(bits.data_ptr(), scales.data_ptr(), n, block, target.data_ptr())
+
+
+def add_difference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``x += a − b`` (float32, contiguous, one size; ``a − b`` rounded first, as a ``sub``
+    into a buffer and an ``add_`` give it) in one pass."""
+    _need(usable(x, a, b) and x.numel() == a.numel() == b.numel(), "x, a, b: one float32 size")
+    assert _lib is not None
+    _lib.gg_add_difference_f32(x.data_ptr(), a.data_ptr(), b.data_ptr(), x.numel())
 
 
 def consensus(

@@ -42,6 +42,7 @@ import threading
 import time
 
 import torch
+from gossipgrad.compression import native
 from gossipgrad.peer.algorithms.averaging import AverageStats, CompressedAverage, Ticket
 from gossipgrad.peer.algorithms.base import GossipAlgorithm, RoundStats
 from gossipgrad.peer.algorithms.choco import ChocoGossip
@@ -135,6 +136,8 @@ class DiLoCo(GossipAlgorithm):
         with torch.no_grad(), self.state_lock:
             if phase_end is None:
                 self.flat.data.copy_(self.anchor)
+            elif native.usable(self.flat.data, self.anchor, phase_end):
+                native.add_difference(self.flat.data, self.anchor, phase_end)  # one pass
             else:  # a' − θ_r, in θ_r's buffer (no temporary), then onto the parameters
                 torch.sub(self.anchor, phase_end, out=phase_end)
                 self.flat.data.add_(phase_end)

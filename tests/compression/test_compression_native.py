@@ -136,6 +136,17 @@ def test_several_messages_added_in_one_pass_are_added_one_after_another(
 
 
 @needs_kernels
+@given(n=st.integers(0, 3000), seed=st.integers(0, 2**16))
+@SETTINGS
+def test_adding_a_difference_in_one_pass_is_torchs_sub_then_add(n: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x, a, b = (torch.randn(n, generator=g) * 10.0 ** float(i) for i in range(3))
+    want = x + torch.sub(a, b)
+    native.add_difference(x, a, b)
+    assert torch.equal(x.view(torch.int32), want.view(torch.int32))
+
+
+@needs_kernels
 def test_a_bitmap_holding_other_than_its_count_is_refused() -> None:
     mask = np.zeros(40, dtype=np.bool_)
     mask[[1, 9, 30]] = True
