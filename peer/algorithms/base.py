@@ -74,9 +74,10 @@ class GossipAlgorithm(abc.ABC):
         return True
 
     def hand_over(self, local_step: int) -> None:
-        """With ``gossip.background_rounds``: what a due round must take from the training
-        thread before ``after_step(local_step)`` goes to a thread of its own and training goes
-        on (diloco: the parameters at the phase's end). Nothing by default."""
+        """With ``gossip.background_rounds``: called on the training thread before
+        ``after_step(local_step)`` of a due round goes to a thread of its own and training goes
+        on (diloco: the round's thread keeps the parameters at the phase's end, and
+        ``before_step`` holds the next optimizer step until it has). Nothing by default."""
         return
 
     @abc.abstractmethod

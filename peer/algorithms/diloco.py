@@ -26,13 +26,15 @@ at 2.46, these eager updates at 1.96, against 1.76 without overlap on the char t
 4 peers, H = 10.)
 
 With ``gossip.background_rounds`` the end of phase r runs beside the first steps of phase
-r + 1: the training thread keeps θ_r (the parameters at the phase's end) and trains on; a
-thread of its own compresses Δ_r = a − θ_r, averages, takes the outer step and the anchors'
-CHOCO round, and then moves the parameters by what the phase's start moved,
-θ ← θ + (a' − θ_r) = a' + p, the progress p made meanwhile kept on top of the new anchor
-a'. Every step's progress lands in exactly one pseudo-gradient (the next one measures from
-θ_r), and the round costs the training thread one copy of the model instead of the whole
-round; it keeps that copy, one model more (peer/algorithms/footprint.py).
+r + 1: a thread of its own first keeps θ_r (the parameters at the phase's end: a copy taken
+while the training thread computes the next step's forward and backward, which only read
+them; the next optimizer step waits for it, ``before_step``), then compresses
+Δ_r = a − θ_r, averages, takes the outer step and the anchors' CHOCO round, and moves the
+parameters by what the phase's start moved, θ ← θ + (a' − θ_r) = a' + p, the progress p
+made meanwhile kept on top of the new anchor a'. Every step's progress lands in exactly one
+pseudo-gradient (the next one measures from θ_r), and the round costs the training thread
+nothing while the copy is done before its next optimizer step; the copy is one model more
+(peer/algorithms/footprint.py).
 """
 
 from __future__ import annotations
@@ -87,8 +89,11 @@ class DiLoCo(GossipAlgorithm):
         self._phase = 0
         self._ended_step = 0  # the latest step whose phase end is applied (under state_lock)
         self._pending: Ticket | None = None
-        # θ at the end of the phase whose round runs in the background (background only).
+        # θ at the end of the phase whose round runs in the background (background only),
+        # and whether it is taken (the training thread's next optimizer step waits for it).
         self._phase_end: torch.Tensor | None = None
+        self._phase_end_kept = threading.Event()
+        self._phase_end_kept.set()
         self.last_exchange: AverageStats | None = None
         # gossip.overlap as set, or "auto": chosen from the round trip (phase_overlap.py).
         self.overlap = PhaseOverlap(outer.overlap)
@@ -155,12 +160,23 @@ class DiLoCo(GossipAlgorithm):
         return self.round_due(local_step) and self._ended_step != local_step
 
     def hand_over(self, local_step: int) -> None:
-        if not self.outer.background or not self.round_due(local_step):
-            return
-        with torch.no_grad(), self.state_lock:
-            if self._phase_end is None:
-                self._phase_end = torch.empty_like(self.flat.data)
-            self._phase_end.copy_(self.flat.data)
+        if self.outer.background and self.round_due(local_step):
+            self._phase_end_kept.clear()  # the round's thread keeps θ_r first
+
+    def before_step(self) -> None:
+        self._phase_end_kept.wait()  # θ_r is kept before the parameters change
+
+    def _keep_phase_end(self) -> torch.Tensor:
+        """θ_r into its buffer (the round's thread, while training computes the next step's
+        gradients: the parameters are only read until its optimizer step)."""
+        try:
+            with torch.no_grad(), self.state_lock:
+                if self._phase_end is None:
+                    self._phase_end = torch.empty_like(self.flat.data)
+                self._phase_end.copy_(self.flat.data)
+            return self._phase_end
+        finally:
+            self._phase_end_kept.set()
 
     def after_step(self, local_step: int) -> RoundStats | None:
         if not self.round_due(local_step):
@@ -174,9 +190,10 @@ class DiLoCo(GossipAlgorithm):
             stats.overlap = overlap
             self._phase_done = time.perf_counter()
             return stats
-        if self._phase_end is None:
-            raise RuntimeError("hand_over() keeps θ before a round goes to the background")
-        return self._outer_round(overlap=False, phase_end=self._phase_end, local_step=local_step)
+        if self._phase_end_kept.is_set():
+            raise RuntimeError("hand_over() comes before a round goes to the background")
+        phase_end = self._keep_phase_end()
+        return self._outer_round(overlap=False, phase_end=phase_end, local_step=local_step)
 
     def consensus_round(self) -> RoundStats:
         """Gossip-only: a CHOCO round over the anchors, the parameters follow them."""

@@ -106,8 +106,9 @@ class GossipSection(Section):
         "of its own while training computes the next steps; the training thread waits only for "
         "the round before, when the next is due. Needs a core free for gossip. choco: a "
         "round's mixing lands a few steps after the step it started from (CHOCO tolerates "
-        "such delay, as it does max_staleness). diloco: the training thread keeps a copy of "
-        "the parameters at the phase's end (one model more) and trains on; when the round is "
+        "such delay, as it does max_staleness). diloco: the round's thread first keeps a copy "
+        "of the parameters at the phase's end (one model more) while training computes the "
+        "next step's gradients (its optimizer step waits for the copy); when the round is "
         "over the parameters move by what the anchor moved from that copy, keeping the "
         "progress made meanwhile. Not with overlap.",
     )

@@ -5,9 +5,11 @@ and diloco's progress made while its round runs lands in exactly one pseudo-grad
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
+from gossipgrad.peer.algorithms.diloco import DiLoCo
 from gossipgrad.peer.config import ConfigError, build_config
 from gossipgrad.peer.runtime.background import BackgroundRound
 from support.optimizers import start_optimizers
@@ -76,13 +78,25 @@ def test_background_rounds_fit_choco_and_diloco_only() -> None:
         build_config({}, {"gossip.algorithm": "diloco", "gossip.overlap": "true", **on})
 
 
-@pytest.mark.parametrize("background", [False, True])
-def test_diloco_counts_every_step_once_with_its_round_in_the_background(background: bool) -> None:
+@pytest.mark.parametrize("background", [False, True, "slow to keep θ"])
+def test_diloco_counts_every_step_once_with_its_round_in_the_background(
+    background: bool | str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two diloco peers, exact codecs, outer lr 1, SGD steps of a fixed size per peer
     (lr x g_i): every step's progress lands in exactly one pseudo-gradient, so after N steps
     each and finish() both anchors (and parameters) are a0 - N lr (g_0 + g_1) / 2, whether
     the phase ends run in the training thread or beside the next phase's steps. With them in
-    the background, p0's phase end returns while p1 has not stepped and p0 trains on."""
+    the background, p0's phase end returns while p1 has not stepped and p0 trains on; the
+    round's thread keeps θ at the phase's end, and the next optimizer step waits for it
+    (a round's thread slow to take it: the step would otherwise land in it)."""
+    if background == "slow to keep θ":
+        keep = DiLoCo._keep_phase_end
+
+        def slow_keep(self: DiLoCo) -> torch.Tensor:
+            time.sleep(0.3)
+            return keep(self)
+
+        monkeypatch.setattr(DiLoCo, "_keep_phase_end", slow_keep)
     lr, steps = 0.05, 9  # H = 2: four whole phases and a partial one, settled by finish()
     a, b = start_optimizers(
         2,
@@ -94,7 +108,7 @@ def test_diloco_counts_every_step_once_with_its_round_in_the_background(backgrou
         copy_dtype="float32",
         outer_lr=1.0,
         outer_momentum=0.0,
-        background_rounds=background,
+        background_rounds=bool(background),
         max_staleness=0,
     )
     try:
@@ -110,8 +124,10 @@ def test_diloco_counts_every_step_once_with_its_round_in_the_background(backgrou
         if background:
             fixed_step(a, grads[0])
             fixed_step(a, grads[0])  # phase 0 ends
+            phase_end = a.flat.data.clone()
             fixed_step(a, grads[0])  # p1 has not stepped: the round waits, training does not
             assert a.local_step == 3 and a._background.running
+            assert torch.equal(a.algorithm._phase_end, phase_end)  # θ_r, not after step 3
         other.start()
         while a.local_step < steps:
             fixed_step(a, grads[0])
