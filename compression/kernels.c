@@ -521,6 +521,38 @@ __attribute__((target("avx2"))) int64_t gg_bitmap_add_many_f32(int64_t terms,
     return 0;
 }
 
+/* The last n - from (fewer than eight) entries of an accumulating selection: 1, nothing
+ * written, where a sum e + (a - b) there is not finite; else each sum into e and, while
+ * *held >= 0, those with |sum| >= threshold into *bit (MSB first) and values[*held...]
+ * (*held = -1 past room, the byte then unwritten). */
+static int accumulate_select_tail(float *e, const float *a, const float *b, int64_t from,
+                                  int64_t n, float threshold, uint8_t *bit, float *values,
+                                  int64_t *held, int64_t room) {
+    for (int64_t p = from; p < n; p++) {
+        float x = e[p] + (a[p] - b[p]);
+        if (!(x - x == 0.0f)) {
+            return 1;
+        }
+    }
+    int byte = 0;
+    for (int64_t p = from; p < n; p++) {
+        float x = e[p] + (a[p] - b[p]);
+        e[p] = x;
+        if (*held >= 0 && (x < 0 ? -x : x) >= threshold) {
+            if (*held + 1 > room) {
+                *held = -1;
+                continue;
+            }
+            byte |= 0x80 >> (p - from);
+            values[(*held)++] = x;
+        }
+    }
+    if (*held >= 0) {
+        *bit = (uint8_t)byte;
+    }
+    return 0;
+}
+
 /* Error feedback's accumulation and a dense top-k's selection in one pass: e = e + (a - b)
  * (a - b rounded first, as torch's sub then add_), then gg_select_f32's bitmap and kept
  * values of e (|e| >= threshold). Every entry of e is accumulated even when more than `room`
@@ -547,30 +579,10 @@ __attribute__((target("avx2"))) int64_t gg_accumulate_select_f32(float *e, const
             held = keep_eight(x, t, bits + i, values, held, room);
         }
     }
-    if (n % 8) {
-        int byte = 0;
-        for (int64_t p = 8 * full; p < n; p++) {
-            float x = e[p] + (a[p] - b[p]);
-            if (!(x - x == 0.0f)) {
-                *kept = held;
-                return full + 1;
-            }
-        }
-        for (int64_t p = 8 * full; p < n; p++) {
-            float x = e[p] + (a[p] - b[p]);
-            e[p] = x;
-            if (held >= 0 && (x < 0 ? -x : x) >= threshold) {
-                if (held + 1 > room) {
-                    held = -1;
-                    continue;
-                }
-                byte |= 0x80 >> (p - 8 * full);
-                values[held++] = x;
-            }
-        }
-        if (held >= 0) {
-            bits[full] = (uint8_t)byte;
-        }
+    if (n % 8 && accumulate_select_tail(e, a, b, 8 * full, n, threshold, bits + full, values,
+                                        &held, room)) {
+        *kept = held;
+        return full + 1;
     }
     *kept = held;
     return 0;
@@ -726,30 +738,11 @@ __attribute__((target("avx2"))) int64_t gg_accumulate_select_int2(
             }
         }
         int last = t1 == full;
-        if (last && n % 8) { /* the tail: as gg_accumulate_select_f32 */
-            for (int64_t p = 8 * full; p < n; p++) {
-                float x = e[p] + (a[p] - b[p]);
-                if (!(x - x == 0.0f)) {
-                    out[0] = held, out[1] = written;
-                    return full + 1;
-                }
-            }
-            int byte = 0;
-            for (int64_t p = 8 * full; p < n; p++) {
-                float x = e[p] + (a[p] - b[p]);
-                e[p] = x;
-                if (held >= 0 && (x < 0 ? -x : x) >= threshold) {
-                    if (held + 1 > room) {
-                        held = -1;
-                        continue;
-                    }
-                    byte |= 0x80 >> (p - 8 * full);
-                    values[held++] = x;
-                }
-            }
-            if (held >= 0) {
-                bits[full] = (uint8_t)byte;
-            }
+        if (last && n % 8 &&
+            accumulate_select_tail(e, a, b, 8 * full, n, threshold, bits + full, values, &held,
+                                   room)) {
+            out[0] = held, out[1] = written;
+            return full + 1;
         }
         if (held < 0) {
             if (last) {

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 from gossipgrad.peer.algorithms.base import RoundStats
+from gossipgrad.peer.algorithms.edges import Kind
+from gossipgrad.peer.algorithms.wire_kinds import KINDS
 from gossipgrad.peer.config import build_config
 from gossipgrad.peer.flat import FlatParameters
 from gossipgrad.peer.runtime.node import Peer
@@ -133,7 +135,12 @@ def distance(peers: list[Peer]) -> float:
 
 def assert_mirrors_exact(peers: list[Peer]) -> int:
     """Every edge i<->j: one session at both ends, j's mirror == i's public copy bit for bit,
-    and both ends have mixed the same exchanges. Returns the directed edge count."""
+    and both ends have mixed the same exchanges. Returns the directed edge count.
+
+    At the end of a run (``finish``) i's last update may never reach j once j has finished
+    and i has mixed every exchange j completes (a push lost on a loaded host is not retried
+    then): that exchange is left open, mixed at neither end, and j's mirror with that update
+    applied is i's public copy."""
     by_id = {p.id: p for p in peers}
     checked = 0
     for p in peers:
@@ -141,8 +148,17 @@ def assert_mirrors_exact(peers: list[Peer]) -> int:
             other = by_id[peer_id].algorithm.edges.get(p.id)
             assert other is not None, f"edge {p.id}->{peer_id} has no other end"
             assert edge.epoch == other.epoch != 0, f"edge {p.id}<->{peer_id}: two sessions"
-            assert other.received == edge.sent > 0, (p.id, peer_id, edge.sent, other.received)
-            assert torch.equal(other.mirror, edge.public), f"edge {p.id}->{peer_id} diverged"
+            mirror = other.mirror
+            if other.received == edge.sent - 1 and edge.unacked is not None:
+                assert edge.mixed == other.mixed == other.received, (p.id, peer_id, "open")
+                header, payload = edge.unacked
+                copies = by_id[peer_id].algorithm.copies
+                assert KINDS[header.kind] is Kind.DELTA, (p.id, peer_id, header.kind)
+                mirror = mirror.clone()
+                copies.codec.decode_add_(payload, mirror, cast=True)
+            else:
+                assert other.received == edge.sent > 0, (p.id, peer_id, edge.sent, other.received)
+            assert torch.equal(mirror, edge.public), f"edge {p.id}->{peer_id} diverged"
             assert edge.mixed == other.mixed, f"edge {p.id}<->{peer_id} mixed one-sidedly"
             checked += 1
     return checked
