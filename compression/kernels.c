@@ -171,6 +171,17 @@ int gg_fast(void) {
     return 1;
 }
 
+/* t with v[0..c) * alpha added at the lanes the mask m keeps (lane l = bit l), in order:
+ * each kept lane t + v * alpha, rounded twice as index_add_ does; the others untouched (v
+ * has 8 readable floats). */
+__attribute__((target("avx2"))) static inline __m256 add_kept(__m256 t, const float *v, int m,
+                                                              __m256 alpha) {
+    __m256 spread = _mm256_permutevar8x32_ps(_mm256_loadu_ps(v),
+                                             _mm256_loadu_si256((const __m256i *)spread_perm[m]));
+    __m256 keep = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)lane_mask[m]));
+    return _mm256_blendv_ps(t, _mm256_add_ps(t, _mm256_mul_ps(spread, alpha)), keep);
+}
+
 /* Eight entries v of a selection at threshold t: their byte of the bitmap into *bit, the
  * kept ones packed at values + kept. Returns the new kept count, or -1 where it would pass
  * `room` (values has 8 entries past room: the vector store's overrun). */
@@ -237,13 +248,8 @@ __attribute__((target("avx2"))) int64_t gg_bitmap_add_f32(const uint8_t *bits, i
             return -1;
         }
         if (used + 8 <= count) {
-            __m256 v = _mm256_loadu_ps(values + used);
-            __m256 spread = _mm256_permutevar8x32_ps(
-                v, _mm256_loadu_si256((const __m256i *)spread_perm[m]));
-            __m256 keep = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)lane_mask[m]));
             __m256 old = _mm256_loadu_ps(target + 8 * i);
-            __m256 sum = _mm256_add_ps(old, _mm256_mul_ps(spread, a));
-            _mm256_storeu_ps(target + 8 * i, _mm256_blendv_ps(old, sum, keep));
+            _mm256_storeu_ps(target + 8 * i, add_kept(old, values + used, m, a));
         } else {
             int64_t j = used;
             for (int l = 0; l < 8; l++) {
@@ -464,12 +470,7 @@ __attribute__((target("avx2"))) int64_t gg_bitmap_add_many_f32(int64_t terms,
             for (int64_t j = 0; j < terms; j++) {
                 int m = reversed[(words[j] >> (8 * l)) & 0xff];
                 const float *v = values[j] + used[j] + ((before[j] >> (8 * l)) & 0xff);
-                __m256 spread = _mm256_permutevar8x32_ps(
-                    _mm256_loadu_ps(v), _mm256_loadu_si256((const __m256i *)spread_perm[m]));
-                __m256 keep =
-                    _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)lane_mask[m]));
-                __m256 sum = _mm256_add_ps(t, _mm256_mul_ps(spread, _mm256_set1_ps(alphas[j])));
-                t = _mm256_blendv_ps(t, sum, keep);
+                t = add_kept(t, v, m, _mm256_set1_ps(alphas[j]));
             }
             _mm256_storeu_ps(target + 8 * (i + l), t);
         }
@@ -486,13 +487,7 @@ __attribute__((target("avx2"))) int64_t gg_bitmap_add_many_f32(int64_t terms,
                 return -1;
             }
             if (used[j] + 8 <= counts[j]) {
-                __m256 spread = _mm256_permutevar8x32_ps(
-                    _mm256_loadu_ps(values[j] + used[j]),
-                    _mm256_loadu_si256((const __m256i *)spread_perm[m]));
-                __m256 keep =
-                    _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)lane_mask[m]));
-                __m256 sum = _mm256_add_ps(t, _mm256_mul_ps(spread, _mm256_set1_ps(alphas[j])));
-                t = _mm256_blendv_ps(t, sum, keep);
+                t = add_kept(t, values[j] + used[j], m, _mm256_set1_ps(alphas[j]));
             } else if (c) {
                 float lanes[8];
                 _mm256_storeu_ps(lanes, t);
@@ -772,14 +767,8 @@ __attribute__((target("avx2"))) int64_t gg_accumulate_select_int2(
             for (int l = 0; l < 8; l++) {
                 int m = reversed[(w >> (8 * l)) & 0xff];
                 int64_t at = written + (int64_t)((before >> (8 * l)) & 0xff) - low;
-                __m256 spread = _mm256_permutevar8x32_ps(
-                    _mm256_loadu_ps(deq + at), _mm256_loadu_si256((const __m256i *)spread_perm[m]));
-                __m256 keep =
-                    _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)lane_mask[m]));
                 float *at_e = e + 8 * (next_group + l);
-                __m256 old = _mm256_loadu_ps(at_e);
-                __m256 sum = _mm256_add_ps(old, _mm256_mul_ps(spread, minus_one));
-                _mm256_storeu_ps(at_e, _mm256_blendv_ps(old, sum, keep));
+                _mm256_storeu_ps(at_e, add_kept(_mm256_loadu_ps(at_e), deq + at, m, minus_one));
             }
             written += total;
             next_group += 8;
@@ -791,14 +780,9 @@ __attribute__((target("avx2"))) int64_t gg_accumulate_select_int2(
                 break;
             }
             if (c) {
-                __m256 spread = _mm256_permutevar8x32_ps(
-                    _mm256_loadu_ps(deq + (written - low)),
-                    _mm256_loadu_si256((const __m256i *)spread_perm[m]));
-                __m256 keep =
-                    _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)lane_mask[m]));
-                __m256 old = _mm256_loadu_ps(e + 8 * next_group);
-                __m256 sum = _mm256_add_ps(old, _mm256_mul_ps(spread, minus_one));
-                _mm256_storeu_ps(e + 8 * next_group, _mm256_blendv_ps(old, sum, keep));
+                float *at_e = e + 8 * next_group;
+                _mm256_storeu_ps(at_e, add_kept(_mm256_loadu_ps(at_e), deq + (written - low), m,
+                                                minus_one));
             }
             written += c;
         }

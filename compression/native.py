@@ -175,16 +175,25 @@ def accumulate_select(
     pass: (kept, bad). ``kept`` is -1 where more than ``values.size - 8`` would be kept (``e``
     is then accumulated all the same); ``bad`` is 0, or 1 + the index of the first group of
     eight entries whose sum is not finite (``e`` accumulated before that group only)."""
-    _need(usable(e, a, b) and e.numel() == a.numel() == b.numel(), "e, a, b: one float32 size")
-    _need(bits.dtype == np.uint8 and bits.size >= (e.numel() + 7) // 8, "bits too short")
-    _need(values.dtype == np.float32 and values.size >= 8, "values too short")
+    room = _accumulation_room(e, a, b, bits, values)
     assert _lib is not None
     kept = ctypes.c_int64()
     bad = _lib.gg_accumulate_select_f32(
         e.data_ptr(), a.data_ptr(), b.data_ptr(), e.numel(), threshold, bits.ctypes.data,
-        values.ctypes.data, values.size - 8, ctypes.byref(kept),
+        values.ctypes.data, room, ctypes.byref(kept),
     )  # fmt: skip
     return kept.value, int(bad)
+
+
+def _accumulation_room(
+    e: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: np.ndarray, values: np.ndarray
+) -> int:
+    """The kept values ``values`` has room for (8 fewer than its size: a vector store's
+    overrun), once an accumulating selection's arguments are checked."""
+    _need(usable(e, a, b) and e.numel() == a.numel() == b.numel(), "e, a, b: one float32 size")
+    _need(bits.dtype == np.uint8 and bits.size >= (e.numel() + 7) // 8, "bits too short")
+    _need(values.dtype == np.float32 and values.size >= 8, "values too short")
+    return values.size - 8
 
 
 def _codes_of(codes: torch.Tensor, count: int) -> None:
@@ -240,11 +249,8 @@ def accumulate_select_int2(
     ``written``: how many kept values, the first in order, ``e`` holds the residual of
     (all of them when ``kept >= 0`` and ``bad == 0``; a caller falling back puts
     ``values[:written]`` back first)."""
-    _need(usable(e, a, b) and e.numel() == a.numel() == b.numel(), "e, a, b: one float32 size")
+    room = _accumulation_room(e, a, b, bits, values)
     _need(8 <= block <= MAX_INT2_BLOCK and block & (block - 1) == 0, f"block {block}")
-    room = values.size - 8
-    _need(bits.dtype == np.uint8 and bits.size >= (e.numel() + 7) // 8, "bits too short")
-    _need(values.dtype == np.float32 and room >= 0, "values too short")
     _need(codes.dtype == np.uint8 and codes.size >= (room + 3) // 4, "codes too short")
     _need(scales.dtype == np.float32 and scales.size >= -(-room // block), "scales too short")
     assert _lib is not None
