@@ -32,7 +32,7 @@ from gossipgrad.compression.bitpack import (
     rice_encode,
     rice_max_bytes,
 )
-from gossipgrad.compression.engine import Encoded
+from gossipgrad.compression.engine import Encoded, Received
 from gossipgrad.compression.errors import DecodeError
 from gossipgrad.compression.finite import all_finite
 from gossipgrad.compression.selection import Selection
@@ -178,11 +178,24 @@ class Codec(abc.ABC):
         return engine.inspect(self, data, max_numel)
 
     @torch.no_grad()
+    def receive(self, data: bytes, *, max_numel: int | None = None) -> Received:
+        """:meth:`inspect`, keeping what it checked: the header's fields and the sections,
+        decompressed (a receiver holds this instead of the bytes; ``add_all_`` and
+        ``decode_add_`` then read neither the envelope nor a section again, only the
+        indices, which they check as for bytes).
+
+        Raises:
+            DecodeError: as :meth:`inspect`.
+        """
+        return engine.receive(self, data, max_numel)
+
+    @torch.no_grad()
     def add_all_(
-        self, terms: Sequence[tuple[bytes | Encoded, float]], out: torch.Tensor
+        self, terms: Sequence[tuple[bytes | Received | Encoded, float]], out: torch.Tensor
     ) -> list[tuple[int, DecodeError]]:
         """``out += Σ_k alpha_k decode(c_k)`` for the ``(c_k, alpha_k)`` given, in their order
-        (a payload may be what an encoder built: :class:`Encoded`): the bits of
+        (a payload may be what its receipt kept, :class:`Received`, or what an encoder built,
+        :class:`Encoded`): the bits of
         ``decode_add_`` (or ``add_to_``) of each in turn. Messages whose positions are
         bitmaps are added in one pass over ``out`` where the fused kernels run. A payload that
         does not decode is left out, the others added; returns each one's (index,
@@ -191,9 +204,15 @@ class Codec(abc.ABC):
 
     @torch.no_grad()
     def decode_add_(
-        self, data: bytes, out: torch.Tensor, *, alpha: float = 1.0, cast: bool = False
+        self,
+        data: bytes | Received,
+        out: torch.Tensor,
+        *,
+        alpha: float = 1.0,
+        cast: bool = False,
     ) -> torch.Tensor:
-        """``out += alpha * decode(data)`` in place, and return ``out``.
+        """``out += alpha * decode(data)`` in place, and return ``out`` (``data`` may be what
+        :meth:`receive` kept of the bytes).
 
         Sparse codecs scatter-add only the kept entries. Everything is validated before ``out``
         is touched, so on DecodeError ``out`` is unchanged. The result is a deterministic

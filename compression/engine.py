@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CHUNK",
     "Encoded",
+    "Received",
     "add_all",
     "decode",
     "decode_add",
@@ -37,6 +38,7 @@ __all__ = [
     "encode_difference",
     "encode_parts",
     "inspect",
+    "receive",
 ]
 
 #: Dense tensors are (de)quantized in chunks of this many elements: bounded temporaries, cache
@@ -312,12 +314,73 @@ def decode(
     return out
 
 
+@dataclass(frozen=True)
+class Received:
+    """A payload checked on arrival (:func:`receive`): its header's fields and its sections,
+    decompressed and checked, so that adding it reads neither again (a zstd section
+    decompressed and the CRC taken twice cost about a third of a model copy per message).
+    Its indices are decoded, and checked, where it is added, as ``decode_add`` does."""
+
+    spec: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    numel: int
+    seed: int
+    count: int
+    index_bits: int
+    values: torch.Tensor
+    scales: torch.Tensor | None
+    raw: bytes | memoryview | None  # the index section, decompressed
+    nbytes: int  # the payload's size as it arrived
+
+
+def receive(codec: Codec, data: bytes, max_numel: int | None) -> Received:
+    """Check ``data``'s envelope and sections as ``decode`` would, short of decoding sparse
+    indices, and keep what the check decompressed (see :meth:`.Codec.receive`)."""
+    env = wire.parse_envelope(data, codec.spec, max_numel)
+    values, scales, raw = _sections(codec, env, torch.device("cpu"))
+    return Received(
+        codec.spec,
+        env.shape,
+        env.dtype,
+        env.numel,
+        env.seed,
+        env.count,
+        env.index_bits,
+        values,
+        scales,
+        raw,
+        len(data),
+    )
+
+
+def _opened(
+    codec: Codec, payload: bytes | Received, out: torch.Tensor, cast: bool
+) -> tuple[wire.Envelope | Received, torch.Tensor, torch.Tensor | None, bytes | None]:
+    """A payload's header and sections, checked to add into ``out`` (``_envelope_for``):
+    read from its bytes, or as its receipt kept them."""
+    if not isinstance(payload, Received):
+        env = _envelope_for(codec, payload, out, cast)
+        return (env, *_sections(codec, env, out.device))
+    if payload.spec != codec.spec:
+        raise DecodeError(f"payload was written by codec {payload.spec!r}, not {codec.spec!r}")
+    _check_fits(payload.shape, payload.dtype, out, cast)
+    scales = payload.scales
+    if scales is not None:
+        scales = scales.to(out.device)
+    return payload, payload.values.to(out.device), scales, payload.raw
+
+
 def decode_add(
-    codec: Codec, data: bytes, out: torch.Tensor, *, alpha: float, cast: bool = False
+    codec: Codec,
+    data: bytes | Received,
+    out: torch.Tensor,
+    *,
+    alpha: float,
+    cast: bool = False,
 ) -> torch.Tensor:
     """``out += alpha * decode(data)`` in place (see :meth:`.Codec.decode_add_`)."""
-    env = _envelope_for(codec, data, out, cast)
-    values, scales, raw = _sections(codec, env, out.device)
+    env, values, scales, raw = _opened(codec, data, out, cast)
     sp, _ = codec.stages()
     idx = None
     if sp is not None:
@@ -330,15 +393,20 @@ def _envelope_for(codec: Codec, data: bytes, out: torch.Tensor, cast: bool) -> w
     """``data``'s envelope, checked to add into ``out`` (its shape; its dtype, or with
     ``cast`` any floating one)."""
     env = wire.parse_envelope(data, codec.spec, max(out.numel(), 1))
-    if env.shape != tuple(out.shape):
-        raise DecodeError(f"payload shape {list(env.shape)} != out shape {list(out.shape)}")
-    if env.dtype != out.dtype and not (cast and out.is_floating_point()):
-        raise DecodeError(f"payload dtype {env.dtype} != out dtype {out.dtype}")
+    _check_fits(env.shape, env.dtype, out, cast)
     return env
 
 
+def _check_fits(shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor, cast: bool) -> None:
+    """DecodeError unless a payload of ``shape`` and ``dtype`` adds into ``out``."""
+    if shape != tuple(out.shape):
+        raise DecodeError(f"payload shape {list(shape)} != out shape {list(out.shape)}")
+    if dtype != out.dtype and not (cast and out.is_floating_point()):
+        raise DecodeError(f"payload dtype {dtype} != out dtype {out.dtype}")
+
+
 def add_all(
-    codec: Codec, terms: Sequence[tuple[bytes | Encoded, float]], out: torch.Tensor
+    codec: Codec, terms: Sequence[tuple[bytes | Received | Encoded, float]], out: torch.Tensor
 ) -> list[tuple[int, DecodeError]]:
     """``out += Σ_k alpha_k decode(c_k)`` in the order given (see :meth:`.Codec.add_all_`);
     returns the (index, error) of each payload left out because it did not decode."""
@@ -358,7 +426,7 @@ def add_all(
 
 
 def _add_all_fused(
-    codec: Codec, terms: Sequence[tuple[bytes | Encoded, float]], out: torch.Tensor
+    codec: Codec, terms: Sequence[tuple[bytes | Received | Encoded, float]], out: torch.Tensor
 ) -> list[tuple[int, DecodeError]] | None:
     """:func:`add_all` in one pass over ``out`` where every term is a bitmap-coded message and
     ``out`` takes the kernels (the bits of adding them one after another); None, with
@@ -377,10 +445,9 @@ def _add_all_fused(
             parts.append((payload.idx, payload.values, payload.scales, payload.dtype, alpha))
             continue
         try:
-            env = _envelope_for(codec, payload, out, cast=False)
+            env, values, scales, raw = _opened(codec, payload, out, cast=False)
             if env.index_bits != BITMAP_INDEX_BITS:
                 return None
-            values, scales, raw = _sections(codec, env, out.device)
             idx = _indices(sp, env, raw, out.device, pieces=True)
         except DecodeError as err:
             failed.append((i, err))
@@ -511,9 +578,8 @@ def inspect(
 ) -> tuple[tuple[int, ...], torch.dtype]:
     """Check ``data``'s envelope and sections as ``decode`` would, short of decoding sparse
     indices; returns the payload's shape and dtype (see :meth:`.Codec.inspect`)."""
-    env = wire.parse_envelope(data, codec.spec, max_numel)
-    _sections(codec, env, torch.device("cpu"))
-    return env.shape, env.dtype
+    received = receive(codec, data, max_numel)
+    return received.shape, received.dtype
 
 
 def _read(codec: Codec, env: wire.Envelope, dev: torch.device) -> tuple:
@@ -528,7 +594,7 @@ def _read(codec: Codec, env: wire.Envelope, dev: torch.device) -> tuple:
 
 
 def _indices(
-    sp, env: wire.Envelope, raw, dev: torch.device, pieces: bool = False
+    sp, env: wire.Envelope | Received, raw, dev: torch.device, pieces: bool = False
 ) -> torch.Tensor | Iterable[torch.Tensor] | Bitmap | RiceStream:
     """The kept entries' indices: decoded from the index section, or drawn from the seed;
     with ``pieces``, possibly as consecutive pieces or a validated bitmap

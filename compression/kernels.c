@@ -833,12 +833,15 @@ __attribute__((target("avx2,f16c"))) static inline float copy_at(const void *c, 
 /* CHOCO's consensus step over copies of one dtype (float16 where `half`, else float32):
  * x += gamma * sum_j w_j (m_j - p_j), each edge's difference of its mirror and its public
  * copy taken in float32 before it is weighted (peer/algorithms/mixing.py consensus_step).
- * Returns ||sum_j w_j (m_j - p_j)||^2. */
+ * Returns ||sum_j w_j (m_j - p_j)||^2. With `also` (else NULL) the new x is also written
+ * there, in the same pass: a tensor that is to equal x after the step (diloco's parameters
+ * after the anchors' round) needs no copy of its own. */
 __attribute__((target("avx2,f16c"))) double gg_consensus_f32(float *x,
                                                              const void *const *publics,
                                                              const void *const *mirrors,
                                                              const float *weights, int64_t count,
-                                                             int64_t n, float gamma, int half) {
+                                                             int64_t n, float gamma, int half,
+                                                             float *also) {
     const __m256 g = _mm256_set1_ps(gamma);
     double total = 0.0;
     int64_t full = n / 8;
@@ -855,8 +858,11 @@ __attribute__((target("avx2,f16c"))) double gg_consensus_f32(float *x,
                 d = _mm256_add_ps(d, _mm256_mul_ps(e, _mm256_set1_ps(weights[j])));
             }
             dist = _mm256_add_ps(dist, _mm256_mul_ps(d, d));
-            _mm256_storeu_ps(x + 8 * i, _mm256_add_ps(_mm256_loadu_ps(x + 8 * i),
-                                                      _mm256_mul_ps(d, g)));
+            __m256 moved = _mm256_add_ps(_mm256_loadu_ps(x + 8 * i), _mm256_mul_ps(d, g));
+            _mm256_storeu_ps(x + 8 * i, moved);
+            if (also) {
+                _mm256_storeu_ps(also + 8 * i, moved);
+            }
         }
         float lanes[8];
         _mm256_storeu_ps(lanes, dist);
@@ -871,6 +877,9 @@ __attribute__((target("avx2,f16c"))) double gg_consensus_f32(float *x,
         }
         total += (double)d * d;
         x[i] = x[i] + d * gamma;
+        if (also) {
+            also[i] = x[i];
+        }
     }
     return total;
 }
@@ -948,9 +957,10 @@ void gg_add_difference_f32(float *x, const float *a, const float *b, int64_t n) 
 }
 
 double gg_consensus_f32(float *x, const void *const *publics, const void *const *mirrors,
-                        const float *weights, int64_t count, int64_t n, float gamma, int half) {
+                        const float *weights, int64_t count, int64_t n, float gamma, int half,
+                        float *also) {
     (void)x, (void)publics, (void)mirrors, (void)weights, (void)count, (void)n, (void)gamma;
-    (void)half;
+    (void)half, (void)also;
     return -1.0;
 }
 

@@ -80,7 +80,7 @@ _SIGNATURES = {
     "gg_sign_add_f16": ([_ptr, _ptr, _i64, _i64, _ptr], None),
     "gg_add_difference_f32": ([_ptr, _ptr, _ptr, _i64], None),
     "gg_consensus_f32": (
-        [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, ctypes.c_int],
+        [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, ctypes.c_int, _ptr],
         ctypes.c_double,
     ),
 }
@@ -362,12 +362,16 @@ def consensus(
     mirrors: list[torch.Tensor],
     weights: list[float],
     gamma: float,
+    also_into: torch.Tensor | None = None,
 ) -> float:
     """CHOCO's consensus step ``x += γ Σ_j w_j (mirror_j − public_j)`` in one pass (float32
     ``x``; every copy float16, or every one float32), each edge's difference taken in float32
-    before it is weighted; returns ||Σ_j w_j (mirror_j − public_j)||."""
+    before it is weighted; returns ||Σ_j w_j (mirror_j − public_j)||. ``also_into`` (float32,
+    x's size, not overlapping it): written the new x too, in the same pass."""
     dtype = mirrors[0].dtype if mirrors else torch.float32
     _need(usable(x) and dtype in (torch.float16, torch.float32), "x float32, copies float")
+    if also_into is not None:
+        _need(usable(also_into) and also_into.numel() == x.numel(), "also_into float32 of x's size")
     _need(usable(*publics, *mirrors, dtype=dtype), "copies of one dtype, contiguous, on CPU")
     _need(0 < len(mirrors) == len(publics) == len(weights), "one public and weight per mirror")
     _need(all(t.numel() == x.numel() for t in (*publics, *mirrors)), "copies of x's size")
@@ -378,7 +382,15 @@ def consensus(
     w = (ctypes.c_float * count)(*weights)
     half = int(dtype == torch.float16)
     dist2 = _lib.gg_consensus_f32(
-        x.data_ptr(), public_at, mirror_at, w, count, x.numel(), gamma, half
+        x.data_ptr(),
+        public_at,
+        mirror_at,
+        w,
+        count,
+        x.numel(),
+        gamma,
+        half,
+        None if also_into is None else also_into.data_ptr(),
     )
     return max(dist2, 0.0) ** 0.5
 

@@ -6,13 +6,13 @@ pseudo-gradient's codec with error feedback, sign anchors over float16 copies), 
 timed against a ``copy_`` of the model measured in the same run:
 
 1. the pseudo-gradient a − θ compressed with error feedback (``ErrorFeedback.compress_difference``);
-2. the average into the anchor: its own message as the encoder built it and each
-   neighbour's decoded (``Codec.add_all_``, as ``Average.add_to_``; our own message stands in
-   for theirs: the same size and layout);
-3. the anchors' CHOCO round: a − x̂ encoded with x̂ += q folded in (``encode_difference``),
-   each neighbour's update decoded into its mirror, the consensus step and the copies'
-   checksums;
-4. θ = a.
+2. each neighbour's message checked on arrival (``Codec.receive``: its envelope, CRC and
+   sections; our own message stands in for theirs: the same size and layout);
+3. the average into the anchor: its own message as the encoder built it and each
+   neighbour's as its receipt kept it (``Codec.add_all_``, as ``Average.add_to_``);
+4. the anchors' CHOCO round: a − x̂ encoded with x̂ += q folded in (``encode_difference``),
+   each neighbour's update decoded into its mirror, the consensus step (θ = a written in
+   its pass) and the copies' checksums.
 
 The figures say how many memory passes the round's CPU costs, without the threads, sockets
 and contention of ``bench_scale.py``'s swarm (which measures the whole process). The minimum
@@ -81,6 +81,7 @@ def main() -> None:
     seeds = iter(range(1, 1 << 30))
     feedback.compress_difference("v", anchor, theta, next(seeds))  # the residual exists
     message, built = feedback.compress_difference_parts("v", anchor, theta, next(seeds))
+    received = feedback.codec.receive(message)
     weight = 1.0 / (1 + args.neighbours)
     update = anchors_codec.encode_difference(anchor, own.clone(), next(seeds))[0]
     pairs = [Pair(mirror=m, public=p, weight=weight) for p, m in zip(publics, mirrors, strict=True)]
@@ -91,11 +92,16 @@ def main() -> None:
             lambda: feedback.compress_difference("v", anchor, theta, next(seeds)),
         ),
         (
+            f"{args.codec} a message checked on arrival",
+            args.neighbours,
+            lambda: feedback.codec.receive(message),
+        ),
+        (
             f"{args.codec} average into the anchor (own + {args.neighbours})",
             1,
             lambda: feedback.codec.add_all_(
                 [(message if built is None else built, -weight)]
-                + [(message, -weight)] * args.neighbours,
+                + [(received, -weight)] * args.neighbours,
                 anchor,
             ),
         ),
@@ -109,9 +115,8 @@ def main() -> None:
             args.neighbours,
             lambda: anchors_codec.decode_add_(update, mirrors[0], cast=True),
         ),
-        ("consensus step", 1, lambda: consensus_step(anchor, pairs, 0.5)),
+        ("consensus step, θ = a", 1, lambda: consensus_step(anchor, pairs, 0.5, also_into=theta)),
         ("checksum of a copy", 1 + args.neighbours, lambda: tensor_checksum(own)),
-        ("θ = a", 1, lambda: theta.copy_(anchor)),
     ]
     print(f"{n:,} parameters, copy_ {copy_s * 1e3:.1f} ms; copies of the model per step")
     total = 0.0

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 from gossipgrad.compression import Codec, DecodeError, ErrorFeedback, from_spec
-from gossipgrad.compression.engine import Encoded
+from gossipgrad.compression.engine import Encoded, Received
 from gossipgrad.peer.algorithms.neighbours import Neighbourhood
 from gossipgrad.peer.network.errors import UpdateRejected
 from gossipgrad.proto import gossip_pb2 as pb
@@ -70,12 +70,13 @@ class Average:
 
     Nothing model-sized holds it: ``add_to_`` decodes each message straight into its
     destination (the anchor, a momentum buffer, a gradient), in the order given, which is the
-    same at every peer. A peer's own message may be what its encoder built (``Encoded``):
-    it adds the same bits as its bytes would, without reading their indices again.
+    same at every peer. A neighbour's message is what its receipt kept (``Received``: the
+    sections it decompressed and checked); a peer's own may be what its encoder built
+    (``Encoded``). Each adds the same bits as its bytes would, without reading them again.
     """
 
     codec: Codec
-    terms: tuple[tuple[bytes | Encoded, float], ...]
+    terms: tuple[tuple[bytes | Received | Encoded, float], ...]
 
     def add_to_(self, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
         """``out += alpha · Σ_k w_k decode(c_k)`` in place; returns ``out``. A message whose
@@ -135,7 +136,7 @@ class CompressedAverage:
         # What the encoder built for c_i, until its term is taken once (``_own_term``).
         self._mine_built: Encoded | None = None
         self._dense: torch.Tensor | None = None  # the dense average, for collect() only
-        self._inbox: dict[str, deque[bytes]] = {}
+        self._inbox: dict[str, deque[Received]] = {}
         self._last_seq: dict[str, int] = {}  # per sender, the exchange it sent last
         self._lock = threading.Lock()
         self.step = 0
@@ -260,18 +261,17 @@ class CompressedAverage:
     def handle_update(self, header: pb.UpdateHeader, payload: bytes) -> pb.PushReply:
         """Validate and queue one neighbour's vector (server thread)."""
         self.nb.check(header, (self.kind,))
-        v = bytes(payload)
         try:
-            shape, dtype = self.codec.inspect(v, max_numel=max(self.numel, 1))
+            v = self.codec.receive(bytes(payload), max_numel=max(self.numel, 1))
         except DecodeError as err:
             raise UpdateRejected(
                 grpc.StatusCode.INVALID_ARGUMENT, "decode_error", str(err)
             ) from None
-        if shape != self.shape or dtype != self.dtype:
+        if v.shape != self.shape or v.dtype != self.dtype:
             raise UpdateRejected(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "malformed",
-                f"vector {list(shape)} {dtype} does not fit {self.numel} values",
+                f"vector {list(v.shape)} {v.dtype} does not fit {self.numel} values",
             )
         with self._lock:
             if self._last_seq.get(header.sender) == header.seq:

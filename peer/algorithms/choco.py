@@ -121,10 +121,23 @@ class ChocoGossip(GossipAlgorithm):
         self.staleness = Staleness(settings.max_staleness)
         self._round_end: float | None = None  # when the previous round returned
         self._finished = False  # finish() ran: no exchange is opened or taken any more
+        # A tensor every consensus pass also writes x into (``write_x_also``), and whether
+        # one has since it was given.
+        self._x_also: torch.Tensor | None = None
+        self._x_also_written = False
 
     @property
     def round(self) -> int:
         return self._round
+
+    def write_x_also(self, t: torch.Tensor | None) -> bool:
+        """From now on every consensus pass also writes the new x into ``t`` (x's shape and
+        dtype), in the same pass (diloco's parameters during its anchors' round: θ = a with
+        no copy of its own); None stops it. Returns whether the tensor given before now
+        equals x (a pass wrote it; every pass since did too). Called with ``state_lock``."""
+        written = self._x_also is not None and self._x_also_written
+        self._x_also, self._x_also_written = t, False
+        return written
 
     # ------------------------------------------------------------------ edges
 
@@ -387,7 +400,14 @@ class ChocoGossip(GossipAlgorithm):
                 due.append((peer, edge))
             # Most calls (every wake of a round's wait) find nothing to mix: no pass over x.
             if pairs:
-                dist = consensus_step(self.x, pairs, self.settings.gamma, self.settings.robust_clip)
+                dist = consensus_step(
+                    self.x,
+                    pairs,
+                    self.settings.gamma,
+                    self.settings.robust_clip,
+                    also_into=self._x_also,
+                )
+                self._x_also_written = self._x_also is not None
             for peer, _ in due:
                 if self.metrics is not None:
                     self.metrics.record_exchange(peer)

@@ -137,18 +137,33 @@ class DiLoCo(GossipAlgorithm):
                 step, self.last_exchange = self.average.collect_average(previous)
         with torch.no_grad(), self.state_lock:
             outer_step(self.anchor, step, self.momentum, self.outer)
-        stats = self.anchors.step_round()
+        # In the foreground θ = a' comes with the anchors' round; in the background, below.
+        stats = self._anchors_round() if phase_end is None else self.anchors.step_round()
         with torch.no_grad(), self.state_lock:
-            if phase_end is None:
-                self.flat.data.copy_(self.anchor)
-            elif native.usable(self.flat.data, self.anchor, phase_end):
+            if phase_end is not None and native.usable(self.flat.data, self.anchor, phase_end):
                 native.add_difference(self.flat.data, self.anchor, phase_end)  # one pass
-            else:  # a' − θ_r, in θ_r's buffer (no temporary), then onto the parameters
+            elif phase_end is not None:  # a' − θ_r in θ_r's buffer, then onto the parameters
                 torch.sub(self.anchor, phase_end, out=phase_end)
                 self.flat.data.add_(phase_end)
             self._phase += 1
             if local_step is not None:
                 self._ended_step = local_step
+        return stats
+
+    def _anchors_round(self, trained: bool = True) -> RoundStats:
+        """The anchors' CHOCO round, then θ = a: written by the round's consensus passes,
+        in the same pass as the anchor (one copy of the model less a round), or copied where
+        no pass ran."""
+        with torch.no_grad(), self.state_lock:
+            self.anchors.write_x_also(self.flat.data)
+        try:
+            stats = self.anchors.step_round(trained=trained)
+        finally:
+            with torch.no_grad(), self.state_lock:
+                written = self.anchors.write_x_also(None)
+        if not written:
+            with torch.no_grad(), self.state_lock:
+                self.flat.data.copy_(self.anchor)
         return stats
 
     # ------------------------------------------------------------------ interface
@@ -198,10 +213,7 @@ class DiLoCo(GossipAlgorithm):
     def consensus_round(self) -> RoundStats:
         """Gossip-only: a CHOCO round over the anchors, the parameters follow them."""
         self._settle()
-        stats = self.anchors.step_round(trained=False)
-        with torch.no_grad(), self.state_lock:
-            self.flat.data.copy_(self.anchor)
-        return stats
+        return self._anchors_round(trained=False)
 
     def finish(self, interrupted: bool = False) -> None:
         """Settle the phases (``_settle``), then the anchors' last exchanges, mixed at both

@@ -71,21 +71,32 @@ def clip_scale(mirror: torch.Tensor, public: torch.Tensor, max_norm: float) -> f
 
 
 def _fused_consensus(
-    x: torch.Tensor, weighted: list[tuple[Pair, float]], gamma: float
+    x: torch.Tensor,
+    weighted: list[tuple[Pair, float]],
+    gamma: float,
+    also_into: torch.Tensor | None,
 ) -> float | None:
     """The step in one pass of compression/kernels.c where it is built and applies (float32
-    ``x``, every copy of one dtype, contiguous, on CPU); None otherwise."""
+    ``x`` and ``also_into``, every copy of one dtype, contiguous, on CPU); None otherwise."""
     publics = [p.public for p, _ in weighted]
     mirrors = [p.mirror for p, _ in weighted]
     if not (native.usable(x) and native.usable(*publics, *mirrors, dtype=mirrors[0].dtype)):
         return None
-    return native.consensus(x, publics, mirrors, [w for _, w in weighted], gamma)
+    if also_into is not None and not native.usable(also_into):
+        return None
+    return native.consensus(x, publics, mirrors, [w for _, w in weighted], gamma, also_into)
 
 
 def consensus_step(
-    x: torch.Tensor, pairs: Iterable[Pair], gamma: float, clip: float = 0.0
+    x: torch.Tensor,
+    pairs: Iterable[Pair],
+    gamma: float,
+    clip: float = 0.0,
+    also_into: torch.Tensor | None = None,
 ) -> float:
-    """Apply x += γ Σ w (mirror − public) in place (pairs of weight <= 0 are skipped).
+    """Apply x += γ Σ w (mirror − public) in place (pairs of weight <= 0 are skipped); with
+    ``also_into`` (x's shape and dtype), leave it equal to the new x, written in the same pass
+    where the kernels run (diloco's parameters after its anchors' round: no copy of its own).
 
     Returns ||Σ_j w_ij (x̂_j − x̂_i)||, the pull of the neighbourhood's copies before γ: how far
     this peer's copy is from its neighbours' (the consensus-distance metric; it differs from
@@ -95,13 +106,13 @@ def consensus_step(
     each neighbour's pull is scaled down to norm ``clip`` first (one more read of its copies).
     """
     live = [p for p in pairs if p.weight > 0]
-    if not live:
-        return 0.0
     scales = [clip_scale(p.mirror, p.public, clip) if clip > 0 else 1.0 for p in live]
     weighted = [(p, p.weight * s) for p, s in zip(live, scales, strict=True) if s > 0]
     if not weighted:
+        if also_into is not None:
+            also_into.copy_(x)
         return 0.0
-    fused = _fused_consensus(x, weighted, gamma)
+    fused = _fused_consensus(x, weighted, gamma, also_into)
     if fused is not None:
         return fused
     pull, diff = _scratch(x), _scratch(x)
@@ -116,4 +127,6 @@ def consensus_step(
                 d.add_(e, alpha=w)
         dist2 += float(torch.dot(d, d))
         x[lo:hi].add_(d, alpha=gamma)
+        if also_into is not None:
+            also_into[lo:hi].copy_(x[lo:hi])
     return math.sqrt(dist2)

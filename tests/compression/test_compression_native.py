@@ -405,9 +405,10 @@ def test_the_int2_selection_gives_way_on_an_overshoot_and_its_values_go_back() -
 def test_an_average_of_bitmap_messages_is_added_in_one_pass_as_one_after_another(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``add_all_`` of an encoder's own message (as built) and others' bytes, a corrupt one
-    among them: the corrupt one is left out and named, the rest added in one pass with the
-    bits of adding them one after another (numpy's passes, one ``decode_add_`` each)."""
+    """``add_all_`` of an encoder's own message (as built), another's bytes and one as its
+    receipt kept it, a corrupt one among them: the corrupt one is left out and named, the rest
+    added in one pass with the bits of adding them one after another (numpy's passes, one
+    ``decode_add_`` each)."""
     n = 3 * (1 << 20) + 13
     g = torch.Generator().manual_seed(8)
     feedback = ErrorFeedback(from_spec("topk:0.2+int2"))
@@ -417,7 +418,8 @@ def test_an_average_of_bitmap_messages_is_added_in_one_pass_as_one_after_another
     corrupt = bytearray(others[0])
     corrupt[len(corrupt) // 2] ^= 0xFF
     assert built is not None
-    terms = [(built, -0.25), (others[0], -0.25), (bytes(corrupt), 0.5), (others[1], -0.25)]
+    received = feedback.codec.receive(others[1])
+    terms = [(built, -0.25), (others[0], -0.25), (bytes(corrupt), 0.5), (received, -0.25)]
     target = torch.randn(n, generator=g)
     expected = target.clone()
     with without_kernels():

@@ -4,6 +4,8 @@ copy of narrower dtype."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from gossipgrad.compression import DecodeError, ErrorFeedback, from_spec, native
@@ -53,6 +55,54 @@ def test_inspect_validates_as_decode_does(spec: str) -> None:
         codec.decode(bytes(corrupted))
     with pytest.raises(DecodeError):
         codec.inspect(bytes(corrupted))
+    with pytest.raises(DecodeError):
+        codec.receive(bytes(corrupted))
+
+
+@pytest.mark.parametrize(
+    "spec", ["topk:0.2+int2", "topk:0.01+int8", "randomk:0.1+int4", "sign", "int8", "none"]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_what_a_receipt_kept_adds_what_the_bytes_decode_to(spec: str, dtype: torch.dtype) -> None:
+    """``receive`` keeps the sections it checked: adding them (alone, or among other terms)
+    gives the bits of adding the bytes, so a receiver need not decompress a message twice."""
+    codec = from_spec(spec)
+    gen = torch.Generator().manual_seed(6)
+    data = [codec.encode(torch.randn(3, 3001, generator=gen), seed=s) for s in (1, 2)]
+    kept = [codec.receive(d) for d in data]
+    assert [(k.shape, k.dtype, k.nbytes) for k in kept] == [
+        ((3, 3001), torch.float32, len(d)) for d in data
+    ]
+    base = torch.randn(3, 3001, generator=gen).to(dtype)
+    by_bytes = codec.decode_add_(data[0], base.clone(), alpha=-0.3, cast=True)
+    assert torch.equal(codec.decode_add_(kept[0], base.clone(), alpha=-0.3, cast=True), by_bytes)
+    if dtype == torch.float32:
+        terms = [(data[0], 0.5), (data[1], -0.25)]
+        expected = base.clone()
+        assert codec.add_all_(terms, expected) == []
+        got = base.clone()
+        assert codec.add_all_([(kept[0], 0.5), (kept[1], -0.25)], got) == []
+        assert torch.equal(got, expected)
+
+
+def test_a_receipt_is_added_only_by_its_codec_and_its_indices_are_checked_when_added() -> None:
+    codec = from_spec("topk:0.2+int2")
+    gen = torch.Generator().manual_seed(7)
+    data = [codec.encode(torch.randn(5000, generator=gen), seed=s) for s in (1, 2)]
+    kept = [codec.receive(d) for d in data]
+    with pytest.raises(DecodeError, match="codec"):
+        from_spec("topk:0.2+int4").decode_add_(kept[0], torch.zeros(5000))
+    with pytest.raises(DecodeError, match="shape"):
+        codec.decode_add_(kept[0], torch.zeros(4999))
+    assert kept[0].raw is not None
+    no_positions = dataclasses.replace(kept[0], raw=bytes(len(kept[0].raw)))  # count ≠ bits
+    out = torch.zeros(5000)
+    with pytest.raises(DecodeError):
+        codec.decode_add_(no_positions, out)
+    assert not out.any()
+    failed = codec.add_all_([(no_positions, 1.0), (kept[1], 1.0)], out)
+    assert [i for i, _ in failed] == [0]
+    assert torch.equal(out, codec.decode(data[1]))
 
 
 @pytest.mark.parametrize("spec", ["topk:0.1+int8", "int8", "none"])

@@ -557,7 +557,8 @@ def test_dense_openings_start_in_sync_and_share_updates(monkeypatch) -> None:
 
 @pytest.mark.parametrize("codec", ["sign", "topk:0.2+int8"])
 def test_edges_in_sync_send_one_update_encoded_once(codec: str) -> None:
-    """On a ring of 3, p0 leads both its edges: it opens them in its first round from the
+    """On a ring of 3, one peer leads both its edges (p0, started first, unless a loaded
+    host lets another's first round open first): it opens them in its first round from the
     initial model, and they stay in sync. The second edge of a round sends the first one's
     update again instead of encoding x − x̂ anew, and every mirror is still the other end's
     public copy bit for bit. (A follower's edges stay a round apart when the two leaders'
@@ -568,4 +569,4 @@ def test_edges_in_sync_send_one_update_encoded_once(codec: str) -> None:
     quiesce(peers)
     assert assert_mirrors_exact(peers) == 6
     shared = [p.algorithm.shared_updates for p in peers]
-    assert shared[0] >= 6, shared
+    assert max(shared) >= 6, shared

@@ -113,7 +113,8 @@ def test_the_consensus_step_in_slices_is_the_step_in_one(
 ) -> None:
     """Slices of 7 elements (any length over and under a slice): x moves by
     γ Σ w (mirror − public), each pull clipped to ``clip``, and the distance returned is
-    the norm of that weighted pull, ||Σ w (mirror − public)||, before γ."""
+    the norm of that weighted pull, ||Σ w (mirror − public)||, before γ; a tensor given as
+    ``also_into`` ends equal to the new x (also where no pair moved it)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(numel, generator=gen, dtype=torch.float64)
     ps = [
@@ -133,11 +134,13 @@ def test_the_consensus_step_in_slices_is_the_step_in_one(
         toward += p.weight * pull
     old = mixing.CHUNK
     mixing.CHUNK = 7
+    also = torch.full_like(x, float("nan"))
     try:
-        distance = consensus_step(x, ps, gamma, clip)
+        distance = consensus_step(x, ps, gamma, clip, also_into=also)
     finally:
         mixing.CHUNK = old
     torch.testing.assert_close(x, expected)
+    assert torch.equal(also, x)
     assert distance == pytest.approx(float(toward.norm()) if ps else 0.0, rel=1e-9, abs=1e-12)
 
 
@@ -237,7 +240,8 @@ def test_the_fused_consensus_step_is_the_sliced_one(
     copy, float16 or float32 copies) moves x as the slices do and measures the same pull,
     within rounding: its differences of float16 copies are taken in float32 (torch's in
     float16: exact where the copies are within a factor 2 of each other, as close copies
-    are), its weighted sums in another order."""
+    are), its weighted sums in another order. A tensor given as ``also_into`` is written the
+    new x in the same pass."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(numel, generator=gen)
     publics = [torch.randn(numel, generator=gen).to(copies) for _ in range(neighbours)]
@@ -249,8 +253,12 @@ def test_the_fused_consensus_step_is_the_sliced_one(
         )
         for public in publics
     ]
-    fused = x.clone()
-    distance = consensus_step(fused, ps, 0.5)
+    fused, also = x.clone(), torch.full_like(x, float("nan"))
+    distance = consensus_step(fused, ps, 0.5, also_into=also)
+    assert torch.equal(also, fused)  # written in the same pass, the same bits
+    alone = x.clone()
+    consensus_step(alone, ps, 0.5)
+    assert torch.equal(alone, fused)
     lib, native._lib = native._lib, None
     try:
         sliced = x.clone()
