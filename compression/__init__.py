@@ -11,6 +11,7 @@ Spec grammar, codecs, wire format and error bounds: docs/compression.md.
 """
 
 from gossipgrad.compression.base import Codec, Composed, Identity, Quantizer, Sparsifier
+from gossipgrad.compression.engine import Encoded, Received
 from gossipgrad.compression.error_feedback import ErrorFeedback
 from gossipgrad.compression.errors import DecodeError
 from gossipgrad.compression.quantizers import BF16, FP16, QSGD, Int2, Int4, Int8, Sign
@@ -28,6 +29,7 @@ __all__ = [
     "Codec",
     "Composed",
     "DecodeError",
+    "Encoded",
     "ErrorFeedback",
     "Identity",
     "Int2",
@@ -35,6 +37,7 @@ __all__ = [
     "Int8",
     "Quantizer",
     "RandomK",
+    "Received",
     "Sign",
     "Sparsifier",
     "TopK",

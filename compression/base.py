@@ -108,13 +108,14 @@ class Codec(abc.ABC):
     @torch.no_grad()
     def encode_accumulated(
         self, e: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seed: int | None = None
-    ) -> tuple[bytes, Encoded] | None:
+    ) -> tuple[bytes, Encoded, float | None] | None:
         """Error feedback's step: ``e += a − b``, ``encode_parts(e)``, and what the bytes
         decode to taken out of ``e`` (``Encoded.add_to_(e, alpha=-1)``): the same bytes and
         residual, in one fused pass where the codec has one for these tensors (a dense top-k
         of float32 on CPU: error feedback's residual accumulating a pseudo-gradient; with
-        int2 values, quantized and taken out in the same pass); None (``e`` untouched)
-        otherwise. ValueError on a non-finite sum (``e`` restored up to float rounding)."""
+        int2 values, quantized and taken out in the same pass, which also measures ||e||
+        after: the third element, else None); None (``e`` untouched) otherwise. ValueError
+        on a non-finite sum (``e`` restored up to float rounding)."""
         return engine.encode_accumulated(self, e, a, b, seed)
 
     @torch.no_grad()

@@ -141,7 +141,7 @@ def encode_parts(codec: Codec, t: torch.Tensor, seed: int | None) -> tuple[bytes
 
 def encode_accumulated(
     codec: Codec, e: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seed: int | None
-) -> tuple[bytes, Encoded] | None:
+) -> tuple[bytes, Encoded, float | None] | None:
     """Error feedback's step fused (see :meth:`.Codec.encode_accumulated`): ``e`` ends as
     the residual; None where the codec's sparsifier has no fused pass for these tensors."""
     sp, q = codec.stages()
@@ -157,7 +157,7 @@ def encode_accumulated(
     data, sent = _encode_selected(codec, e, e.view(-1), kept, seed)
     if kept.int2 is None:  # else the pass took the values out already
         sent.add_to_(e, alpha=-1.0)
-    return data, sent
+    return data, sent, kept.left if kept.int2 is not None else None
 
 
 def _encode_selected(

@@ -110,8 +110,9 @@ class ErrorFeedback:
         except ValueError as exc:
             raise ValueError(f"{name!r}: the difference has NaN or infinite values") from exc
         if fused is not None:  # e is the residual already
-            self._store(name, e, None)
-            return fused
+            data, sent, left = fused
+            self._store(name, e, left)
+            return data, sent
         fa, fb, fe = a.reshape(-1), b.reshape(-1), e.view(-1)
         scratch = torch.empty(min(CHUNK, fe.numel()), dtype=a.dtype, device=a.device)
         # ||e + (a − b)||², read off each slice while it is in cache, where the kept norm

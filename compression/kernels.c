@@ -99,15 +99,25 @@ void gg_rice_add_f32(const uint8_t *head, const uint8_t *rem, int rbits, int64_t
                      const float *values, float alpha, float *target, int64_t *state) {
     int64_t at = state[0], r_at = state[1], prev = state[2];
     const uint64_t mask = rbits ? ((uint64_t)1 << rbits) - 1 : 0;
+    /* The head's bits from `at` on, MSB first, held in a register: `valid` of them, zeros
+     * past them. A quotient is read off it with one clz and a shift, and it is read again
+     * from memory only once used up (reading it at every position made each position wait
+     * on the load, the byte swap and the shift of the one before). */
+    uint64_t hw = bits_at(head, at);
+    int valid = 64;
     for (int64_t j = 0; j < m; j++) {
-        uint64_t w = bits_at(head, at);
         int64_t zeros = 0;
-        while (!w) {
-            zeros += 64;
-            w = bits_at(head, at + zeros);
+        while (!hw) {
+            zeros += valid;
+            at += valid;
+            hw = bits_at(head, at);
+            valid = 64;
         }
-        zeros += __builtin_clzll(w);
-        at += zeros + 1;
+        int z = __builtin_clzll(hw);
+        zeros += z;
+        at += z + 1;
+        valid -= z + 1;
+        hw = z < 63 ? hw << (z + 1) : 0;
         uint64_t r = 0;
         if (rbits) {
             r = (bits_at(rem, r_at) >> (64 - rbits)) & mask;
@@ -701,13 +711,17 @@ __attribute__((target("avx2"))) static void quantize_int2(const float *v, int64_
  * quantization and the residual's update are one pass over e instead of three. values
  * still gets the kept values (a fallback puts them back). out[0]: the kept count (-1: more
  * than room, then only the accumulation goes on), out[1]: how many of them, the first in
- * order, were written back (all when the pass ends with a selection). Returns as
+ * order, were written back (all when the pass ends with a selection). *left2: ||e||^2 once
+ * the pass ends with a selection (the residual error feedback keeps, summed as the
+ * write-back goes: no read of e of its own for the metric), else -1. Returns as
  * gg_accumulate_select_f32. */
 __attribute__((target("avx2"))) int64_t gg_accumulate_select_int2(
     float *e, const float *a, const float *b, int64_t n, float threshold, uint8_t *bits,
     float *values, int64_t room, uint8_t *codes, float *scales, int64_t block_log2,
-    int64_t *out) {
+    int64_t *out, double *left2) {
     const __m256 t = _mm256_set1_ps(threshold), zero = _mm256_setzero_ps();
+    double total = 0.0;
+    *left2 = -1.0;
     const __m256 minus_one = _mm256_set1_ps(-1.0f);
     const int64_t block = (int64_t)1 << block_log2;
     /* The dequantized values of kept ones not yet written back: value j at deq[j - low]. */
@@ -755,6 +769,7 @@ __attribute__((target("avx2"))) int64_t gg_accumulate_select_int2(
          * eight groups at a time where all their values are (each group's first value from
          * the prefix sums of the eight bytes' popcounts, so the groups do not wait on one
          * another), then one at a time. */
+        __m256 squares = zero; /* of the residual's groups written back by this tile */
         while (next_group + 8 <= t1) {
             uint64_t w;
             memcpy(&w, bits + next_group, 8);
@@ -768,7 +783,9 @@ __attribute__((target("avx2"))) int64_t gg_accumulate_select_int2(
                 int m = reversed[(w >> (8 * l)) & 0xff];
                 int64_t at = written + (int64_t)((before >> (8 * l)) & 0xff) - low;
                 float *at_e = e + 8 * (next_group + l);
-                _mm256_storeu_ps(at_e, add_kept(_mm256_loadu_ps(at_e), deq + at, m, minus_one));
+                __m256 left = add_kept(_mm256_loadu_ps(at_e), deq + at, m, minus_one);
+                _mm256_storeu_ps(at_e, left);
+                squares = _mm256_add_ps(squares, _mm256_mul_ps(left, left));
             }
             written += total;
             next_group += 8;
@@ -779,12 +796,19 @@ __attribute__((target("avx2"))) int64_t gg_accumulate_select_int2(
             if (written + c > quantized) {
                 break;
             }
+            float *at_e = e + 8 * next_group;
+            __m256 left = _mm256_loadu_ps(at_e);
             if (c) {
-                float *at_e = e + 8 * next_group;
-                _mm256_storeu_ps(at_e, add_kept(_mm256_loadu_ps(at_e), deq + (written - low), m,
-                                                minus_one));
+                left = add_kept(left, deq + (written - low), m, minus_one);
+                _mm256_storeu_ps(at_e, left);
             }
+            squares = _mm256_add_ps(squares, _mm256_mul_ps(left, left));
             written += c;
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, squares);
+        for (int l = 0; l < 8; l++) {
+            total += lanes[l];
         }
         if (last) {
             for (int64_t p = 8 * full; p < n; p++) {
@@ -792,6 +816,7 @@ __attribute__((target("avx2"))) int64_t gg_accumulate_select_int2(
                     e[p] = e[p] + deq[written - low] * -1.0f;
                     written++;
                 }
+                total += (double)e[p] * e[p];
             }
             break;
         }
@@ -799,6 +824,9 @@ __attribute__((target("avx2"))) int64_t gg_accumulate_select_int2(
         low = written;
     }
     out[0] = held, out[1] = written;
+    if (held >= 0) {
+        *left2 = total;
+    }
     return 0;
 }
 
@@ -945,10 +973,10 @@ void gg_int2_dequantize(const uint8_t *codes, const float *scales, int64_t block
 int64_t gg_accumulate_select_int2(float *e, const float *a, const float *b, int64_t n,
                                   float threshold, uint8_t *bits, float *values, int64_t room,
                                   uint8_t *codes, float *scales, int64_t block_log2,
-                                  int64_t *out) {
+                                  int64_t *out, double *left2) {
     (void)e, (void)a, (void)b, (void)n, (void)threshold, (void)bits, (void)values, (void)room;
     (void)codes, (void)scales, (void)block_log2;
-    out[0] = -1, out[1] = 0;
+    out[0] = -1, out[1] = 0, *left2 = -1.0;
     return -1;
 }
 

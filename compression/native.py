@@ -65,7 +65,7 @@ _SIGNATURES = {
     "gg_select_f32": ([_ptr, _i64, _f32, _ptr, _ptr, _i64], _i64),
     "gg_accumulate_select_f32": ([_ptr, _ptr, _ptr, _i64, _f32, _ptr, _ptr, _i64, _ptr], _i64),
     "gg_accumulate_select_int2": (
-        [_ptr, _ptr, _ptr, _i64, _f32, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr],
+        [_ptr, _ptr, _ptr, _i64, _f32, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr],
         _i64,
     ),
     "gg_bitmap_add_f32": ([_ptr, _i64, _ptr, _i64, _ptr, _f32], _i64),
@@ -242,25 +242,27 @@ def accumulate_select_int2(
     codes: np.ndarray,
     scales: np.ndarray,
     block: int,
-) -> tuple[int, int, int]:
+) -> tuple[int, int, int, float | None]:
     """:func:`accumulate_select`, the kept values also quantized as ``Int2(block=block)``
     quantizes them (round to nearest) into ``codes`` and ``scales``, and error feedback's
-    ``e -= dequantized`` at their positions, in the same pass: (kept, written, bad).
+    ``e -= dequantized`` at their positions, in the same pass: (kept, written, bad, left).
     ``written``: how many kept values, the first in order, ``e`` holds the residual of
     (all of them when ``kept >= 0`` and ``bad == 0``; a caller falling back puts
-    ``values[:written]`` back first)."""
+    ``values[:written]`` back first). ``left``: ||e|| after, summed as the pass wrote it
+    (within float32 rounding), where the pass ended with a selection; else None."""
     room = _accumulation_room(e, a, b, bits, values)
     _need(8 <= block <= MAX_INT2_BLOCK and block & (block - 1) == 0, f"block {block}")
     _need(codes.dtype == np.uint8 and codes.size >= (room + 3) // 4, "codes too short")
     _need(scales.dtype == np.float32 and scales.size >= -(-room // block), "scales too short")
     assert _lib is not None
-    out = (ctypes.c_int64 * 2)()
+    out, left2 = (ctypes.c_int64 * 2)(), ctypes.c_double()
     bad = _lib.gg_accumulate_select_int2(
         e.data_ptr(), a.data_ptr(), b.data_ptr(), e.numel(), threshold, bits.ctypes.data,
         values.ctypes.data, room, codes.ctypes.data, scales.ctypes.data,
-        block.bit_length() - 1, out,
+        block.bit_length() - 1, out, ctypes.byref(left2),
     )  # fmt: skip
-    return out[0], out[1], int(bad)
+    left = left2.value**0.5 if left2.value >= 0 and not bad else None
+    return out[0], out[1], int(bad), left
 
 
 def bitmap_add(bits: np.ndarray, values: torch.Tensor, target: torch.Tensor, alpha: float) -> None:

@@ -245,6 +245,8 @@ class Selection:
     #: The kept values as int2 codes and scales, where the fused pass quantized them and
     #: took what they send out of the residual it accumulated (``int2_block``, below).
     int2: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: ||residual|| after that pass, summed as it wrote it (None: not measured).
+    left: float | None = None
 
     def __post_init__(self) -> None:
         if self.idx is None and (self.values is None or self.bitmap is None):
@@ -344,13 +346,13 @@ def approx_topk_accumulating(
         return None
     bits = np.empty((n + 7) // 8, dtype=np.uint8)
     values = np.empty(k + 8, dtype=np.float32)  # 8: a vector store's overrun
-    written, int2 = 0, None
+    written, int2, left = 0, None, None
     if int2_block is None:
         held, bad = native.accumulate_select(e, a, b, threshold, bits, values)
     else:
         codes = np.empty((k + 3) // 4, dtype=np.uint8)
         scales = np.empty(-(-k // int2_block), dtype=np.float32)
-        held, written, bad = native.accumulate_select_int2(
+        held, written, bad, left = native.accumulate_select_int2(
             e, a, b, threshold, bits, values, codes, scales, int2_block
         )
         int2 = (codes, scales)
@@ -366,7 +368,7 @@ def approx_topk_accumulating(
                 torch.from_numpy(codes[: (held + 3) // 4]),
                 torch.from_numpy(scales[: -(-held // int2_block)]),  # type: ignore[operator]
             )
-        return Selection(None, torch.from_numpy(values[:held]), torch.from_numpy(bits), int2)
+        return Selection(None, torch.from_numpy(values[:held]), torch.from_numpy(bits), int2, left)
     _put_back(e, bits, values, written)
     return approx_topk(e, k, seed=seed, gather=True)
 

@@ -32,8 +32,7 @@ from dataclasses import dataclass
 
 import grpc
 import torch
-from gossipgrad.compression import Codec, DecodeError, ErrorFeedback, from_spec
-from gossipgrad.compression.engine import Encoded, Received
+from gossipgrad.compression import Codec, DecodeError, Encoded, ErrorFeedback, Received, from_spec
 from gossipgrad.peer.algorithms.neighbours import Neighbourhood
 from gossipgrad.peer.network.errors import UpdateRejected
 from gossipgrad.proto import gossip_pb2 as pb

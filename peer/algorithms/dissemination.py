@@ -31,8 +31,9 @@ import enum
 import threading
 from collections import deque
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from gossipgrad.compression import Received
 from gossipgrad.peer.membership.topology import Topology
 
 #: Phases a peer takes messages for, counting from its oldest open one (a faster peer may be
@@ -67,8 +68,11 @@ class Message:
 
     origin: str
     phase: int
-    payload: bytes
+    payload: bytes  # as it travels on: forwarded and answered as it came
     checksum: int  # the origin's anchor at the phase's start
+    #: What its receipt checked and decompressed, added at the phase's end without reading
+    #: the bytes again (None: the peer's own, or one never checked here).
+    kept: Received | None = field(default=None, compare=False, repr=False)
 
 
 class Offer(enum.Enum):

@@ -376,18 +376,18 @@ class ExactDiLoCo(GossipAlgorithm):
             return self._answer(header)
         data = bytes(payload)
         try:
-            shape, dtype = self.codec.inspect(data, max_numel=max(self.anchor.numel(), 1))
+            kept = self.codec.receive(data, max_numel=max(self.anchor.numel(), 1))
         except DecodeError as err:
             raise UpdateRejected(
                 grpc.StatusCode.INVALID_ARGUMENT, "decode_error", str(err)
             ) from None
-        if shape != tuple(self.anchor.shape) or dtype != self.anchor.dtype:
+        if kept.shape != tuple(self.anchor.shape) or kept.dtype != self.anchor.dtype:
             raise UpdateRejected(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "malformed",
-                f"vector {list(shape)} {dtype} does not fit {self.anchor.numel()} values",
+                f"vector {list(kept.shape)} {kept.dtype} does not fit {self.anchor.numel()} values",
             )
-        message = Message(header.origin, header.round, data, header.checksum)
+        message = Message(header.origin, header.round, data, header.checksum, kept)
         offer = self.store.offer(message, set(self.nb.view.present_ids()) | {self.nb.me})
         if offer is Offer.EARLY:
             self._ask_anchor(header.sender, message.phase)  # we are phases behind
@@ -478,8 +478,10 @@ class ExactDiLoCo(GossipAlgorithm):
         self.last_applied = [m.origin for m in messages]
         started = self._checksum  # the anchor this phase started from
         mismatched = [m.origin for m in messages if m.checksum != started]
-        # The own message as its encoder built it: the same bits, its indices not read again.
-        terms = [(m.payload, 1.0 / len(messages)) for m in messages]
+        # The own message as its encoder built it, the others' as their receipt kept them:
+        # the same bits as their bytes, which are not read again.
+        w = 1.0 / len(messages)
+        terms = [(m.payload if m.kept is None else m.kept, w) for m in messages]
         if built is not None:
             terms = [(built if c is payload else c, w) for c, w in terms]
         step = Average(self.codec, tuple(terms))

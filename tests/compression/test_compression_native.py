@@ -333,7 +333,7 @@ def test_the_int2_selection_quantizes_and_takes_out_as_numpy_does(
 ) -> None:
     """One pass: e += a - b, the kept values' bitmap, their Int2 codes and scales, and e less
     what they decode to at their positions: numpy's bits for each, across tiles, blocks that
-    end anywhere and a tail shorter than eight."""
+    end anywhere and a tail shorter than eight; and ||e|| after, summed as it was written."""
     g = torch.Generator().manual_seed(seed)
     e, a, b = (torch.randn(n, generator=g) for _ in range(3))
     a[torch.rand(n, generator=g) < 0.05] = 0.0
@@ -343,7 +343,7 @@ def test_the_int2_selection_quantizes_and_takes_out_as_numpy_does(
     values = np.empty(n + 8, dtype=np.float32)
     codes = np.empty((n + 3) // 4, dtype=np.uint8)
     scales = np.empty(-(-n // block), dtype=np.float32)
-    held, written, bad = native.accumulate_select_int2(
+    held, written, bad, left = native.accumulate_select_int2(
         e, a, b, threshold, bits, values, codes, scales, block
     )
     assert bad == 0 and held == written == int(np.unpackbits(bits_ref).sum())
@@ -351,6 +351,27 @@ def test_the_int2_selection_quantizes_and_takes_out_as_numpy_does(
     assert np.array_equal(codes[: (held + 3) // 4], codes_ref.numpy())
     assert np.array_equal(scales[: -(-held // block)], scales_ref.numpy())
     assert torch.equal(e, residual)
+    assert left == pytest.approx(float(residual.double().norm()), rel=1e-5, abs=1e-9)
+
+
+@needs_kernels
+def test_error_feedbacks_int2_step_measures_the_residual_it_leaves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``residual_norm`` after the fused int2 step is ||residual||, summed by the pass as it
+    wrote the residual: the metric reads the model-sized residual no more (a read of it
+    fails here), round after round."""
+    n = 3 * (1 << 20) + 13  # a threshold aimed from a sample: the fused pass
+    g = torch.Generator().manual_seed(9)
+    feedback = ErrorFeedback(from_spec("topk:0.2+int2"))
+    a, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    for seed in (1, 2, 3):
+        feedback.compress_difference("v", a, b, seed)
+        expected = float(feedback.residual("v").double().norm())
+        with monkeypatch.context() as patched:
+            patched.setattr(torch.linalg, "vector_norm", lambda *_: pytest.fail("a read"))
+            assert feedback.residual_norm("v") == pytest.approx(expected, rel=1e-5)
+        a.add_(torch.randn(n, generator=g), alpha=0.3)
 
 
 @needs_kernels
@@ -392,10 +413,10 @@ def test_the_int2_selection_gives_way_on_an_overshoot_and_its_values_go_back() -
     bits = np.empty((n + 7) // 8, dtype=np.uint8)
     values = np.empty(1000 + 8, dtype=np.float32)
     codes, scales = np.empty(250, dtype=np.uint8), np.empty(16, dtype=np.float32)
-    held, written, bad = native.accumulate_select_int2(
+    held, written, bad, left = native.accumulate_select_int2(
         e, a, b, 3.0, bits, values, codes, scales, block
     )
-    assert (held, bad) == (-1, 0) and 0 < written <= 1000
+    assert (held, bad, left) == (-1, 0, None) and 0 < written <= 1000
     assert not torch.equal(e, total)  # the first tiles' kept values were taken out
     _put_back(e, bits, values, written)
     assert torch.equal(e, total)
