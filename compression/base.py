@@ -270,6 +270,15 @@ class Sparsifier(Codec):
         (``Selection.int2``: :func:`.selection.approx_topk_accumulating`)."""
         return None
 
+    def select_difference(
+        self, a: torch.Tensor, b: torch.Tensor, seed: int
+    ) -> tuple[Selection, float] | None:
+        """:meth:`select_parts` of ``a − b`` (1-D; ``b`` may be a narrower float copy) with
+        its kept values, read a chunk of the difference at a time, and ||a − b||², where
+        this sparsifier can (no model-sized difference); None otherwise. ValueError on a
+        non-finite difference."""
+        return None
+
     def encode_selection(self, kept: Selection, numel: int) -> tuple[int, torch.Tensor]:
         """:meth:`encode_indices` of ``kept.idx``, taking the bitmap the selection built
         where a bitmap is the layout (the same bytes)."""

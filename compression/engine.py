@@ -227,6 +227,9 @@ def encode_difference(
         raise ValueError("encode_difference(fold=True) needs a contiguous b")
     sp, q = codec.stages()
     if sp is not None:
+        chunked = _encode_sparse_difference(codec, a, b, seed, fold)
+        if chunked is not None:
+            return chunked
         diff = subtract_into(a, b, torch.empty_like(a) if scratch is None else scratch)
         data, sent = encode_parts(codec, diff, seed)
         left = sent.residual_norm(diff)
@@ -259,6 +262,32 @@ def encode_difference(
 
     values, scales = _quantize_chunks(q, n, dtype, fa.device, seed, difference, measure)
     return *_dense_envelope(codec, a, seed, values, scales), kept2**0.5
+
+
+def _encode_sparse_difference(
+    codec: Codec, a: torch.Tensor, b: torch.Tensor, seed: int | None, fold: bool
+) -> tuple[bytes, Encoded, float] | None:
+    """:func:`encode_difference` for a sparsifier that selects a chunk of the difference at
+    a time (``Sparsifier.select_difference``): the same bytes, no difference built; what
+    stays, ||a − b||² − ||kept||² + ||kept − sent||², from the pass's sum and the kept values.
+    None where the sparsifier has no such pass for these tensors."""
+    sp, q = codec.stages()
+    if sp is None or not (a.is_contiguous() and b.is_contiguous()):
+        return None
+    seed = _checked_seed(seed)
+    found = sp.select_difference(a.view(-1), b.view(-1), seed)
+    if found is None:
+        return None
+    kept, squares = found
+    assert kept.values is not None
+    data, sent = _encode_selected(codec, a, a.view(-1), kept, seed)
+    values = kept.values
+    deq = _dequantize_chunked(q, sent.values, sent.scales, sent.count, sent.dtype)
+    left = values - deq.to(values.dtype)
+    left2 = squares - float(torch.dot(values, values)) + float(torch.dot(left, left))
+    if fold:
+        sent.add_to_(b)
+    return data, sent, max(left2, 0.0) ** 0.5
 
 
 def _dense_envelope(

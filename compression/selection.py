@@ -48,6 +48,7 @@ __all__ = [
     "approx_topk",
     "approx_topk_accumulating",
     "approx_topk_indices",
+    "approx_topk_of_difference",
     "block_topk_indices",
     "exact_topk_indices",
 ]
@@ -110,13 +111,20 @@ def _aimed_threshold_of(
 
 def _sample_threshold(flat: torch.Tensor, k: int, seed: int, margin_scale: float) -> float | None:
     """Magnitude threshold expected to keep about ``k * (1 + margin)`` entries, or None."""
-    n = flat.numel()
+    return _sample_threshold_of(lambda at: flat[at], flat.numel(), k, seed, margin_scale)
+
+
+def _sample_threshold_of(
+    read: Callable[[slice], torch.Tensor], n: int, k: int, seed: int, margin_scale: float
+) -> float | None:
+    """:func:`_sample_threshold` of the vector of ``n`` entries whose entries at the strided
+    positions ``at`` are ``read(at)``."""
     s = min(n // 8, max(SAMPLE_HITS * 4, math.ceil(SAMPLE_HITS * n / k)))
     if s < SAMPLE_HITS:
         return None
     stride = n // s
     start = seed % stride
-    sample = flat[start : start + stride * s : stride].abs().float()
+    sample = read(slice(start, start + stride * s, stride)).abs().float()
     hits = k * s / n
     margin = margin_scale * (4.0 / math.sqrt(hits) + 0.01)
     rank = min(s, max(1, math.ceil(hits * (1.0 + margin))))
@@ -137,14 +145,21 @@ def _candidates_native(flat: torch.Tensor, threshold: float, k: int) -> Selectio
 
 
 def _candidates_numpy(
-    flat: torch.Tensor, threshold: float, k: int, gather: bool, bitmap: bool, aimed: bool = False
+    flat: torch.Tensor,
+    threshold: float,
+    k: int,
+    gather: bool,
+    bitmap: bool,
+    aimed: bool = False,
+    chunk_of: Callable[[int, int], np.ndarray] | None = None,
 ) -> Selection:
     """The indices of ``|x| >= threshold`` (written into an array of ``k``, grown only on
     an overshoot, which the caller trims); with ``gather`` their values, with ``bitmap``
     their bitmap, each read while its chunk is in cache. A float32 tensor whose values are
     wanted at a threshold ``aimed`` below k takes the fused kernel where it is built (the
-    same kept set and values; their bitmap for positions, no indices)."""
-    if gather and aimed and native.usable(flat):
+    same kept set and values; their bitmap for positions, no indices). ``chunk_of(lo, hi)``:
+    the entries [lo, hi) where they are not ``flat``'s (then ``flat`` gives the size)."""
+    if gather and aimed and chunk_of is None and native.usable(flat):
         found = _candidates_native(flat, threshold, k)
         if found is not None:
             return found
@@ -159,7 +174,7 @@ def _candidates_numpy(
     bits = np.empty((x.size + 7) // 8, dtype=np.uint8) if bitmap else None
     held, over, over_values = 0, [], []
     for lo in range(0, x.size, CHUNK):
-        chunk = x[lo : lo + CHUNK]
+        chunk = x[lo : lo + CHUNK] if chunk_of is None else chunk_of(lo, min(x.size, lo + CHUNK))
         m = chunk.size
         a = np.abs(chunk, out=absbuf[:m])
         mask = np.greater_equal(a, threshold, out=maskbuf[:m])
@@ -371,6 +386,59 @@ def approx_topk_accumulating(
         return Selection(None, torch.from_numpy(values[:held]), torch.from_numpy(bits), int2, left)
     _put_back(e, bits, values, written)
     return approx_topk(e, k, seed=seed, gather=True)
+
+
+def approx_topk_of_difference(
+    a: torch.Tensor, b: torch.Tensor, k: int, *, seed: int = 0
+) -> tuple[Selection, float] | None:
+    """:func:`approx_topk` of ``a − b`` (1-D) with ``gather``, without the difference as a
+    tensor: the sample read off ``a`` and ``b`` at its positions, the pass a ``CHUNK`` at a
+    time, each chunk's difference in a buffer in cache (no model-sized buffer to write, and
+    to page in every round: CHOCO's x − x̂), and ||a − b||² summed there. The same selection
+    and values as on the difference: (selection, ||a − b||²).
+
+    None where it does not apply: ``a`` not float32 on CPU (``b`` may be a float16 copy), a
+    dense selection (1/32 or more: the fused kernel's aimed pass serves), or the rare
+    fallbacks that need the whole difference (fewer than k non-zeros; both thresholds
+    falling short).
+
+    Raises:
+        ValueError: a non-finite difference.
+    """
+    n = a.numel()
+    if n <= EXACT_BELOW or not 0 < k < n or a.dtype != torch.float32 or b.dtype.itemsize > 4:
+        return None
+    if not (numpy_path(a) and numpy_path(b) and a.is_contiguous() and b.is_contiguous()):
+        return None
+    if math.ceil(AIMED_HITS * n / k) <= min(AIMED_SAMPLE, n // 8):
+        return None  # a dense selection: its threshold is aimed, its pass fused
+    fa, fb = a.numpy(), b.numpy()
+    buf = np.empty(min(CHUNK, n), dtype=np.float32)
+    squares = 0.0
+
+    def chunk_of(lo: int, hi: int) -> np.ndarray:
+        nonlocal squares
+        d = np.subtract(fa[lo:hi], fb[lo:hi], out=buf[: hi - lo])  # float16 b: in float32
+        part = float(np.dot(d, d))
+        if not math.isfinite(part) and not np.isfinite(d).all():
+            raise ValueError("cannot encode a tensor with NaN or infinite values")
+        squares += part
+        return d
+
+    def strided(at: slice) -> torch.Tensor:
+        return a[at] - b[at].to(a.dtype)
+
+    for margin_scale in (1.0, 3.0):
+        threshold = _sample_threshold_of(strided, n, k, seed, margin_scale)
+        if threshold is None or threshold <= 0.0:
+            return None
+        squares = 0.0
+        found = _candidates_numpy(a, threshold, k, True, False, chunk_of=chunk_of)
+        if found.count > k:
+            return _trim_selection(a, found, k, True), squares
+        if found.count >= math.ceil((1.0 - TOLERANCE) * k):
+            return found, squares
+    return None
 
 
 def _put_back(e: torch.Tensor, bits: np.ndarray, values: np.ndarray, written: int) -> None:

@@ -15,6 +15,7 @@ from gossipgrad.compression.selection import (
     Selection,
     approx_topk,
     approx_topk_accumulating,
+    approx_topk_of_difference,
     block_topk_indices,
     exact_topk_indices,
 )
@@ -90,6 +91,13 @@ class TopK(Sparsifier):
             return None
         k = self.k_for(e.numel())
         return approx_topk_accumulating(e, a, b, k, seed=seed, int2_block=int2_block)
+
+    def select_difference(
+        self, a: torch.Tensor, b: torch.Tensor, seed: int
+    ) -> tuple[Selection, float] | None:
+        if self.exact:
+            return None
+        return approx_topk_of_difference(a, b, self.k_for(a.numel()), seed=seed)
 
     def _selection(self, flat: torch.Tensor, seed: int, gather: bool) -> Selection:
         k = self.k_for(flat.numel())

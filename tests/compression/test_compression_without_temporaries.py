@@ -28,6 +28,45 @@ def test_compress_difference_is_compress_of_the_difference(
         a.add_(torch.randn(4321, generator=gen), alpha=0.1)
 
 
+@pytest.mark.parametrize("copy", [torch.float32, torch.float16])
+@pytest.mark.parametrize("spec", ["topk:0.01+int8", "topk:0.02+int2", "topk:0.01"])
+def test_a_sparse_difference_selected_a_chunk_at_a_time_is_the_difference_encoded(
+    spec: str, copy: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``encode_difference`` of a sparse top-k without the difference as a tensor (each
+    chunk of it in a buffer: CHOCO's x − x̂) gives the bytes and the fold of encoding the
+    difference built whole, and what stays ||(a − b) − decode(bytes)||; a non-finite
+    difference is refused."""
+    from gossipgrad.compression import engine, selection, sparsifiers
+
+    monkeypatch.setattr(selection, "CHUNK", 50_000)  # several chunks, one short
+    passes = []
+    chunked = sparsifiers.approx_topk_of_difference
+    monkeypatch.setattr(
+        sparsifiers,
+        "approx_topk_of_difference",
+        lambda *args, **kw: passes.append(chunked(*args, **kw)) or passes[-1],
+    )
+    gen = torch.Generator().manual_seed(8)
+    n = 230_001
+    a = torch.randn(n, generator=gen)
+    b = (a + 0.1 * torch.randn(n, generator=gen)).to(copy)
+    codec = from_spec(spec)
+    chunked_copy, whole_copy = b.clone(), b.clone()
+    data, _, left = codec.encode_difference(a, chunked_copy, seed=4, fold=True)
+    with monkeypatch.context() as whole:
+        whole.setattr(engine, "_encode_sparse_difference", lambda *_: None)
+        expected, _, _ = codec.encode_difference(a, whole_copy, seed=4, fold=True)
+    assert passes and passes[0] is not None  # the chunked pass ran
+    assert data == expected and torch.equal(chunked_copy, whole_copy)
+    difference = a.double() - b.double()
+    reference = float((difference - codec.decode(data).double()).norm())
+    assert left == pytest.approx(reference, rel=1e-5)
+    a[123_456] = float("inf")
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        codec.encode_difference(a, b.clone(), seed=5)
+
+
 def test_a_non_finite_difference_is_refused_and_leaves_the_residual(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
