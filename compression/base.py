@@ -129,8 +129,9 @@ class Codec(abc.ABC):
     ) -> tuple[bytes, Encoded, float]:
         """``encode_parts(a − b)`` and ||(a − b) − decode(bytes)||, what error feedback keeps
         (``b`` may be a narrower float copy). A dense codec reads ``a`` and ``b`` a chunk at a
-        time and allocates nothing model-sized; a sparse one builds the difference in
-        ``scratch`` (``a``'s shape and dtype; allocated if None): see :attr:`sparse`.
+        time and allocates nothing model-sized, and so does a sparse top-k below 1/32 of the
+        entries (:meth:`Sparsifier.select_difference`); other sparse ones build the difference
+        in ``scratch`` (``a``'s shape and dtype; allocated if None): see :attr:`sparse`.
         ``fold``: and ``b += decode(bytes)`` as ``decode_add_`` would, a dense codec's chunk
         while it is in cache (CHOCO's x̂ += q; details in ``engine.encode_difference``)."""
         return engine.encode_difference(self, a, b, seed, scratch, fold)
@@ -138,7 +139,8 @@ class Codec(abc.ABC):
     @property
     def sparse(self) -> bool:
         """True when the codec keeps a subset of the entries (it selects over a whole
-        tensor, so ``encode_difference`` needs a model-sized scratch)."""
+        tensor, so ``encode_difference`` may need a model-sized scratch: not for a sparse
+        top-k below 1/32, which reads the difference a chunk at a time)."""
         return self.stages()[0] is not None
 
     @torch.no_grad()

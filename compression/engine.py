@@ -211,9 +211,10 @@ def encode_difference(
     ``b`` may be narrower than ``a`` (float16 copies of float32 parameters); the difference
     has ``a``'s dtype. A dense codec takes the difference a chunk at a time, quantizes it and
     measures what stays while the chunk is in cache: one read of ``a`` and ``b`` instead of
-    some six passes over a model-sized difference, and no model-sized buffer. A sparse codec
-    selects over the whole difference, built in ``scratch`` (a buffer of ``a``'s shape and
-    dtype; allocated if None).
+    some six passes over a model-sized difference, and no model-sized buffer. A sparse top-k
+    below 1/32 selects a chunk of the difference at a time (``_encode_sparse_difference``);
+    other sparse codecs select over the whole difference, built in ``scratch`` (a buffer of
+    ``a``'s shape and dtype; allocated if None).
 
     ``fold``: then ``b += decode(bytes)``, bit for bit as ``decode_add_`` of the bytes would
     (CHOCO's x̂ += q); a dense codec adds each chunk while it is in cache. ``b`` must then be
