@@ -157,7 +157,7 @@ def encode_accumulated(
     data, sent = _encode_selected(codec, e, e.view(-1), kept, seed)
     if kept.int2 is None:  # else the pass took the values out already
         sent.add_to_(e, alpha=-1.0)
-    return data, sent, kept.left if kept.int2 is not None else None
+    return data, sent, kept.left
 
 
 def _encode_selected(
@@ -349,19 +349,23 @@ class Received:
     """A payload checked on arrival (:func:`receive`): its header's fields and its sections,
     decompressed and checked, so that adding it reads neither again (a zstd section
     decompressed and the CRC taken twice cost about a third of a model copy per message).
-    Its indices are decoded, and checked, where it is added, as ``decode_add`` does."""
+    Its indices are decoded, and checked, where it is added, as ``decode_add`` does. A
+    section stored raw is a view of the bytes, which it keeps alive (a receiver that keeps
+    the bytes too, to forward them, holds it once)."""
 
     spec: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    numel: int
-    seed: int
-    count: int
-    index_bits: int
+    header: wire.Header
     values: torch.Tensor
     scales: torch.Tensor | None
     raw: bytes | memoryview | None  # the index section, decompressed
-    nbytes: int  # the payload's size as it arrived
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.header.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.header.dtype
 
 
 def receive(codec: Codec, data: bytes, max_numel: int | None) -> Received:
@@ -369,24 +373,13 @@ def receive(codec: Codec, data: bytes, max_numel: int | None) -> Received:
     indices, and keep what the check decompressed (see :meth:`.Codec.receive`)."""
     env = wire.parse_envelope(data, codec.spec, max_numel)
     values, scales, raw = _sections(codec, env, torch.device("cpu"))
-    return Received(
-        codec.spec,
-        env.shape,
-        env.dtype,
-        env.numel,
-        env.seed,
-        env.count,
-        env.index_bits,
-        values,
-        scales,
-        raw,
-        len(data),
-    )
+    header = wire.Header(env.shape, env.dtype, env.numel, env.seed, env.count, env.index_bits)
+    return Received(codec.spec, header, values, scales, raw)
 
 
 def _opened(
     codec: Codec, payload: bytes | Received, out: torch.Tensor, cast: bool
-) -> tuple[wire.Envelope | Received, torch.Tensor, torch.Tensor | None, bytes | None]:
+) -> tuple[wire.Header, torch.Tensor, torch.Tensor | None, bytes | None]:
     """A payload's header and sections, checked to add into ``out`` (``_envelope_for``):
     read from its bytes, or as its receipt kept them."""
     if not isinstance(payload, Received):
@@ -398,7 +391,7 @@ def _opened(
     scales = payload.scales
     if scales is not None:
         scales = scales.to(out.device)
-    return payload, payload.values.to(out.device), scales, payload.raw
+    return payload.header, payload.values.to(out.device), scales, payload.raw
 
 
 def decode_add(
@@ -624,7 +617,7 @@ def _read(codec: Codec, env: wire.Envelope, dev: torch.device) -> tuple:
 
 
 def _indices(
-    sp, env: wire.Envelope | Received, raw, dev: torch.device, pieces: bool = False
+    sp, env: wire.Header, raw, dev: torch.device, pieces: bool = False
 ) -> torch.Tensor | Iterable[torch.Tensor] | Bitmap | RiceStream:
     """The kept entries' indices: decoded from the index section, or drawn from the seed;
     with ``pieces``, possibly as consecutive pieces or a validated bitmap

@@ -260,7 +260,8 @@ class Selection:
     #: The kept values as int2 codes and scales, where the fused pass quantized them and
     #: took what they send out of the residual it accumulated (``int2_block``, below).
     int2: tuple[torch.Tensor, torch.Tensor] | None = None
-    #: ||residual|| after that pass, summed as it wrote it (None: not measured).
+    #: ||residual|| after that pass, summed as it wrote it (None: not measured; only the
+    #: int2 pass measures it).
     left: float | None = None
 
     def __post_init__(self) -> None:

@@ -271,16 +271,22 @@ def _split_payloads(data: bytes) -> tuple[bytes, dict[int, memoryview]]:
 
 
 @dataclass
-class Envelope:
-    """A parsed envelope whose header has been validated; sections are still stored bytes."""
+class Header:
+    """An envelope's validated header fields: what a decoder needs besides the sections."""
 
-    msg: TensorEnvelope
     shape: tuple[int, ...]
     dtype: torch.dtype
     numel: int
     seed: int
     count: int
     index_bits: int
+
+
+@dataclass
+class Envelope(Header):
+    """A parsed envelope whose header has been validated; sections are still stored bytes."""
+
+    msg: TensorEnvelope
     #: Stored (possibly compressed) bytes per section name: views into the received bytes.
     sections: dict[str, memoryview]
 
@@ -337,7 +343,7 @@ def parse_envelope(
     if _header_crc(env, datas) != env.crc32:
         raise DecodeError("CRC32 mismatch: corrupted or edited payload")
     sections = dict(zip(("indices", "values", "scales"), datas, strict=True))
-    return Envelope(env, shape, dtype, numel, env.seed, env.count, env.index_bits, sections)
+    return Envelope(shape, dtype, numel, env.seed, env.count, env.index_bits, env, sections)
 
 
 def read_section(

@@ -109,9 +109,7 @@ def test_what_a_receipt_kept_adds_what_the_bytes_decode_to(spec: str, dtype: tor
     gen = torch.Generator().manual_seed(6)
     data = [codec.encode(torch.randn(3, 3001, generator=gen), seed=s) for s in (1, 2)]
     kept = [codec.receive(d) for d in data]
-    assert [(k.shape, k.dtype, k.nbytes) for k in kept] == [
-        ((3, 3001), torch.float32, len(d)) for d in data
-    ]
+    assert [(k.shape, k.dtype) for k in kept] == [((3, 3001), torch.float32)] * 2
     base = torch.randn(3, 3001, generator=gen).to(dtype)
     by_bytes = codec.decode_add_(data[0], base.clone(), alpha=-0.3, cast=True)
     assert torch.equal(codec.decode_add_(kept[0], base.clone(), alpha=-0.3, cast=True), by_bytes)
