@@ -12,12 +12,15 @@ baseline measured in the same process and run:
   memory with the model, its gradients and its optimizer before gossip started), in model
   bytes; peak/model the same at the high-water mark (start-up and rounds' transients).
 * round CPU/copy: the process's CPU time per round (every thread: encode, pushes, the
-  server's decode, mixing, checksums, heartbeats) less that of the same steps without gossip,
-  over the time of one ``copy_`` of the model (the median of one timed after each of those
+  server's decode, mixing, checksums, heartbeats) less that of the same steps without gossip
+  (the mean of a run of them before the rounds and one after, every peer at once both
+  times: the host's drift between the two does not count as gossip's), over the time of one
+  ``copy_`` of the model (the median of one timed after each of those
   steps: the contention for cores and memory bandwidth the rounds met).
 * stall/phase: the training thread's time blocked in gossip per round, over a phase's compute
   (``local_steps`` x ``--accelerator-ms``); utilization: the wall time of the same steps
-  without gossip over their wall time with it (1: gossip costs the training nothing).
+  without gossip (that mean) over their wall time with it (1: gossip costs the training
+  nothing).
 * start: building and starting the GossipOptimizer; state: ``state_dict()`` and saving it to
   memory with ``torch.save``, over a ``torch.save`` of the same state alone; checkpoint: the
   daemon's atomic save of the state to disk (temporary file, fsync, rename), written from
@@ -168,15 +171,19 @@ def _peer(rank: int, a: dict, addresses, barrier, state_turn) -> dict:
     copies = CopyClock(numel)
     wait = a["accelerator_ms"] / 1000
     steps = a["rounds"] * a["local_steps"]
-    # The same steps without gossip: the CPU that training itself takes. Every peer starts
-    # gossip from the same model, so the parameters are put back after.
+
+    def plain_steps() -> tuple[float, float]:
+        """The same steps without gossip: the CPU and wall time training itself takes."""
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        for _ in range(steps):
+            time.sleep(wait)
+            set_gradients()
+            optimizer.step()
+        return time.process_time() - cpu0, time.perf_counter() - t0
+
+    # Every peer starts gossip from the same model, so the parameters are put back after.
     initial = [p.detach().clone() for p in params]
-    cpu0, t0 = time.process_time(), time.perf_counter()
-    for _ in range(steps):
-        time.sleep(wait)
-        set_gradients()
-        optimizer.step()
-    cpu_plain, wall_plain = time.process_time() - cpu0, time.perf_counter() - t0
+    cpu_before, wall_before = plain_steps()
     with torch.no_grad():
         for p, p0 in zip(params, initial, strict=True):
             p.copy_(p0)
@@ -240,6 +247,11 @@ def _peer(rank: int, a: dict, addresses, barrier, state_turn) -> dict:
     degree = min(2, a["peers"] - 1)  # a ring
     formula = gossip_state_bytes(gopt.config.gossip, degree, model_bytes) / model_bytes
     final_loss = loss()
+    # The steps without gossip again, every peer at once as before the rounds: the baseline
+    # is the mean of the two, so the host's drift between them does not count as gossip's.
+    barrier.wait(timeout=120)
+    cpu_after, wall_after = plain_steps()
+    cpu_plain, wall_plain = (cpu_before + cpu_after) / 2, (wall_before + wall_after) / 2
     figures = {
         "rank": rank,
         "numel": numel,
