@@ -77,14 +77,41 @@ int64_t gg_rice_encode_bitmap(const uint8_t *bits, int64_t n, int64_t count, int
     return held == count ? (at + 7) / 8 : -1;
 }
 
+#if defined(__x86_64__)
+#define WITH_POPCNT __attribute__((target("popcnt"))) /* every CPU that runs the kernels */
+#else
+#define WITH_POPCNT
+#endif
+
 /* The sum of `count` fields, rbits wide, packed back to back (a Rice stream's remainders:
- * with the head's last terminator it gives the last position before anything is added). */
-int64_t gg_field_sum(const uint8_t *rem, int rbits, int64_t count) {
+ * with the head's last terminator it gives the last position before anything is added).
+ * Up to 8 bits wide, 64 bits of the stream at a time: bit p is bit p mod rbits of its field
+ * (weight 2^(rbits - 1 - p mod rbits)), so each weight's bits are counted with one popcount
+ * under a mask, the masks picked by where the word begins in a field. */
+WITH_POPCNT int64_t gg_field_sum(const uint8_t *rem, int rbits, int64_t count) {
     if (!rbits) {
         return 0;
     }
+    int64_t total = 0, nbits = count * rbits, p = 0;
+    if (rbits <= 8) {
+        uint64_t masks[8][8] = {{0}}; /* [first bit's place][place]: that place's bits */
+        for (int s = 0; s < rbits; s++) {
+            for (int b = 0; b < 64; b++) {
+                masks[s][(s + b) % rbits] |= (uint64_t)1 << (63 - b);
+            }
+        }
+        for (int s = 0; p < nbits; p += 64, s = (s + 64) % rbits) {
+            uint64_t w = bits_at(rem, p);
+            if (nbits - p < 64) {
+                w &= ~(~(uint64_t)0 >> (nbits - p)); /* the stream's last bits only */
+            }
+            for (int i = 0; i < rbits; i++) {
+                total += (int64_t)__builtin_popcountll(w & masks[s][i]) << (rbits - 1 - i);
+            }
+        }
+        return total;
+    }
     const uint64_t mask = ((uint64_t)1 << rbits) - 1;
-    int64_t total = 0;
     for (int64_t j = 0; j < count; j++) {
         total += (int64_t)((bits_at(rem, j * rbits) >> (64 - rbits)) & mask);
     }

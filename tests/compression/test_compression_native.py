@@ -355,6 +355,22 @@ def test_the_int2_selection_quantizes_and_takes_out_as_numpy_does(
 
 
 @needs_kernels
+@given(rbits=st.integers(1, 40), count=st.integers(0, 3000), seed=st.integers(0, 2**16))
+@SETTINGS
+def test_a_rice_streams_remainders_sum_as_numpy_sums_them(
+    rbits: int, count: int, seed: int
+) -> None:
+    """``field_sum`` (a Rice stream's check of its last position) is the sum of the fields,
+    whatever their width, however many: a word at a time by popcounts up to 8 bits, a field
+    at a time above."""
+    fields = np.random.default_rng(seed).integers(0, 1 << rbits, count, dtype=np.uint64)
+    big_endian = fields.astype(">u8").view(np.uint8).reshape(-1, 8)
+    bits = np.unpackbits(big_endian, axis=1)[:, 64 - rbits :].reshape(-1)
+    padded = np.concatenate([np.packbits(bits), np.zeros(native.PAD, dtype=np.uint8)])
+    assert native.field_sum(padded, rbits, count) == int(fields.sum())
+
+
+@needs_kernels
 def test_error_feedbacks_int2_step_measures_the_residual_it_leaves(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
