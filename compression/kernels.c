@@ -747,7 +747,7 @@ __attribute__((target("avx2"))) int64_t gg_accumulate_select_int2(
     float *values, int64_t room, uint8_t *codes, float *scales, int64_t block_log2,
     int64_t *out, double *left2) {
     const __m256 t = _mm256_set1_ps(threshold), zero = _mm256_setzero_ps();
-    double total = 0.0;
+    double left_total = 0.0; /* ||e||^2 of the groups written back so far */
     *left2 = -1.0;
     const __m256 minus_one = _mm256_set1_ps(-1.0f);
     const int64_t block = (int64_t)1 << block_log2;
@@ -835,7 +835,7 @@ __attribute__((target("avx2"))) int64_t gg_accumulate_select_int2(
         float lanes[8];
         _mm256_storeu_ps(lanes, squares);
         for (int l = 0; l < 8; l++) {
-            total += lanes[l];
+            left_total += lanes[l];
         }
         if (last) {
             for (int64_t p = 8 * full; p < n; p++) {
@@ -843,7 +843,7 @@ __attribute__((target("avx2"))) int64_t gg_accumulate_select_int2(
                     e[p] = e[p] + deq[written - low] * -1.0f;
                     written++;
                 }
-                total += (double)e[p] * e[p];
+                left_total += (double)e[p] * e[p];
             }
             break;
         }
@@ -852,7 +852,7 @@ __attribute__((target("avx2"))) int64_t gg_accumulate_select_int2(
     }
     out[0] = held, out[1] = written;
     if (held >= 0) {
-        *left2 = total;
+        *left2 = left_total;
     }
     return 0;
 }

@@ -67,6 +67,15 @@ def test_a_sparse_difference_selected_a_chunk_at_a_time_is_the_difference_encode
         codec.encode_difference(a, b.clone(), seed=5)
 
 
+def test_a_bfloat16_copy_takes_the_difference_built_whole() -> None:
+    """numpy has no bfloat16: such a copy's difference is built whole, the same bytes."""
+    codec = from_spec("topk:0.01+int8")
+    a = torch.randn(230_001, generator=torch.Generator().manual_seed(9))
+    b = a.to(torch.bfloat16)
+    data, _, _ = codec.encode_difference(a, b, seed=2)
+    assert data == codec.encode(a - b.float(), seed=2)
+
+
 def test_a_non_finite_difference_is_refused_and_leaves_the_residual(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
