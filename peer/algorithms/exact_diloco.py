@@ -73,7 +73,7 @@ from gossipgrad.peer.algorithms.dissemination import (
 from gossipgrad.peer.algorithms.neighbours import Neighbourhood
 from gossipgrad.peer.algorithms.outer import OuterSettings, outer_step, restore_outer
 from gossipgrad.peer.algorithms.phase_clock import PhaseClock
-from gossipgrad.peer.flat import FlatParameters, tensor_checksum
+from gossipgrad.peer.flat import FlatParameters, copy_with_checksum, tensor_checksum
 from gossipgrad.peer.network.errors import UpdateRejected
 from gossipgrad.proto import gossip_pb2 as pb
 
@@ -487,8 +487,7 @@ class ExactDiLoCo(GossipAlgorithm):
         step = Average(self.codec, tuple(terms))
         with torch.no_grad(), self.state_lock:
             outer_step(self.anchor, step, self.momentum, self.outer)
-            self.flat.data.copy_(self.anchor)
-            self._checksum = tensor_checksum(self.anchor)
+            self._checksum = copy_with_checksum(self.flat.data, self.anchor)
             self._phase += 1
             self._ended(local_step)
         self._remember(self._phase, self._checksum)

@@ -23,6 +23,24 @@ from hypothesis import strategies as st
 pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.mark.parametrize("numel", [0, 1, 1000, 3 * (1 << 20) + 5])
+def test_a_copy_with_its_checksum_is_the_copy_and_the_checksum(
+    numel: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``copy_with_checksum`` (exact-diloco's θ = a and the anchor's checksum in one pass, a
+    slice at a time) leaves the copy and returns ``tensor_checksum`` of the source, across
+    slices and for a strided source (one after the other)."""
+    monkeypatch.setattr(flat, "_CHECKSUM_SLICE", 1 << 19)
+    src = torch.randn(numel, generator=torch.Generator().manual_seed(3))
+    dst = torch.full_like(src, float("nan"))
+    assert flat.copy_with_checksum(dst, src) == tensor_checksum(src)
+    assert torch.equal(dst, src)
+    strided = torch.randn(2, numel)[:, 0] if numel else src
+    other = torch.empty_like(strided)
+    assert flat.copy_with_checksum(other, strided) == tensor_checksum(strided)
+    assert torch.equal(other, strided)
+
+
 def test_a_spilled_tensor_reads_back_bit_for_bit_from_many_threads() -> None:
     t = torch.randn(300_001, generator=torch.Generator().manual_seed(0))
     spilled = SpilledTensor(t)
