@@ -97,10 +97,16 @@ class Encoded:
                 left = kept - vals.to(flat.dtype)
                 total += float(torch.dot(left, left)) - float(torch.dot(kept, kept))
         elif self.idx is not None and self.idx.numel():
-            kept = torch.index_select(flat, 0, self.idx)
-            vals = _dequantize_chunked(q, self.values, self.scales, self.count, self.dtype)
-            left = kept - vals.to(flat.dtype)
-            total += float(torch.dot(left, left)) - float(torch.dot(kept, kept))
+            return self.left_of_kept(torch.index_select(flat, 0, self.idx), total)
+        return max(total, 0.0) ** 0.5
+
+    def left_of_kept(self, kept: torch.Tensor, squares: float) -> float:
+        """:meth:`residual_norm` from the kept entries' values of the tensor encoded, in
+        order, and its ||t||² (``squares``): sqrt(||t||² − ||t_S||² + ||t_S − v||²)."""
+        _, q = self.codec.stages()
+        vals = _dequantize_chunked(q, self.values, self.scales, self.count, self.dtype)
+        left = kept - vals.to(kept.dtype)
+        total = squares + (float(torch.dot(left, left)) - float(torch.dot(kept, kept)))
         return max(total, 0.0) ** 0.5
 
 
@@ -272,7 +278,7 @@ def _encode_sparse_difference(
     a time (``Sparsifier.select_difference``): the same bytes, no difference built; what
     stays, ||a − b||² − ||kept||² + ||kept − sent||², from the pass's sum and the kept values.
     None where the sparsifier has no such pass for these tensors."""
-    sp, q = codec.stages()
+    sp, _ = codec.stages()
     if sp is None or not (a.is_contiguous() and b.is_contiguous()):
         return None
     seed = _checked_seed(seed)
@@ -282,13 +288,10 @@ def _encode_sparse_difference(
     kept, squares = found
     assert kept.values is not None
     data, sent = _encode_selected(codec, a, a.view(-1), kept, seed)
-    values = kept.values
-    deq = _dequantize_chunked(q, sent.values, sent.scales, sent.count, sent.dtype)
-    left = values - deq.to(values.dtype)
-    left2 = squares - float(torch.dot(values, values)) + float(torch.dot(left, left))
+    left = sent.left_of_kept(kept.values, squares)
     if fold:
         sent.add_to_(b)
-    return data, sent, max(left2, 0.0) ** 0.5
+    return data, sent, left
 
 
 def _dense_envelope(

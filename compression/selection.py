@@ -317,11 +317,20 @@ def approx_topk(
             found = _candidates_numpy(flat, threshold, k, gather, bitmap, aimed)
         else:
             found = Selection(_candidates_torch(flat, threshold))
-        if found.count > k:
-            return _trim_selection(flat, found, k, numpy_pass)
-        if found.count >= math.ceil((1.0 - TOLERANCE) * k):
-            return found
+        settled = _settled(flat, found, k, numpy_pass)
+        if settled is not None:
+            return settled
     return Selection(exact_topk_indices(flat, k))
+
+
+def _settled(flat: torch.Tensor, found: Selection, k: int, numpy_pass: bool) -> Selection | None:
+    """A threshold's candidates as the selection: trimmed to the k largest on an overshoot,
+    as they are within the tolerance under k; None when too few (a lower threshold next)."""
+    if found.count > k:
+        return _trim_selection(flat, found, k, numpy_pass)
+    if found.count >= math.ceil((1.0 - TOLERANCE) * k):
+        return found
+    return None
 
 
 def approx_topk_accumulating(
@@ -437,10 +446,9 @@ def approx_topk_of_difference(
             return None
         squares = 0.0
         found = _candidates_numpy(a, threshold, k, True, False, chunk_of=chunk_of)
-        if found.count > k:
-            return _trim_selection(a, found, k, True), squares
-        if found.count >= math.ceil((1.0 - TOLERANCE) * k):
-            return found, squares
+        settled = _settled(a, found, k, True)  # its trim reads the values gathered, not a
+        if settled is not None:
+            return settled, squares
     return None
 
 
