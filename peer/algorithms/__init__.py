@@ -24,6 +24,7 @@ from gossipgrad.peer.algorithms.outer import OuterSettings
 from gossipgrad.peer.algorithms.settings import ChocoSettings
 from gossipgrad.peer.config import GossipSection
 from gossipgrad.peer.flat import FlatParameters
+from gossipgrad.peer.membership.topology import topology_from_name
 
 __all__ = [
     "ChocoGossip",
@@ -84,5 +85,11 @@ def build_algorithm(
         )
     anchor = flat.data.detach().clone()
     anchor_settings = ChocoSettings.from_config(cfg, codec=cfg.anchor_codec, gamma=cfg.anchor_gamma)
-    anchors = ChocoGossip(anchor, flat.initial, anchor_settings, neighbourhood, state_lock, metrics)
+    # The anchors' edges keep copies, the average's none: their graph is its own key.
+    anchors_graph = (
+        neighbourhood
+        if cfg.anchor_topology == cfg.topology
+        else neighbourhood.over(topology_from_name(cfg.anchor_topology))
+    )
+    anchors = ChocoGossip(anchor, flat.initial, anchor_settings, anchors_graph, state_lock, metrics)
     return DiLoCo(flat, anchor, average, anchors, outer, state_lock)

@@ -2,12 +2,15 @@
 model, its gradients and the user's optimizer, as a formula of the model's size.
 
 Per peer, with M the model's bytes (float32 parameters), d the edges the peer keeps (its
-neighbours: 2 on a ring of 3 or more, 1 on a ring of 2, n - 1 on a complete graph, and on a
-time-varying graph every partner met since the last membership change) and c the copies'
+neighbours: 2 on a ring of 3 or more, 1 on a ring of 2, n - 1 on a complete graph and on the
+exponential graph up to 5 peers (about 2 log2 n beyond), and on a time-varying graph every
+partner met since the last membership change) and c the copies'
 size relative to the model (1 for ``gossip.copy_dtype = "float32"``, 1/2 for float16):
 
 * choco: 2 d c M -- per edge, the public copy x̂_{i->j} and the mirror of x̂_{j->i}.
-* diloco: M (the anchor, which is also the phase's start) + M (the pseudo-gradient's
+* diloco (d: the edges of the anchors' graph, ``gossip.anchor_topology``; the graph the
+  pseudo-gradients are averaged on keeps no copies): M (the anchor, which is also the
+  phase's start) + M (the pseudo-gradient's
   error-feedback residual; none with ``error_feedback = false``) + M (the outer momentum, only
   with ``outer_momentum > 0``) + 2 d c M (the anchors' CHOCO copies) + M (the parameters at
   the phase's end, only with ``background_rounds``). The neighbours' pseudo-gradients stay

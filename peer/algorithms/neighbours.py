@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import grpc
 from gossipgrad.peer.membership.topology import Topology
@@ -139,6 +139,12 @@ class Neighbourhood:
     def all_neighbors(self, ids: list[str] | None = None) -> set[str]:
         """Every peer this one gossips with in some round (for time-varying topologies)."""
         return neighbours_in(self.topology, self.me, ids if ids is not None else self.ids())
+
+    def over(self, topology: Topology) -> Neighbourhood:
+        """This layer on another graph: neighbours and weights from ``topology``, the same
+        pushes, arrivals, checks and waiting (diloco's anchors gossip over a sparser graph
+        than its pseudo-gradients are averaged on)."""
+        return cast(Neighbourhood, _OtherGraph(self, topology))
 
     def weights_at(self, round_: int, ids: list[str]) -> dict[str, float]:
         """Metropolis–Hastings weights w_ij for this round (self excluded)."""
@@ -388,3 +394,21 @@ class Neighbourhood:
                 lane.clear()
             self._ready.clear()
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _OtherGraph:
+    """A :class:`Neighbourhood` seen through another topology (``Neighbourhood.over``): the
+    three methods that read the graph are the layer's own, run on this one's ``topology``;
+    everything else (the push pool, arrivals, lagging peers, round trips) is the layer's,
+    shared, so one wait wakes on what either graph's algorithm receives."""
+
+    def __init__(self, layer: Neighbourhood, topology: Topology) -> None:
+        self._layer = layer
+        self.topology = topology
+
+    def __getattr__(self, name: str):
+        return getattr(self._layer, name)
+
+    neighbors_at = Neighbourhood.neighbors_at
+    all_neighbors = Neighbourhood.all_neighbors
+    weights_at = Neighbourhood.weights_at

@@ -36,9 +36,11 @@ class GossipSection(Section):
         "4 peers, H = 10: dense 1.72 at 587 MB per peer, top-20% + int2 1.76 at 30 MB).",
     )
     topology: str = Field(
-        "ring",
+        default_factory=default_for("topology"),
         description="ring, torus, full, random-regular, exponential, one-peer-exponential "
-        "(docs/topologies.md).",
+        "(docs/topologies.md). Per algorithm; diloco: the exponential graph, on which each "
+        "peer averages with every other up to 5 peers and with about 2 log2 n beyond (its "
+        "phases are rare, so hearing more peers costs few bytes per step; docs/algorithms.md).",
     )
     degree: int | None = Field(
         None,
@@ -99,6 +101,14 @@ class GossipSection(Section):
         "compresses the pseudo-gradients). An anchor moves densely once a phase, so it needs "
         "a dense codec precise enough for a large anchor_gamma: 1-bit sign did as well as "
         "int2 at 80% of its bytes, top-k anchors drifted apart.",
+    )
+    anchor_topology: str = Field(
+        default_factory=default_for("anchor_topology"),
+        description="diloco: the graph of the anchors' CHOCO gossip (the pseudo-gradients are "
+        "averaged over topology). Each of its edges keeps two anchor copies (2 c M per edge, "
+        "docs/scale.md) where an averaging edge keeps none, so a dense topology with a ring "
+        "for the anchors hears many peers at a ring's memory. The same names as topology "
+        "(random-regular: degree 3).",
     )
     background_rounds: bool = Field(
         False,
@@ -282,4 +292,5 @@ class GossipSection(Section):
         from gossipgrad.peer.membership.topology import topology_from_name
 
         topology_from_name(self.topology, seed=0, degree=self.degree)
+        topology_from_name(self.anchor_topology, seed=0)
         return self

@@ -126,8 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", type=int, default=4, help="number of peer processes")
     p.add_argument("--task", default="digits", help="built-in task or package.module:factory")
     p.add_argument("--steps", type=int, default=300, help="local steps per peer")
-    p.add_argument("--codec", default="topk:0.01+int8", help="compression spec")
-    p.add_argument("--topology", default="ring", help="gossip topology")
+    p.add_argument(
+        "--codec",
+        help="compression spec (gossip.codec; default: the algorithm's, e.g. choco's "
+        "topk:0.01+int8)",
+    )
+    p.add_argument(
+        "--topology",
+        help="gossip topology (gossip.topology; default: the algorithm's, e.g. choco's ring)",
+    )
     p.add_argument("--out", type=Path, default=Path("runs/swarm"), help="output directory")
     p.add_argument("--config", type=Path, help="base TOML config every peer reads first")
     p.add_argument(
@@ -141,33 +148,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    console = Console()
-    overrides = {
-        "train.task": args.task,
-        "train.steps": str(args.steps),
-        "gossip.codec": args.codec,
-        "gossip.topology": args.topology,
-    }
+def overrides_from(args: argparse.Namespace) -> dict[str, str]:
+    """Every peer's config overrides from the command line. ``--codec`` and ``--topology``
+    left out leave their keys to the chosen algorithm (peer/config/recommended.py), so
+    ``--set gossip.algorithm=diloco`` alone runs diloco's codec and graph. Raises ValueError
+    for a ``--set`` without ``=``."""
+    overrides = {"train.task": args.task, "train.steps": str(args.steps)}
+    for key, value in (("gossip.codec", args.codec), ("gossip.topology", args.topology)):
+        if value is not None:
+            overrides[key] = value
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
-            console.print(f"[red]--set expects KEY=VALUE, got {item!r}")
-            return 2
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
         overrides[key] = value
+    return overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console()
+    try:
+        overrides = overrides_from(args)
+    except ValueError as err:
+        console.print(f"[red]{err}")
+        return 2
     # Validate once here, so a typo fails before any process starts.
     from gossipgrad.peer.config import ConfigError, load_config
 
     try:
-        load_config(args.config, {k: v for k, v in overrides.items() if k != "peer.bootstrap"})
+        cfg = load_config(
+            args.config, {k: v for k, v in overrides.items() if k != "peer.bootstrap"}
+        )
     except ConfigError as err:
         console.print(f"[red]config error: {err}")
         return 2
     swarm = LocalSwarm(args.out, args.peers, overrides, args.config)
     console.print(
-        f"starting {args.peers} peers: task={args.task} codec={args.codec} "
-        f"topology={args.topology} steps={args.steps} -> {args.out}"
+        f"starting {args.peers} peers: task={args.task} algorithm={cfg.gossip.algorithm} "
+        f"codec={cfg.gossip.codec} topology={cfg.gossip.topology} steps={args.steps} "
+        f"-> {args.out}"
     )
     interrupted = False
     try:

@@ -132,6 +132,35 @@ def test_h1_outer_lr1_no_momentum_is_parameter_averaging() -> None:
         close(opts)
 
 
+def test_pseudo_gradients_on_the_graph_anchors_on_the_ring() -> None:
+    """diloco's defaults: pseudo-gradients averaged on the exponential graph (every peer of
+    4), anchors gossiped on the ring inside it. With H = 1, outer lr 1 and dense codecs each
+    step lands every peer on the mean of all four targets (a ring's average would weigh two
+    neighbours and itself by 1/3), and the anchors' edges, the only ones keeping copies, are
+    the two ring neighbours', exact."""
+    opts = start_diloco(4, codec="none", anchor_codec="none", local_steps=1)
+    try:
+        g = opts[0].config.gossip
+        assert (g.topology, g.anchor_topology) == ("exponential", "ring")
+        gen = torch.Generator().manual_seed(3)
+        numel = opts[0].flat.numel
+        for _ in range(3):
+            targets = [o.flat.data + torch.randn(numel, generator=gen) for o in opts]
+            step_all(opts, targets)
+            mean = torch.stack(targets).mean(0)
+            for o in opts:
+                assert torch.allclose(o.flat.data, mean, atol=1e-5)
+        finish_all(opts)
+        anchors_exact(opts)
+        ids = sorted(o.peer.id for o in opts)
+        for o in opts:
+            i = ids.index(o.peer.id)
+            ring = {ids[(i - 1) % 4], ids[(i + 1) % 4]}
+            assert set(o.algorithm.anchors.edges) == ring
+    finally:
+        close(opts)
+
+
 def anchors_exact(opts: list[GossipOptimizer]) -> None:
     """The anchors' CHOCO edges: one session, mirrors bit-identical to the public copies."""
     deadline = time.monotonic() + 10

@@ -18,7 +18,9 @@ from gossipgrad.peer.config.reference import iter_fields, markdown_reference, pe
 pytestmark = pytest.mark.timeout(60)
 
 DILOCO = {
-    "local_steps": 10,
+    "local_steps": 5,
+    "topology": "exponential",
+    "anchor_topology": "ring",
     "codec": "topk:0.2+int2",
     "anchor_codec": "sign",
     "anchor_gamma": 0.5,
@@ -40,21 +42,27 @@ def test_diloco_alone_takes_its_recommended_values() -> None:
 
 def test_choco_keeps_its_values_and_chooses_only_its_own_keys() -> None:
     g = gossip()
-    assert (g.local_steps, g.codec, g.copy_dtype) == (1, "topk:0.01+int8", "float32")
+    assert (g.local_steps, g.codec, g.topology, g.copy_dtype) == (
+        1,
+        "topk:0.01+int8",
+        "ring",
+        "float32",
+    )
     assert g.chosen_defaults() == {
         "local_steps": 1,
         "codec": "topk:0.01+int8",
+        "topology": "ring",
         "copy_dtype": "float32",
     }
 
 
 def test_a_key_set_to_the_recommended_value_counts_as_set(tmp_path: Path) -> None:
-    """TOML sets the algorithm and H = 10 (diloco's own value), the command line the codec
+    """TOML sets the algorithm and H = 5 (diloco's own value), the command line the codec
     to choco's: both stay as set, and neither is reported as chosen."""
     f = tmp_path / "site.toml"
-    f.write_text('[gossip]\nalgorithm = "diloco"\nlocal_steps = 10\n')
+    f.write_text('[gossip]\nalgorithm = "diloco"\nlocal_steps = 5\n')
     g = load_config(f, {"gossip.codec": "topk:0.01+int8"}).gossip
-    assert (g.local_steps, g.codec, g.anchor_codec) == (10, "topk:0.01+int8", "sign")
+    assert (g.local_steps, g.codec, g.anchor_codec) == (5, "topk:0.01+int8", "sign")
     chosen = g.chosen_defaults()
     assert "local_steps" not in chosen and "codec" not in chosen
     assert chosen["anchor_codec"] == "sign"
@@ -111,7 +119,8 @@ def test_the_reference_shows_what_each_algorithm_gets() -> None:
             if cells[algorithm] != "-":
                 value = getattr(g, key)
                 assert cells[algorithm] == (repr(value) if isinstance(value, str) else str(value))
-    assert table["local_steps"]["diloco"] == "10"
+    assert table["local_steps"]["diloco"] == "5"
+    assert table["topology"]["diloco"] == "'exponential'"
 
 
 # A description claims a default in one of these forms; the value must be the key's default
@@ -173,3 +182,20 @@ def test_the_check_finds_a_drifted_description(monkeypatch) -> None:
     found = _contradictions()
     assert any("'ef-gradient'" in b for b in found), found
     assert any("Nesterov" in b for b in found), found
+
+
+def test_the_swarm_launcher_leaves_codec_and_topology_to_the_algorithm() -> None:
+    """``gossipgrad-swarm --set gossip.algorithm=diloco`` runs diloco's codec and graph (its
+    --codec and --topology once pinned choco's), and either flag given still wins."""
+    from gossipgrad.experiment.swarm import build_parser, overrides_from
+
+    def chosen(*argv: str) -> GossipSection:
+        return load_config(None, overrides_from(build_parser().parse_args(argv))).gossip
+
+    g = chosen("--set", "gossip.algorithm=diloco")
+    assert (g.codec, g.topology, g.local_steps) == ("topk:0.2+int2", "exponential", 5)
+    g = chosen("--set", "gossip.algorithm=diloco", "--codec", "int8", "--topology", "ring")
+    assert (g.codec, g.topology) == ("int8", "ring")
+    assert (chosen().codec, chosen().topology) == ("topk:0.01+int8", "ring")
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        overrides_from(build_parser().parse_args(["--set", "gossip.algorithm"]))

@@ -39,6 +39,8 @@ def test_status_records_the_keys_diloco_chose_and_not_those_set(tmp_path: Path) 
     )
     assert status.algorithm == "diloco"
     assert status.algorithm_defaults == {
+        "topology": "exponential",
+        "anchor_topology": "ring",
         "codec": "topk:0.2+int2",
         "anchor_codec": "sign",
         "anchor_gamma": 0.5,
@@ -51,4 +53,8 @@ def test_status_records_the_keys_diloco_chose_and_not_those_set(tmp_path: Path) 
 def test_status_of_a_choco_peer_records_choco_s_values(tmp_path: Path) -> None:
     status = run_alone(tmp_path / "choco", {"gossip.codec": "int8"})
     assert status.algorithm == "choco"
-    assert status.algorithm_defaults == {"local_steps": 1, "copy_dtype": "float32"}
+    assert status.algorithm_defaults == {
+        "local_steps": 1,
+        "topology": "ring",
+        "copy_dtype": "float32",
+    }
