@@ -24,7 +24,7 @@ from gossipgrad.peer.algorithms.outer import OuterSettings
 from gossipgrad.peer.algorithms.settings import ChocoSettings
 from gossipgrad.peer.config import GossipSection
 from gossipgrad.peer.flat import FlatParameters
-from gossipgrad.peer.membership.topology import topology_from_name
+from gossipgrad.peer.membership.topology import Topology, topology_from_name
 
 __all__ = [
     "ChocoGossip",
@@ -36,6 +36,7 @@ __all__ = [
     "MembershipView",
     "Neighbourhood",
     "RoundStats",
+    "anchors_graph",
     "build_algorithm",
 ]
 
@@ -85,11 +86,22 @@ def build_algorithm(
         )
     anchor = flat.data.detach().clone()
     anchor_settings = ChocoSettings.from_config(cfg, codec=cfg.anchor_codec, gamma=cfg.anchor_gamma)
-    # The anchors' edges keep copies, the average's none: their graph is its own key.
-    anchors_graph = (
-        neighbourhood
-        if cfg.anchor_topology == cfg.topology
-        else neighbourhood.over(topology_from_name(cfg.anchor_topology))
+    graph = anchors_graph(cfg)
+    anchors = ChocoGossip(
+        anchor,
+        flat.initial,
+        anchor_settings,
+        neighbourhood if graph is None else neighbourhood.over(graph),
+        state_lock,
+        metrics,
     )
-    anchors = ChocoGossip(anchor, flat.initial, anchor_settings, anchors_graph, state_lock, metrics)
     return DiLoCo(flat, anchor, average, anchors, outer, state_lock)
+
+
+def anchors_graph(cfg: GossipSection) -> Topology | None:
+    """The graph diloco's anchors gossip on where it is not ``cfg.topology``'s (their edges
+    keep copies, the average's none: ``anchor_topology`` is a key of its own); None for
+    another algorithm or the same graph."""
+    if cfg.algorithm != "diloco" or cfg.anchor_topology == cfg.topology:
+        return None
+    return topology_from_name(cfg.anchor_topology)

@@ -20,6 +20,7 @@ from gossipgrad.peer.algorithms import (
     GossipAlgorithm,
     Identity,
     Neighbourhood,
+    anchors_graph,
     build_algorithm,
 )
 from gossipgrad.peer.algorithms.buffers import BufferAverage
@@ -239,6 +240,8 @@ class Peer:
         self.topology = topology_from_name(
             cfg.gossip.topology, seed=cfg.train.seed, degree=cfg.gossip.degree
         )
+        # Every graph a peer gossips on: its neighbours there are heartbeated as neighbours.
+        self.graphs = [self.topology, *filter(None, [anchors_graph(cfg.gossip)])]
         self.id = cfg.peer.id or (self.security.identity if self.security is not None else "")
         self.address = ""
         self.metrics_port = 0
@@ -318,7 +321,7 @@ class Peer:
             self.cfg.peer.bootstrap,
             heartbeat=self._heartbeat,
             on_change=self._on_membership_change,
-            near=lambda ids: neighbours_in(self.topology, self.id, ids),
+            near=lambda ids: set().union(*(neighbours_in(g, self.id, ids) for g in self.graphs)),
         )
         # Which donor a download asks first is random, so joiners arriving together spread.
         self.joining = StateDownload(

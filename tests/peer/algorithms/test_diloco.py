@@ -161,6 +161,41 @@ def test_pseudo_gradients_on_the_graph_anchors_on_the_ring() -> None:
         close(opts)
 
 
+@pytest.mark.parametrize(
+    ("topology", "anchor_topology", "graphs"),
+    [
+        ("exponential", "ring", ["exponential", "ring"]),  # the defaults
+        ("ring", "ring", ["ring"]),
+        ("ring", "full", ["ring", "full"]),
+    ],
+)
+def test_a_peer_heartbeats_its_neighbours_on_both_graphs(
+    topology: str, anchor_topology: str, graphs: list[str]
+) -> None:
+    """Membership heartbeats a peer's gossip neighbours every interval: with the anchors on
+    a graph of their own, those of both graphs (a ring peer's anchors' neighbour across a
+    full graph is one too)."""
+    from gossipgrad.peer.algorithms.neighbours import neighbours_in
+    from gossipgrad.peer.flat import FlatParameters
+    from gossipgrad.peer.runtime.node import Peer
+
+    cfg = build_config(
+        {},
+        {
+            "peer.id": "p0",
+            "gossip.algorithm": "diloco",
+            "gossip.topology": topology,
+            "gossip.anchor_topology": anchor_topology,
+        },
+    )
+    peer = Peer(cfg, FlatParameters(small_model()))
+    assert [g.name for g in peer.graphs] == graphs
+    ids = ["p0", "p1", "p2", "p3"]  # p2: across the ring
+    near = set().union(*(neighbours_in(g, "p0", ids) for g in peer.graphs))
+    assert near >= {"p1", "p3"}
+    assert ("p2" in near) == (topology == "exponential" or anchor_topology == "full")
+
+
 def anchors_exact(opts: list[GossipOptimizer]) -> None:
     """The anchors' CHOCO edges: one session, mirrors bit-identical to the public copies."""
     deadline = time.monotonic() + 10
