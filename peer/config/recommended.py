@@ -14,16 +14,19 @@ The values are the measured ones (docs/algorithms.md, BENCHMARKS.md):
   an unseen task": a user's char GPT (4 peers, 1,000 steps) ended +19.1 % above DDP with the
   earlier H = 10 on a ring, +15.2 % at H = 5 on the ring, +15.5 % at H = 10 on the full graph
   and +10.7 % (43x fewer bytes than DDP) with both, where all-reduce DiLoCo fp32 ends +9.5 %
-  at H = 5: what one peer hears of the others each phase, and how often, is the lever, not
-  the codec (top-30 %: +15.7 %). The pseudo-gradients' top-20 % + int2 and the 1-bit
-  anchors from the row "H = 10, ``anchor_codec=sign``" of "The bytes against the quality"
-  (4 peers: 1.7556 at 110x fewer bytes than DDP) and the 8-peer row "the same with 1-bit
-  anchors: the spec now" (+9.0 % at 124x); the outer step from the rows ``outer_lr`` 0.8 /
-  1.3 / 2.0 (all worse than 1) and docs/algorithms.md ("η = 1, μ = 0 are the defaults":
-  DiLoCo's lr 0.7 with Nesterov 0.9 lost 0.5-1.0 of loss at every H); ``anchor_gamma`` 0.5
-  from the same runs (γ 1 diverged with 2-bit anchors). The anchors gossip on a ring inside
-  that graph (``anchor_topology``): each anchors' edge keeps two copies, an averaging edge
-  none, so the state stays at a ring's 4 models at any swarm size (peer/algorithms/footprint.py).
+  at H = 5: what one peer hears of the others each phase, and how often, is the lever. Over
+  four seeds (BENCHMARKS.md, "diloco's defaults now") top-20 % with int2 values ended +10.7
+  to +17.5 % above DDP, with int4 values +10.3 to +12.6 % (17 % more bytes; top-10 % + int2:
+  +11.6 to +14.4 %), where the tuned spec ends +8.7 to +9.9 % on its own task: int4. The
+  density and the 1-bit anchors from the row "H = 10, ``anchor_codec=sign``" of "The bytes
+  against the quality" (4 peers: 1.7556 at 110x fewer bytes than DDP) and the 8-peer row
+  "the same with 1-bit anchors: the spec now" (+9.0 % at 124x); the outer step from the
+  rows ``outer_lr`` 0.8 / 1.3 / 2.0 (all worse than 1) and docs/algorithms.md ("η = 1,
+  μ = 0 are the defaults": DiLoCo's lr 0.7 with Nesterov 0.9 lost 0.5-1.0 of loss at every
+  H); ``anchor_gamma`` 0.5 from the same runs (γ 1 diverged with 2-bit anchors). The
+  anchors gossip on a ring inside that graph (``anchor_topology``): each anchors' edge keeps
+  two copies, an averaging edge none, so the state stays at a ring's 4 models at any swarm
+  size (peer/algorithms/footprint.py).
 - exact-diloco: BENCHMARKS.md, "Density against H at 8 peers" and "exact-diloco on the same
   unseen task": top-10 % + int2 at H = 5 ended +4.0 % above DDP at 63x fewer bytes on the
   8-peer char transformer (the earlier default, top-5 % at H = 10: +7.9 % at 168x; all-reduce
@@ -57,7 +60,7 @@ RECOMMENDED: dict[str, dict[str, Any]] = {
         "local_steps": 5,
         "topology": "exponential",
         "anchor_topology": "ring",
-        "codec": "topk:0.2+int2",
+        "codec": "topk:0.2+int4",
         "anchor_codec": "sign",
         "anchor_gamma": 0.5,
         "outer_lr": 1.0,

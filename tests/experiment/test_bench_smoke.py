@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from gossipgrad.peer.config.recommended import recommended
 from gossipgrad.peer.network.relay import FRAME_BYTES
 from support import ROOT
 
@@ -215,15 +216,15 @@ def test_bench_relay_forwarding_measures_the_relays_cpu_per_byte() -> None:
 def test_bench_round_prints_each_step_and_the_round_in_copies() -> None:
     stdout = run_script("bench_round.py", "--size", "300k", "--repeat", "1")
     steps = re.findall(r"^  (.+?)\s+([0-9.]+) x (\d+)$", stdout, re.M)
+    codec = recommended("diloco", "codec")
     assert [label for label, _, _ in steps] == [
-        "topk:0.2+int2 encode, error feedback",
-        "topk:0.2+int2 own message into the anchor",
-        "topk:0.2+int2 decode into the anchor",
+        f"{codec} encode, error feedback",
+        f"{codec} a message checked on arrival",
+        f"{codec} average into the anchor (own + 2)",
         "sign encode, x̂ += q",
         "sign decode into a mirror",
-        "consensus step",
+        "consensus step, θ = a",
         "checksum of a copy",
-        "θ = a",
     ], stdout
     total = float(re.search(r"^round: ([0-9.]+) copies", stdout, re.M).group(1))
     assert total == pytest.approx(sum(float(c) * int(t) for _, c, t in steps), abs=0.1 * len(steps))

@@ -21,7 +21,7 @@ DILOCO = {
     "local_steps": 5,
     "topology": "exponential",
     "anchor_topology": "ring",
-    "codec": "topk:0.2+int2",
+    "codec": "topk:0.2+int4",
     "anchor_codec": "sign",
     "anchor_gamma": 0.5,
     "outer_lr": 1.0,
@@ -71,7 +71,7 @@ def test_a_key_set_to_the_recommended_value_counts_as_set(tmp_path: Path) -> Non
 def test_a_command_line_value_beats_the_algorithm_default() -> None:
     g = build_config({"gossip": {"algorithm": "diloco"}}, {"gossip.local_steps": "1"}).gossip
     assert g.local_steps == 1
-    assert g.codec == "topk:0.2+int2"
+    assert g.codec == "topk:0.2+int4"
 
 
 @pytest.mark.parametrize("algorithm", list(RECOMMENDED))
@@ -193,7 +193,7 @@ def test_the_swarm_launcher_leaves_codec_and_topology_to_the_algorithm() -> None
         return load_config(None, overrides_from(build_parser().parse_args(argv))).gossip
 
     g = chosen("--set", "gossip.algorithm=diloco")
-    assert (g.codec, g.topology, g.local_steps) == ("topk:0.2+int2", "exponential", 5)
+    assert (g.codec, g.topology, g.local_steps) == ("topk:0.2+int4", "exponential", 5)
     g = chosen("--set", "gossip.algorithm=diloco", "--codec", "int8", "--topology", "ring")
     assert (g.codec, g.topology) == ("int8", "ring")
     assert (chosen().codec, chosen().topology) == ("topk:0.01+int8", "ring")

@@ -41,7 +41,7 @@ def test_status_records_the_keys_diloco_chose_and_not_those_set(tmp_path: Path) 
     assert status.algorithm_defaults == {
         "topology": "exponential",
         "anchor_topology": "ring",
-        "codec": "topk:0.2+int2",
+        "codec": "topk:0.2+int4",
         "anchor_codec": "sign",
         "anchor_gamma": 0.5,
         "outer_lr": 1.0,
