@@ -113,20 +113,26 @@ def step_all(opts: list[GossipOptimizer], targets: list[torch.Tensor]) -> None:
     on_threads(work, zip(opts, targets, strict=True))
 
 
+def steps_land_on_the_mean(opts: list[GossipOptimizer], seed: int, steps: int = 3) -> None:
+    """Each peer steps onto a target of its own; with H = 1, outer lr 1 and no momentum every
+    peer's parameters (and anchor) must then be the mean of all targets."""
+    gen = torch.Generator().manual_seed(seed)
+    numel = opts[0].flat.numel
+    for _ in range(steps):
+        targets = [o.flat.data + torch.randn(numel, generator=gen) for o in opts]
+        step_all(opts, targets)
+        mean = torch.stack(targets).mean(0)
+        for o in opts:
+            assert torch.allclose(o.flat.data, mean, atol=1e-5)
+            assert torch.equal(o.algorithm.anchor, o.flat.data)
+
+
 def test_h1_outer_lr1_no_momentum_is_parameter_averaging() -> None:
     opts = start_diloco(
         3, topology="full", codec="none", local_steps=1, outer_lr=1.0, outer_momentum=0.0
     )
     try:
-        gen = torch.Generator().manual_seed(1)
-        numel = opts[0].flat.numel
-        for _ in range(3):
-            targets = [o.flat.data + torch.randn(numel, generator=gen) for o in opts]
-            step_all(opts, targets)
-            mean = torch.stack(targets).mean(0)
-            for o in opts:
-                assert torch.allclose(o.flat.data, mean, atol=1e-5)
-                assert torch.equal(o.algorithm.anchor, o.flat.data)
+        steps_land_on_the_mean(opts, seed=1)
         assert all(o.round == 3 for o in opts)
     finally:
         close(opts)
@@ -142,14 +148,7 @@ def test_pseudo_gradients_on_the_graph_anchors_on_the_ring() -> None:
     try:
         g = opts[0].config.gossip
         assert (g.topology, g.anchor_topology) == ("exponential", "ring")
-        gen = torch.Generator().manual_seed(3)
-        numel = opts[0].flat.numel
-        for _ in range(3):
-            targets = [o.flat.data + torch.randn(numel, generator=gen) for o in opts]
-            step_all(opts, targets)
-            mean = torch.stack(targets).mean(0)
-            for o in opts:
-                assert torch.allclose(o.flat.data, mean, atol=1e-5)
+        steps_land_on_the_mean(opts, seed=3)
         finish_all(opts)
         anchors_exact(opts)
         ids = sorted(o.peer.id for o in opts)
