@@ -674,6 +674,32 @@ __attribute__((target("avx2"))) void gg_int2_dequantize(const uint8_t *codes, co
     }
 }
 
+/* out[j] = (code_j - 8) * scales[j >> block_log2] for count int4 codes (two a byte, high
+ * bits first; the block 8 or more), as Int4.dequantize gives them: the level times the
+ * scale, one rounding. */
+__attribute__((target("avx2"))) void gg_int4_dequantize(const uint8_t *codes, const float *scales,
+                                                        int64_t block_log2, int64_t count,
+                                                        float *out) {
+    const __m256i shifts = _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0);
+    const __m256i fifteen = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+    const uint8_t *c = codes;
+    int64_t j = 0;
+    for (; j + 8 <= count; j += 8) {
+        const uint8_t *b = c + (j >> 1);
+        uint32_t word = ((uint32_t)b[0] << 24) | ((uint32_t)b[1] << 16) | ((uint32_t)b[2] << 8) |
+                        (uint32_t)b[3];
+        __m256i code =
+            _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word), shifts), fifteen);
+        __m256 level = _mm256_cvtepi32_ps(_mm256_sub_epi32(code, eight));
+        __m256 scale = _mm256_set1_ps(scales[j >> block_log2]);
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(level, scale));
+    }
+    for (; j < count; j++) {
+        int code = (c[j >> 1] >> (4 - 4 * (j & 1))) & 15;
+        out[j] = (float)(code - 8) * scales[j >> block_log2];
+    }
+}
+
 /* Groups of eight entries the int2 selection below scans before it quantizes and writes
  * back what they kept (16 KB of e: the write-back finds it in cache). */
 #define QUANT_TILE 512
@@ -993,6 +1019,11 @@ int64_t gg_int2_first_zero(const uint8_t *codes, int64_t count) {
 }
 
 void gg_int2_dequantize(const uint8_t *codes, const float *scales, int64_t block_log2,
+                        int64_t count, float *out) {
+    (void)codes, (void)scales, (void)block_log2, (void)count, (void)out;
+}
+
+void gg_int4_dequantize(const uint8_t *codes, const float *scales, int64_t block_log2,
                         int64_t count, float *out) {
     (void)codes, (void)scales, (void)block_log2, (void)count, (void)out;
 }

@@ -42,6 +42,7 @@ __all__ = [
     "field_sum",
     "int2_dequantize",
     "int2_first_zero",
+    "int4_dequantize",
     "rice_add",
     "rice_encode_bitmap",
     "select",
@@ -73,6 +74,7 @@ _SIGNATURES = {
     "gg_bitmap_add_many_f32": ([_i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr], _i64),
     "gg_int2_first_zero": ([_ptr, _i64], _i64),
     "gg_int2_dequantize": ([_ptr, _ptr, _i64, _i64, _ptr], None),
+    "gg_int4_dequantize": ([_ptr, _ptr, _i64, _i64, _ptr], None),
     "gg_rice_encode_bitmap": ([_ptr, _i64, _i64, ctypes.c_int, _ptr, _i64, _ptr], _i64),
     "gg_field_sum": ([_ptr, ctypes.c_int, _i64], _i64),
     "gg_rice_add_f32": ([_ptr, _ptr, ctypes.c_int, _i64, _ptr, _f32, _ptr, _ptr], None),
@@ -196,12 +198,12 @@ def _accumulation_room(
     return values.size - 8
 
 
-def _codes_of(codes: torch.Tensor, count: int) -> None:
+def _codes_of(codes: torch.Tensor, count: int, per_byte: int = 4) -> None:
     _need(
         codes.dtype == torch.uint8 and codes.device.type == "cpu" and codes.is_contiguous(),
         "codes must be contiguous uint8 on CPU",
     )
-    _need(codes.numel() >= (count + 3) // 4, "codes too short")
+    _need(codes.numel() >= -(-count // per_byte), "codes too short")
 
 
 def int2_first_zero(codes: torch.Tensor, count: int) -> int:
@@ -217,12 +219,26 @@ def int2_dequantize(
 ) -> torch.Tensor:
     """``count`` int2 codes dequantized as ``Int2.dequantize`` does (the level times its
     block's scale, one rounding), into a new float32 tensor, in one pass."""
-    _codes_of(codes, count)
+    return _dequantize("gg_int2_dequantize", 4, codes, scales, block, count)
+
+
+def int4_dequantize(
+    codes: torch.Tensor, scales: torch.Tensor, block: int, count: int
+) -> torch.Tensor:
+    """``count`` int4 codes (two a byte, high bits first) dequantized as ``Int4.dequantize``
+    does, into a new float32 tensor, in one pass."""
+    return _dequantize("gg_int4_dequantize", 2, codes, scales, block, count)
+
+
+def _dequantize(
+    kernel: str, per_byte: int, codes: torch.Tensor, scales: torch.Tensor, block: int, count: int
+) -> torch.Tensor:
+    _codes_of(codes, count, per_byte)
     _need(block >= 8 and block & (block - 1) == 0, f"block {block}: a power of two, 8 or more")
     _need(usable(scales) and scales.numel() >= -(-count // block), "scales too short")
     out = torch.empty(count, dtype=torch.float32)
     assert _lib is not None
-    _lib.gg_int2_dequantize(
+    getattr(_lib, kernel)(
         codes.data_ptr(), scales.data_ptr(), block.bit_length() - 1, count, out.data_ptr()
     )
     return out

@@ -241,6 +241,18 @@ class Int4(_BlockInt):
         pairs = torch.stack([values >> 4, values & 15], 1).view(-1)[:count]
         return pairs.to(torch.int8) - 8
 
+    def dequantize(
+        self, values: torch.Tensor, scales: torch.Tensor | None, count: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        if (
+            scales is not None
+            and native.usable(scales)
+            and native.usable(values, dtype=torch.uint8)
+        ):
+            out = native.int4_dequantize(values, scales, self.block, count)  # one pass
+            return out if dtype == torch.float32 else out.to(dtype)
+        return super().dequantize(values, scales, count, dtype)
+
 
 @register
 class Int2(_BlockInt):

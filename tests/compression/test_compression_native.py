@@ -16,7 +16,7 @@ import pytest
 import torch
 from gossipgrad.compression import DecodeError, ErrorFeedback, native, wire
 from gossipgrad.compression.bitpack import BITMAP_INDEX_BITS, Bitmap, checked_rice, rice_encode
-from gossipgrad.compression.quantizers import Int2
+from gossipgrad.compression.quantizers import Int2, Int4
 from gossipgrad.compression.selection import _candidates_numpy, _put_back, approx_topk
 from gossipgrad.compression.spec import from_spec
 from hypothesis import given, settings
@@ -416,6 +416,32 @@ def test_int2_codes_are_checked_and_dequantized_as_numpy_does(
         assert native.int2_first_zero(broken, count) == zero_at
         with pytest.raises(DecodeError, match="code 0"):
             q.check(broken, scales, count, torch.float32)
+
+
+@needs_kernels
+@given(
+    count=st.integers(0, 3000),
+    block=st.sampled_from([8, 64, 256]),
+    seed=st.integers(0, 2**16),
+    every_code=st.booleans(),
+)
+@SETTINGS
+def test_int4_codes_are_dequantized_as_numpy_does(
+    count: int, block: int, seed: int, every_code: bool
+) -> None:
+    """Int4's codes (two a byte, high bits first) dequantize to numpy's level times scale,
+    bit for bit, for every code a byte may hold (-8 too, which Int4 never writes), through
+    the kernel and through ``Int4.dequantize``."""
+    g = torch.Generator().manual_seed(seed)
+    q = Int4(block=block)
+    codes, scales = q.quantize(torch.randn(count, generator=g), None)
+    if every_code:
+        codes = torch.randint(0, 256, codes.shape, generator=g, dtype=torch.uint8)
+    with without_kernels():
+        want = q.dequantize(codes, scales, count, torch.float32)
+    assert torch.equal(native.int4_dequantize(codes, scales, block, count), want)
+    assert torch.equal(q.dequantize(codes, scales, count, torch.float32), want)
+    assert torch.equal(q.dequantize(codes, scales, count, torch.float16), want.to(torch.float16))
 
 
 @needs_kernels
