@@ -651,53 +651,53 @@ __attribute__((target("avx2"))) int64_t gg_int2_first_zero(const uint8_t *codes,
     return -1;
 }
 
-/* out[j] = (code_j - 2) * scales[j >> block_log2] for count int2 codes (four a byte, high
- * bits first; the block 8 or more, so eight values from a multiple of 8 share a scale), as
- * Int2.dequantize gives them: the level times the scale, one rounding. */
-__attribute__((target("avx2"))) void gg_int2_dequantize(const uint8_t *codes, const float *scales,
-                                                        int64_t block_log2, int64_t count,
-                                                        float *out) {
-    const __m256i shifts = _mm256_setr_epi32(14, 12, 10, 8, 6, 4, 2, 0);
-    const __m256i three = _mm256_set1_epi32(3), two = _mm256_set1_epi32(2);
-    const uint8_t *c = codes;
+/* out[j] = (code_j - 2^(bits-1)) * scales[j >> block_log2] for count codes of bits bits
+ * (2: int2, four a byte; 4: int4, two a byte; high bits first; the block 8 or more, so eight
+ * values from a multiple of 8 share a scale), as Int2 and Int4 dequantize them: the level
+ * times the scale, one rounding. Eight codes are bits bytes (bits 2 or 4), read as one
+ * big-endian word. Inlined with bits constant, so each width compiles to its own loop. */
+static inline __attribute__((always_inline, target("avx2"))) void
+dequantize_codes(const uint8_t *codes, const float *scales, int bits, int64_t block_log2,
+                 int64_t count, float *out) {
+    const int per_byte = 8 / bits, mask = (1 << bits) - 1;
+    const __m256i shifts = _mm256_setr_epi32(7 * bits, 6 * bits, 5 * bits, 4 * bits, 3 * bits,
+                                             2 * bits, bits, 0);
+    const __m256i masks = _mm256_set1_epi32(mask), offset = _mm256_set1_epi32(1 << (bits - 1));
     int64_t j = 0;
     for (; j + 8 <= count; j += 8) {
-        int word = (c[j >> 2] << 8) | c[(j >> 2) + 1];
-        __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), three);
-        __m256 level = _mm256_cvtepi32_ps(_mm256_sub_epi32(code, two));
+        const uint8_t *b = codes + ((j * bits) >> 3);
+        uint32_t word;
+        if (bits == 4) {
+            uint32_t w;
+            memcpy(&w, b, 4);
+            word = __builtin_bswap32(w);
+        } else {
+            uint16_t w;
+            memcpy(&w, b, 2);
+            word = __builtin_bswap16(w);
+        }
+        __m256i code =
+            _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word), shifts), masks);
+        __m256 level = _mm256_cvtepi32_ps(_mm256_sub_epi32(code, offset));
         __m256 scale = _mm256_set1_ps(scales[j >> block_log2]);
         _mm256_storeu_ps(out + j, _mm256_mul_ps(level, scale));
     }
     for (; j < count; j++) {
-        int code = (c[j >> 2] >> (6 - 2 * (j & 3))) & 3;
-        out[j] = (float)(code - 2) * scales[j >> block_log2];
+        int code = (codes[j / per_byte] >> (8 - bits - bits * (j % per_byte))) & mask;
+        out[j] = (float)(code - (1 << (bits - 1))) * scales[j >> block_log2];
     }
 }
 
-/* out[j] = (code_j - 8) * scales[j >> block_log2] for count int4 codes (two a byte, high
- * bits first; the block 8 or more), as Int4.dequantize gives them: the level times the
- * scale, one rounding. */
+__attribute__((target("avx2"))) void gg_int2_dequantize(const uint8_t *codes, const float *scales,
+                                                        int64_t block_log2, int64_t count,
+                                                        float *out) {
+    dequantize_codes(codes, scales, 2, block_log2, count, out);
+}
+
 __attribute__((target("avx2"))) void gg_int4_dequantize(const uint8_t *codes, const float *scales,
                                                         int64_t block_log2, int64_t count,
                                                         float *out) {
-    const __m256i shifts = _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0);
-    const __m256i fifteen = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
-    const uint8_t *c = codes;
-    int64_t j = 0;
-    for (; j + 8 <= count; j += 8) {
-        const uint8_t *b = c + (j >> 1);
-        uint32_t word = ((uint32_t)b[0] << 24) | ((uint32_t)b[1] << 16) | ((uint32_t)b[2] << 8) |
-                        (uint32_t)b[3];
-        __m256i code =
-            _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word), shifts), fifteen);
-        __m256 level = _mm256_cvtepi32_ps(_mm256_sub_epi32(code, eight));
-        __m256 scale = _mm256_set1_ps(scales[j >> block_log2]);
-        _mm256_storeu_ps(out + j, _mm256_mul_ps(level, scale));
-    }
-    for (; j < count; j++) {
-        int code = (c[j >> 1] >> (4 - 4 * (j & 1))) & 15;
-        out[j] = (float)(code - 8) * scales[j >> block_log2];
-    }
+    dequantize_codes(codes, scales, 4, block_log2, count, out);
 }
 
 /* Groups of eight entries the int2 selection below scans before it quantizes and writes

@@ -39,10 +39,9 @@ __all__ = [
     "bitmap_add_many",
     "bitmap_gather",
     "consensus",
+    "dequantize_codes",
     "field_sum",
-    "int2_dequantize",
     "int2_first_zero",
-    "int4_dequantize",
     "rice_add",
     "rice_encode_bitmap",
     "select",
@@ -214,31 +213,23 @@ def int2_first_zero(codes: torch.Tensor, count: int) -> int:
     return int(_lib.gg_int2_first_zero(codes.data_ptr(), count))
 
 
-def int2_dequantize(
-    codes: torch.Tensor, scales: torch.Tensor, block: int, count: int
+#: The code widths :func:`dequantize_codes` takes: its kernel per width.
+DEQUANTIZED_BITS = {2: "gg_int2_dequantize", 4: "gg_int4_dequantize"}
+
+
+def dequantize_codes(
+    bits: int, codes: torch.Tensor, scales: torch.Tensor, block: int, count: int
 ) -> torch.Tensor:
-    """``count`` int2 codes dequantized as ``Int2.dequantize`` does (the level times its
-    block's scale, one rounding), into a new float32 tensor, in one pass."""
-    return _dequantize("gg_int2_dequantize", 4, codes, scales, block, count)
-
-
-def int4_dequantize(
-    codes: torch.Tensor, scales: torch.Tensor, block: int, count: int
-) -> torch.Tensor:
-    """``count`` int4 codes (two a byte, high bits first) dequantized as ``Int4.dequantize``
-    does, into a new float32 tensor, in one pass."""
-    return _dequantize("gg_int4_dequantize", 2, codes, scales, block, count)
-
-
-def _dequantize(
-    kernel: str, per_byte: int, codes: torch.Tensor, scales: torch.Tensor, block: int, count: int
-) -> torch.Tensor:
-    _codes_of(codes, count, per_byte)
+    """``count`` codes of ``bits`` bits (int2: four a byte, int4: two; high bits first)
+    dequantized as ``Int2`` and ``Int4`` do (the level times its block's scale, one
+    rounding), into a new float32 tensor, in one pass."""
+    _need(bits in DEQUANTIZED_BITS, f"bits {bits}: one of {sorted(DEQUANTIZED_BITS)}")
+    _codes_of(codes, count, 8 // bits)
     _need(block >= 8 and block & (block - 1) == 0, f"block {block}: a power of two, 8 or more")
     _need(usable(scales) and scales.numel() >= -(-count // block), "scales too short")
     out = torch.empty(count, dtype=torch.float32)
     assert _lib is not None
-    getattr(_lib, kernel)(
+    getattr(_lib, DEQUANTIZED_BITS[bits])(
         codes.data_ptr(), scales.data_ptr(), block.bit_length() - 1, count, out.data_ptr()
     )
     return out

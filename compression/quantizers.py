@@ -183,6 +183,14 @@ class _BlockInt(Quantizer):
     def dequantize(
         self, values: torch.Tensor, scales: torch.Tensor | None, count: int, dtype: torch.dtype
     ) -> torch.Tensor:
+        if (
+            self.bits in native.DEQUANTIZED_BITS
+            and scales is not None
+            and native.usable(scales)
+            and native.usable(values, dtype=torch.uint8)
+        ):
+            out = native.dequantize_codes(self.bits, values, scales, self.block, count)
+            return out if dtype == torch.float32 else out.to(dtype)
         if self.bits < 8 and numpy_path(values):  # one lookup per byte (``_levels``)
             looked_up = np.take(self._levels(), values.numpy(), axis=0).reshape(-1)[:count]
             q = torch.from_numpy(looked_up)
@@ -241,18 +249,6 @@ class Int4(_BlockInt):
         pairs = torch.stack([values >> 4, values & 15], 1).view(-1)[:count]
         return pairs.to(torch.int8) - 8
 
-    def dequantize(
-        self, values: torch.Tensor, scales: torch.Tensor | None, count: int, dtype: torch.dtype
-    ) -> torch.Tensor:
-        if (
-            scales is not None
-            and native.usable(scales)
-            and native.usable(values, dtype=torch.uint8)
-        ):
-            out = native.int4_dequantize(values, scales, self.block, count)  # one pass
-            return out if dtype == torch.float32 else out.to(dtype)
-        return super().dequantize(values, scales, count, dtype)
-
 
 @register
 class Int2(_BlockInt):
@@ -292,18 +288,6 @@ class Int2(_BlockInt):
         if self.stochastic or self.block > native.MAX_INT2_BLOCK:
             return None
         return self.block
-
-    def dequantize(
-        self, values: torch.Tensor, scales: torch.Tensor | None, count: int, dtype: torch.dtype
-    ) -> torch.Tensor:
-        if (
-            scales is not None
-            and native.usable(scales)
-            and native.usable(values, dtype=torch.uint8)
-        ):
-            out = native.int2_dequantize(values, scales, self.block, count)  # one pass
-            return out if dtype == torch.float32 else out.to(dtype)
-        return super().dequantize(values, scales, count, dtype)
 
     def check(
         self, values: torch.Tensor, scales: torch.Tensor | None, count: int, dtype: torch.dtype

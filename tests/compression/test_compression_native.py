@@ -408,7 +408,7 @@ def test_int2_codes_are_checked_and_dequantized_as_numpy_does(
     codes, scales = q.quantize(torch.randn(count, generator=g), None)
     with without_kernels():
         want = q.dequantize(codes, scales, count, torch.float32)
-    assert torch.equal(native.int2_dequantize(codes, scales, block, count), want)
+    assert torch.equal(native.dequantize_codes(2, codes, scales, block, count), want)
     assert native.int2_first_zero(codes, count) == -1
     if zero_at is not None and zero_at < count:
         broken = codes.clone()
@@ -439,7 +439,7 @@ def test_int4_codes_are_dequantized_as_numpy_does(
         codes = torch.randint(0, 256, codes.shape, generator=g, dtype=torch.uint8)
     with without_kernels():
         want = q.dequantize(codes, scales, count, torch.float32)
-    assert torch.equal(native.int4_dequantize(codes, scales, block, count), want)
+    assert torch.equal(native.dequantize_codes(4, codes, scales, block, count), want)
     assert torch.equal(q.dequantize(codes, scales, count, torch.float32), want)
     assert torch.equal(q.dequantize(codes, scales, count, torch.float16), want.to(torch.float16))
 
